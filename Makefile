@@ -1,0 +1,20 @@
+# Glassbox developer entry points.
+#   make setup   install system packages, .venv, torch (CPU), glassbox[test]
+#   make test    run the test suite (+ session notebooks via nbval, once any exist)
+#   make run     the main job
+
+PYTHON := .venv/bin/python
+# Session notebooks, run by nbval only when at least one exists.
+NOTEBOOKS := $(shell find sessions -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort)
+NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env $(NOTEBOOKS))
+
+.PHONY: setup test run
+
+setup:
+	bash scripts/setup.sh
+
+test:
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests $(NBVAL_ARGS)
+
+run:
+	.venv/bin/glassbox

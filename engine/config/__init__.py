@@ -1,0 +1,19 @@
+"""Engine configuration, one dataclass per concern (vLLM twin: ``vllm/config/``)."""
+
+from engine.config.cache import CacheConfig
+from engine.config.device import DeviceConfig
+from engine.config.glassbox import GlassboxConfig
+from engine.config.load import LoadConfig
+from engine.config.model import ModelConfig
+from engine.config.parallel import ParallelConfig
+from engine.config.scheduler import SchedulerConfig
+
+__all__ = [
+    "CacheConfig",
+    "DeviceConfig",
+    "GlassboxConfig",
+    "LoadConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+]

@@ -1,0 +1,119 @@
+"""ModelConfig: which checkpoint, which dtype, how long a sequence may be.
+
+vLLM twin: ``vllm/config/model.py`` (``ModelConfig``).
+Read it for: how ``max_model_len`` is derived from the HF config and checked,
+and which HF config fields the rest of the engine reads (layers, KV heads,
+head size, EOS).
+Sessions: 01, 04.
+
+Simpler than vLLM: the HF ``config.json`` is read as a plain dict (no
+transformers import on the scheduler path); only decoder-only text models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF config keys that bound the context length, in vLLM's order of preference.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "model_max_length",
+)
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+
+
+def load_hf_config_dict(model: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read ``config.json`` from a local checkpoint folder and apply overrides."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isdir(model):
+        raise ValueError(
+            f"model={model!r} is not a local folder. Glassbox reads HF checkpoint "
+            "folders that contain config.json."
+        )
+    if not os.path.isfile(path):
+        raise ValueError(f"model={model!r}: no config.json in that folder")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model={model!r}: config.json is not valid JSON ({e})") from e
+    if hf_overrides:
+        cfg.update(hf_overrides)
+    return cfg
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    hf_overrides: dict[str, Any] | None = None
+    enforce_eager: bool = False
+    hf_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if not self.hf_config:
+            self.hf_config = load_hf_config_dict(self.model, self.hf_overrides)
+        elif self.hf_overrides:
+            self.hf_config = {**self.hf_config, **self.hf_overrides}
+        derived = self.get_derived_max_model_len()
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        elif self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's maximum "
+                f"context length {derived} (from its config.json)"
+            )
+
+    # -- fields the rest of the engine reads -------------------------------
+    def get_derived_max_model_len(self) -> int:
+        for key in _MAX_LEN_KEYS:
+            value = self.hf_config.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return 2048
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.hf_config.get("architectures") or [])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.get("vocab_size", 0))
+
+    def get_num_layers(self) -> int:
+        return int(self.hf_config.get("num_hidden_layers", 1))
+
+    def get_num_kv_heads(self) -> int:
+        heads = self.hf_config.get("num_attention_heads", 1)
+        return int(self.hf_config.get("num_key_value_heads", heads))
+
+    def get_head_size(self) -> int:
+        if self.hf_config.get("head_dim"):
+            return int(self.hf_config["head_dim"])
+        hidden = int(self.hf_config.get("hidden_size", 64))
+        return hidden // int(self.hf_config.get("num_attention_heads", 1))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.hf_config.get("eos_token_id")
+        if isinstance(eos, list):
+            return eos[0] if eos else None
+        return eos

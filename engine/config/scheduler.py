@@ -1,0 +1,61 @@
+"""SchedulerConfig: the token budget and the admission rules.
+
+vLLM twin: ``vllm/config/scheduler.py`` (``SchedulerConfig``).
+Read it for: ``max_num_batched_tokens`` (the per-step token budget, the master
+knob of continuous batching), ``max_num_seqs``, ``enable_chunked_prefill``,
+``long_prefill_token_threshold`` and ``policy``.
+Sessions: 02 (scheduler).
+
+Simpler than vLLM: no async scheduling, no encoder budget, no partial-prefill
+limits, no pause states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SchedulerPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass
+class SchedulerConfig:
+    DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+    DEFAULT_MAX_NUM_SEQS = 128
+
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    """When > 0, no request gets more than this many new tokens in one step."""
+    policy: SchedulerPolicy = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or (
+            self.long_prefill_token_threshold < 0
+        ):
+            raise ValueError(
+                "long_prefill_token_threshold must be an integer >= 0, "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Same rule as vLLM: without chunking a whole prompt must fit in one step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) while chunked prefill is disabled; "
+                "such prompts could never be scheduled. Raise max_num_batched_tokens, "
+                "lower max_model_len, or enable chunked prefill."
+            )
+
+    @property
+    def max_num_scheduled_tokens(self) -> int:
+        return self.max_num_batched_tokens

