@@ -1,0 +1,97 @@
+"""EngineArgs: vLLM's engine arguments, under vLLM's names, turned into configs.
+
+vLLM twin: ``vllm/engine/arg_utils.py`` (``EngineArgs.create_engine_config``).
+Read it for: which user-facing argument lands in which config object. Every
+keyword ``LLM(...)`` accepts is a field here.
+Sessions: 01.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    GlassboxConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | type | None = None
+    device: str = "auto"
+    disable_log_stats: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_engine_config(self) -> GlassboxConfig:
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            hf_overrides=self.hf_overrides,
+            enforce_eager=self.enforce_eager,
+        )
+        max_model_len = model_config.max_model_len
+        assert max_model_len is not None
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # Offline default, as vLLM's LLM class: a generous budget; without
+            # chunked prefill it must cover a whole max-length prompt.
+            max_num_batched_tokens = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return GlassboxConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs or SchedulerConfig.DEFAULT_MAX_NUM_SEQS,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,  # type: ignore[arg-type]
+            ),
+            load_config=LoadConfig(load_format=self.load_format),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device_config=DeviceConfig(device=self.device),
+        )

@@ -1,0 +1,205 @@
+"""LLM: the offline API -- a batch of prompts in, a batch of RequestOutputs out.
+
+vLLM twin: ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``LLM.chat``) and
+``vllm/entrypoints/offline_utils.py`` (``_add_request``, ``_run_engine``).
+Read it for: ``generate`` is only "add every prompt as a request, then call
+``LLMEngine.step()`` until nothing is unfinished". All batching, chunking and
+preemption happen underneath, in the scheduler; the outputs are put back in
+input order at the end.
+Sessions: 01 (engine loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.engine.arg_utils import EngineArgs
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.v1.engine.input_processor import PromptType, load_generation_config
+from engine.v1.engine.llm_engine import LLMEngine
+from engine.v1.metrics.reader import Metric
+
+# generation_config.json keys that become default sampling parameters.
+_GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class LLM:
+    """Offline inference over one model.
+
+    Every keyword is an ``EngineArgs`` field, under vLLM's name (``block_size``,
+    ``enable_prefix_caching``, ``num_gpu_blocks_override``,
+    ``max_num_batched_tokens``, ``scheduling_policy``, ...), plus ``device``.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s): {', '.join(sorted(unknown))}"
+            )
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.request_counter = itertools.count()
+        self.default_sampling_params: dict[str, Any] | None = None
+
+    # -- helpers ---------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() adjusted by the model's generation_config.json, as
+        vLLM does by default (``generation_config="auto"``)."""
+        if self.default_sampling_params is None:
+            config = load_generation_config(self.llm_engine.model_config.model)
+            self.default_sampling_params = {
+                ours: config[theirs]
+                for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
+                if config.get(theirs) is not None
+            }
+        return SamplingParams(**self.default_sampling_params)
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    # -- generate ----------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts``; outputs come back in input order."""
+        prompt_list = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = self._per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list):
+                raise ValueError(
+                    f"priority must be a list with one entry per prompt ({len(prompt_list)}), "
+                    f"got {priority!r}"
+                )
+        self._validate_and_add_requests(prompt_list, params_list, priority)
+        return self._run_engine(len(prompt_list), use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            for message in conversation:
+                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                    raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already wrote any BOS; don't let encode() add another.
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- internals -------------------------------------------------------------------
+    @staticmethod
+    def _normalize_prompts(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("prompts is empty")
+            return list(prompts)
+        raise ValueError(
+            "prompts must be a string, a {'prompt_token_ids': [...]} dict, or a list of those; "
+            f"got {type(prompts).__name__}"
+        )
+
+    @staticmethod
+    def _per_prompt(name: str, value: Any, n: int, kind: type) -> list[Any]:
+        if isinstance(value, kind):
+            return [value] * n
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts")
+            for v in value:
+                if not isinstance(v, kind):
+                    raise ValueError(f"{name} entries must be {kind.__name__}, got {type(v).__name__}")
+            return list(value)
+        raise ValueError(f"{name} must be {kind.__name__} or a list of them, got {type(value).__name__}")
+
+    def _validate_and_add_requests(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: list[int] | None,
+    ) -> None:
+        added: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                sp = sp.clone()
+                # LLM returns each request once, when it is complete.
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(
+                    request_id, prompt, sp, priority=priority[i] if priority else 0
+                )
+                added.append(request_id)
+        except Exception:
+            # One bad prompt rejects the whole batch; leave nothing queued.
+            self.llm_engine.abort_request(added)
+            raise
+
+    def _run_engine(self, total: int, use_tqdm: bool) -> list[RequestOutput]:
+        pbar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        finished: list[RequestOutput] = []
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished.append(output)
+                        pbar.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C, engine error): abort what is left so no
+            # request keeps its KV blocks.
+            remaining = list(self.llm_engine.output_processor.request_states)
+            remaining += list(self.llm_engine.output_processor.parent_requests)
+            self.llm_engine.abort_request(remaining)
+            raise
+        finally:
+            pbar.close()
+        return sorted(finished, key=lambda o: int(o.request_id))
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

@@ -1,0 +1,130 @@
+"""Prompt + parameters -> ``EngineCoreRequest``, checked before they reach the core.
+
+vLLM twin: ``vllm/v1/engine/input_processor.py`` (``InputProcessor.process_inputs``).
+Read it for what is settled in the front end so EngineCore never has to:
+tokenizing text prompts, rejecting prompts the model cannot hold, filling in
+``max_tokens`` when the user left it open, and telling the sampling
+parameters which tokens mean end-of-sequence.
+Sessions: 01 (engine loop).
+
+Simpler than vLLM: text and token-id prompts only (no multimodal data,
+embeddings or encoder-decoder prompts), no LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, Union
+
+from engine.config import GlassboxConfig
+from engine.sampling_params import SamplingParams
+from engine.v1.engine import EngineCoreRequest
+
+# What a prompt may be: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
+PromptType = Union[str, Mapping[str, Any]]
+
+
+def load_generation_config(model: str) -> dict[str, Any]:
+    """The checkpoint's generation_config.json, or {} when it has none."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class InputProcessor:
+    def __init__(self, glassbox_config: GlassboxConfig, tokenizer: Any | None) -> None:
+        self.glassbox_config = glassbox_config
+        self.model_config = glassbox_config.model_config
+        self.tokenizer = tokenizer
+        self.generation_config = load_generation_config(self.model_config.model)
+
+    def get_eos_token_id(self) -> int | None:
+        if self.tokenizer is None:
+            return None
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(token_ids)
+        elif isinstance(prompt, Mapping) and "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        else:
+            raise ValueError(
+                "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                f"got {type(prompt).__name__}"
+            )
+        if self.tokenizer is None:
+            raise ValueError(
+                "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
+                "pass {'prompt_token_ids': [...]} instead"
+            )
+        return text, list(self.tokenizer.encode(text))
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        max_model_len = self.model_config.max_model_len
+        assert max_model_len is not None
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens); at least one token is required")
+        if len(token_ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt (length {len(token_ids)}) does not fit max_model_len="
+                f"{max_model_len}: at least one position must be left to generate into"
+            )
+        vocab_size = self.model_config.vocab_size
+        if vocab_size:
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token id {bad[0]} is out of vocabulary (vocab_size={vocab_size})"
+                )
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Returns the prompt text (if any) and the request for EngineCore."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.glassbox_config.scheduler_config.policy != "priority":
+            raise ValueError(
+                f"priority={priority} was given but scheduling_policy is "
+                f"{self.glassbox_config.scheduler_config.policy!r}; use scheduling_policy='priority'"
+            )
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+
+        params = params.clone()
+        max_model_len = self.model_config.max_model_len
+        assert max_model_len is not None
+        if params.max_tokens is None:
+            params.max_tokens = max_model_len - len(token_ids)
+        params.update_from_generation_config(self.generation_config, self.get_eos_token_id())
+        if self.tokenizer is not None:
+            params.update_from_tokenizer(self.tokenizer)
+        return prompt_text, EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+        )

@@ -1,0 +1,80 @@
+"""The executor: EngineCore's handle on the worker(s) that own the model.
+
+vLLM twin: ``vllm/v1/executor/abstract.py`` (``Executor``).
+Read it for the four things EngineCore asks of the model side:
+  1. ``get_kv_cache_specs()`` -- what one KV block costs per attention layer;
+  2. ``determine_available_memory()`` -- bytes left for KV after a profile run;
+  3. ``initialize_from_config(kv_cache_config)`` -- allocate the KV tensors;
+  4. ``execute_model(scheduler_output)`` then ``sample_tokens()`` -- one step,
+     in two phases (forward, then sampling), as vLLM V1 does.
+``Executor.get_class`` picks the implementation from
+``distributed_executor_backend``: ``"uni"`` (one in-process worker) or any
+``Executor`` subclass passed in directly, which is how tests and experiments
+plug in their own.
+Sessions: 04 (worker), 07 (executor).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import GlassboxConfig
+    from engine.v1.core.sched.output import SchedulerOutput
+    from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from engine.v1.outputs import ModelRunnerOutput
+
+
+class Executor(ABC):
+    def __init__(self, glassbox_config: GlassboxConfig) -> None:
+        self.glassbox_config = glassbox_config
+        self._init_executor()
+
+    @staticmethod
+    def get_class(glassbox_config: GlassboxConfig) -> type[Executor]:
+        backend = glassbox_config.parallel_config.distributed_executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise TypeError(
+                    "distributed_executor_backend must be a subclass of Executor, "
+                    f"got {backend.__name__}"
+                )
+            return backend
+        if backend in (None, "uni"):
+            try:
+                from engine.v1.executor.uniproc_executor import UniProcExecutor
+            except ModuleNotFoundError as e:
+                raise NotImplementedError(
+                    "the in-process model executor ('uni') is not part of this build yet; "
+                    "pass an Executor subclass as distributed_executor_backend"
+                ) from e
+            return UniProcExecutor
+        raise ValueError(f"unknown distributed_executor_backend {backend!r}; use 'uni'")
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the worker(s) and load the model."""
+
+    @abstractmethod
+    def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """Attention layer name -> its KV cache spec."""
+
+    @abstractmethod
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may use."""
+
+    @abstractmethod
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV cache tensors (and capture graphs, warm up)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the forward pass. May return the sampled output directly, or
+        None, in which case ``sample_tokens`` finishes the step."""
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        raise NotImplementedError(f"{type(self).__name__} samples inside execute_model")
+
+    def shutdown(self) -> None:
+        """Release workers and device memory. Safe to call twice."""
