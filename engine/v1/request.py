@@ -113,6 +113,12 @@ class Request:
         # True while the tokens scheduled so far stop short of num_tokens.
         self.is_prefill_chunk = False
 
+        # Opt-out of prefix-cache *reads* (its blocks are still cached for
+        # others); set when every prompt token must really be computed.
+        self.skip_reading_prefix_cache = bool(
+            getattr(sampling_params, "skip_reading_prefix_cache", None)
+        )
+
         # Chained hashes of every *full* block of all_token_ids.
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher

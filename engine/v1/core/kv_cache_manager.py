@@ -95,7 +95,7 @@ class KVCacheManager:
         Returns the hit blocks (not yet referenced: ``allocate_slots`` touches
         them) and the number of tokens they cover.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         # Never hit the whole sequence: the last token must be computed to get
         # logits. With block_size 16, a 32-token prompt repeated exactly hits 16

@@ -159,11 +159,16 @@ class FreeKVCacheBlockQueue:
         self.append_n([block])
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        last = self.fake_free_list_tail.prev_free_block
-        assert last is not None
+        # Check everything before linking anything, so a bad call leaves the
+        # queue untouched.
         for block in blocks:
             if block.prev_free_block is not None or block.next_free_block is not None:
                 raise RuntimeError(f"block {block.block_id} is already in the free queue")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise RuntimeError("the same block appears twice in one append_n call")
+        last = self.fake_free_list_tail.prev_free_block
+        assert last is not None
+        for block in blocks:
             last.next_free_block = block
             block.prev_free_block = last
             last = block

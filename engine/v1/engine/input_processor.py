@@ -110,6 +110,11 @@ class InputProcessor:
                 f"priority={priority} was given but scheduling_policy is "
                 f"{self.glassbox_config.scheduler_config.policy!r}; use scheduling_policy='priority'"
             )
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs is not supported by Glassbox yet (only logprobs of "
+                "generated tokens are); leave prompt_logprobs unset"
+            )
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
 

@@ -311,7 +311,13 @@ class Scheduler(SchedulerInterface):
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
-        logprob_row = 0
+        # Logprob rows follow the runner's request order, one row per sampled
+        # token: request k's rows start after all tokens of requests 0..k-1.
+        logprob_row_start: dict[str, int] = {}
+        row = 0
+        for i, rid in enumerate(model_runner_output.req_ids):
+            logprob_row_start[rid] = row
+            row += len(sampled_token_ids[i]) if sampled_token_ids else 0
 
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             assert num_tokens_scheduled > 0
@@ -320,8 +326,7 @@ class Scheduler(SchedulerInterface):
             generated = list(sampled_token_ids[req_index]) if (
                 req_index is not None and sampled_token_ids
             ) else []
-            row_start = logprob_row
-            logprob_row += len(generated)
+            row_start = logprob_row_start.get(req_id, 0)
             if request is None or request.is_finished():
                 # Aborted while the step was running: drop its tokens.
                 continue

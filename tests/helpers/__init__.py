@@ -1,0 +1,1 @@
+"""Shared test factories (import as ``tests.helpers.<module>``)."""

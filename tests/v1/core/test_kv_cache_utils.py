@@ -1,0 +1,625 @@
+"""Tests for engine/v1/core/kv_cache_utils.py (twin of vllm/v1/core/kv_cache_utils.py).
+
+Covers the free-block queue, block hashing (chaining, determinism, salts,
+the NONE_HASH seed) and how get_kv_cache_config sizes the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine.v1.core.kv_cache_utils as kv_cache_utils
+from engine.v1.core.kv_cache_utils import (
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    get_kv_cache_config,
+    get_num_blocks,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+    sha256,
+)
+from engine.v1.kv_cache_interface import FullAttentionSpec
+from tests.helpers.core import make_kv_cache_spec, make_request
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def restore_none_hash():
+    """Tests that re-seed NONE_HASH put the process-wide value back afterwards."""
+    saved = kv_cache_utils.NONE_HASH
+    yield
+    kv_cache_utils.NONE_HASH = saved
+
+
+def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
+    return [b.block_id for b in queue.get_all_free_blocks()]
+
+
+def assert_queue_links(queue: FreeKVCacheBlockQueue, expected_ids: list[int]) -> None:
+    """The list holds exactly expected_ids, walked both ways, with a matching count."""
+    forward, block = [], queue.fake_free_list_head.next_free_block
+    while block is not queue.fake_free_list_tail:
+        assert block is not None, "forward walk fell off the list before the tail sentinel"
+        forward.append(block.block_id)
+        block = block.next_free_block
+    backward, block = [], queue.fake_free_list_tail.prev_free_block
+    while block is not queue.fake_free_list_head:
+        assert block is not None, "backward walk fell off the list before the head sentinel"
+        backward.append(block.block_id)
+        block = block.prev_free_block
+    assert forward == expected_ids
+    assert backward == expected_ids[::-1]
+    assert queue.num_free_blocks == len(expected_ids)
+    assert queue_ids(queue) == expected_ids
+
+
+def make_blocks(n: int) -> list[KVCacheBlock]:
+    return [KVCacheBlock(block_id=i) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# KVCacheBlock and hash keys
+# ---------------------------------------------------------------------------
+def test_kv_cache_block_defaults_and_single_hash():
+    block = KVCacheBlock(block_id=7)
+    assert (block.ref_cnt, block.block_hash, block.is_null) == (0, None, False)
+    assert block.prev_free_block is None and block.next_free_block is None
+
+    key = make_block_hash_with_group_id(sha256("x"), 0)
+    block.block_hash = key
+    assert block.block_hash == key
+    # A cached block must be evicted (reset) before it can take another hash.
+    with pytest.raises(RuntimeError, match="block 7"):
+        block.block_hash = make_block_hash_with_group_id(sha256("y"), 0)
+    assert block.block_hash == key
+    block.reset_hash()
+    assert block.block_hash is None
+    block.block_hash = make_block_hash_with_group_id(sha256("y"), 0)
+
+
+@pytest.mark.parametrize("group_id", [0, 1, 255, 2**32 - 1])
+def test_block_hash_with_group_id_round_trip(group_id):
+    block_hash = sha256("tokens")
+    key = make_block_hash_with_group_id(block_hash, group_id)
+    assert len(key) == len(block_hash) + 4
+    assert get_block_hash(key) == block_hash
+    assert get_group_id(key) == group_id
+
+
+def test_same_hash_different_groups_are_different_keys():
+    block_hash = sha256("tokens")
+    assert make_block_hash_with_group_id(block_hash, 0) != make_block_hash_with_group_id(block_hash, 1)
+
+
+# ---------------------------------------------------------------------------
+# FreeKVCacheBlockQueue
+# ---------------------------------------------------------------------------
+def test_free_queue_initial_order_is_by_block_id():
+    blocks = make_blocks(5)
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert_queue_links(queue, [0, 1, 2, 3, 4])
+    assert queue.fake_free_list_head.next_free_block is blocks[0]
+    assert queue.fake_free_list_tail.prev_free_block is blocks[4]
+    assert blocks[0].prev_free_block is queue.fake_free_list_head
+    assert blocks[4].next_free_block is queue.fake_free_list_tail
+    for left, right in zip(blocks, blocks[1:]):
+        assert left.next_free_block is right and right.prev_free_block is left
+
+
+def test_free_queue_empty_at_construction():
+    queue = FreeKVCacheBlockQueue([])
+    assert_queue_links(queue, [])
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    with pytest.raises(ValueError, match="no free KV blocks"):
+        queue.popleft()
+
+
+def test_free_queue_popleft_unlinks_the_head():
+    blocks = make_blocks(4)
+    queue = FreeKVCacheBlockQueue(blocks)
+    popped = queue.popleft()
+    assert popped is blocks[0]
+    assert popped.prev_free_block is None and popped.next_free_block is None
+    assert queue.fake_free_list_head.next_free_block is blocks[1]
+    assert blocks[1].prev_free_block is queue.fake_free_list_head
+    assert_queue_links(queue, [1, 2, 3])
+
+
+def test_free_queue_popleft_until_empty_then_error():
+    queue = FreeKVCacheBlockQueue(make_blocks(3))
+    assert [queue.popleft().block_id for _ in range(3)] == [0, 1, 2]
+    assert_queue_links(queue, [])
+    with pytest.raises(ValueError, match="no free KV blocks"):
+        queue.popleft()
+    assert queue.num_free_blocks == 0
+
+
+def test_free_queue_popleft_n():
+    blocks = make_blocks(6)
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert queue.popleft_n(0) == []
+    assert_queue_links(queue, [0, 1, 2, 3, 4, 5])
+
+    popped = queue.popleft_n(4)
+    assert [b.block_id for b in popped] == [0, 1, 2, 3]
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in popped)
+    assert_queue_links(queue, [4, 5])
+
+    with pytest.raises(ValueError, match="asked for 3 free blocks, only 2"):
+        queue.popleft_n(3)
+    # A refused request takes nothing.
+    assert_queue_links(queue, [4, 5])
+
+    assert [b.block_id for b in queue.popleft_n(2)] == [4, 5]
+    assert_queue_links(queue, [])
+
+
+def test_free_queue_remove_from_middle_head_and_tail():
+    blocks = make_blocks(5)
+    queue = FreeKVCacheBlockQueue(blocks)
+
+    queue.remove(blocks[2])
+    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None
+    assert blocks[1].next_free_block is blocks[3]
+    assert blocks[3].prev_free_block is blocks[1]
+    assert_queue_links(queue, [0, 1, 3, 4])
+
+    queue.remove(blocks[0])  # the head
+    assert queue.fake_free_list_head.next_free_block is blocks[1]
+    assert_queue_links(queue, [1, 3, 4])
+
+    queue.remove(blocks[4])  # the tail
+    assert queue.fake_free_list_tail.prev_free_block is blocks[3]
+    assert_queue_links(queue, [1, 3])
+
+    assert queue.popleft() is blocks[1]
+    assert_queue_links(queue, [3])
+
+
+def test_free_queue_remove_touches_only_the_neighbours():
+    """O(1) removal: only the removed block and its two neighbours change links."""
+    blocks = make_blocks(50)
+    queue = FreeKVCacheBlockQueue(blocks)
+    before = {b.block_id: (b.prev_free_block, b.next_free_block) for b in blocks}
+
+    queue.remove(blocks[25])
+
+    changed = {
+        b.block_id for b in blocks if (b.prev_free_block, b.next_free_block) != before[b.block_id]
+    }
+    assert changed == {24, 25, 26}
+    assert blocks[24].next_free_block is blocks[26]
+    assert blocks[26].prev_free_block is blocks[24]
+    assert_queue_links(queue, [i for i in range(50) if i != 25])
+
+
+def test_free_queue_remove_block_not_in_queue_raises():
+    blocks = make_blocks(3)
+    queue = FreeKVCacheBlockQueue(blocks)
+    popped = queue.popleft()
+    with pytest.raises(RuntimeError, match="not in the free queue"):
+        queue.remove(popped)
+    assert_queue_links(queue, [1, 2])
+
+
+def test_free_queue_append_goes_to_tail():
+    blocks = make_blocks(4)
+    queue = FreeKVCacheBlockQueue(blocks)
+    b0, b1 = queue.popleft(), queue.popleft()
+    queue.append(b0)
+    assert_queue_links(queue, [2, 3, 0])
+    assert queue.fake_free_list_tail.prev_free_block is b0
+    assert b0.next_free_block is queue.fake_free_list_tail
+    queue.append(b1)
+    assert_queue_links(queue, [2, 3, 0, 1])
+
+
+def test_free_queue_append_into_empty_queue():
+    blocks = make_blocks(2)
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.popleft_n(2)
+    queue.append(blocks[1])
+    assert_queue_links(queue, [1])
+    assert queue.fake_free_list_head.next_free_block is blocks[1]
+    assert queue.popleft() is blocks[1]
+    assert_queue_links(queue, [])
+
+
+def test_free_queue_append_n_keeps_given_order():
+    blocks = make_blocks(6)
+    queue = FreeKVCacheBlockQueue(blocks)
+    taken = queue.popleft_n(4)  # 0, 1, 2, 3
+    queue.append_n([taken[3], taken[1], taken[2]])
+    assert_queue_links(queue, [4, 5, 3, 1, 2])
+    queue.append_n([])
+    assert_queue_links(queue, [4, 5, 3, 1, 2])
+    queue.append_n([taken[0]])
+    assert_queue_links(queue, [4, 5, 3, 1, 2, 0])
+
+
+def test_free_queue_append_of_a_free_block_raises():
+    blocks = make_blocks(3)
+    queue = FreeKVCacheBlockQueue(blocks)
+    with pytest.raises(RuntimeError, match="block 1 is already in the free queue"):
+        queue.append(blocks[1])
+    assert_queue_links(queue, [0, 1, 2])
+
+
+def test_free_queue_rejected_append_n_leaves_queue_unchanged():
+    """append_n validates its blocks; a rejected call must not half-link the batch.
+
+    Block 0 is out of the queue, block 2 is still in it: the call raises, and
+    the queue must still be exactly [1, 2] with block 0 unlinked (so it can be
+    appended properly afterwards).
+    """
+    blocks = make_blocks(3)
+    queue = FreeKVCacheBlockQueue(blocks)
+    b0 = queue.popleft()
+    with pytest.raises(RuntimeError, match="block 2 is already in the free queue"):
+        queue.append_n([b0, blocks[2]])
+    assert b0.prev_free_block is None and b0.next_free_block is None
+    assert_queue_links(queue, [1, 2])
+
+
+def test_free_queue_get_all_free_blocks_returns_blocks_head_to_tail():
+    blocks = make_blocks(4)
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert queue.get_all_free_blocks() == blocks
+    queue.remove(blocks[1])
+    queue.append(blocks[1])
+    assert queue.get_all_free_blocks() == [blocks[0], blocks[2], blocks[3], blocks[1]]
+    # A snapshot: walking it does not change the queue.
+    assert queue.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_free_queue_matches_a_list_model_under_random_operations(seed):
+    rng = random.Random(seed)
+    blocks = make_blocks(30)
+    queue = FreeKVCacheBlockQueue(blocks)
+    model = list(range(30))  # ids in queue order
+    out: list[int] = []  # ids not in the queue
+    for _ in range(300):
+        op = rng.choice(["popleft", "popleft_n", "remove", "append", "append_n"])
+        if op == "popleft" and model:
+            popped = queue.popleft().block_id
+            assert popped == model.pop(0)
+            out.append(popped)
+        elif op == "popleft_n" and model:
+            n = rng.randint(0, min(4, len(model)))
+            got = [b.block_id for b in queue.popleft_n(n)]
+            assert got == model[:n]
+            del model[:n]
+            out.extend(got)
+        elif op == "remove" and model:
+            victim = rng.choice(model)
+            queue.remove(blocks[victim])
+            model.remove(victim)
+            out.append(victim)
+        elif op == "append" and out:
+            back = out.pop(rng.randrange(len(out)))
+            queue.append(blocks[back])
+            model.append(back)
+        elif op == "append_n" and out:
+            rng.shuffle(out)
+            k = rng.randint(0, len(out))
+            batch, out[:] = out[:k], out[k:]
+            queue.append_n([blocks[i] for i in batch])
+            model.extend(batch)
+        assert_queue_links(queue, model)
+
+
+# ---------------------------------------------------------------------------
+# Block hashing
+# ---------------------------------------------------------------------------
+def test_hash_block_tokens_chains_on_the_parent():
+    tokens = list(range(16))
+    first = hash_block_tokens(sha256, None, tokens)
+    assert first == sha256((kv_cache_utils.NONE_HASH, tuple(tokens), None))
+    # An empty parent means "no parent" too.
+    assert hash_block_tokens(sha256, kv_cache_utils.NONE_HASH, tokens) == first
+
+    child = hash_block_tokens(sha256, first, tokens)
+    assert child == sha256((first, tuple(tokens), None))
+    assert child != first  # same tokens, different parent
+    # Extra keys are part of the hash.
+    assert hash_block_tokens(sha256, None, tokens, ("salt",)) != first
+    # A list and a tuple of the same tokens hash the same.
+    assert hash_block_tokens(sha256, first, tuple(tokens)) == child
+
+
+def test_request_hashes_only_full_blocks():
+    for num_tokens, expected_num_hashes in [(1, 0), (15, 0), (16, 1), (17, 1), (47, 2), (48, 3)]:
+        request = make_request("r", list(range(num_tokens)), block_size=16)
+        assert len(request.block_hashes) == expected_num_hashes, num_tokens
+
+
+def test_request_block_hashes_are_the_manual_chain():
+    tokens = list(range(100, 150))  # 3 full blocks of 16 + 2 tokens
+    request = make_request("r", tokens, block_size=16)
+    parent = None
+    expected = []
+    for start in (0, 16, 32):
+        parent = hash_block_tokens(sha256, parent, tokens[start : start + 16])
+        expected.append(parent)
+    assert request.block_hashes == expected
+
+
+def test_same_block_tokens_after_a_different_prefix_hash_differently():
+    shared_block = [7] * 16
+    a = make_request("a", [1] * 16 + shared_block)
+    b = make_request("b", [2] * 16 + shared_block)
+    c = make_request("c", [1] * 16 + shared_block + [9])
+    assert a.block_hashes[0] != b.block_hashes[0]
+    # Block 1 holds identical tokens in a and b, but its prefix differs.
+    assert a.block_hashes[1] != b.block_hashes[1]
+    # Same prefix -> same hashes, whatever follows the last full block.
+    assert c.block_hashes == a.block_hashes
+
+
+def test_block_size_changes_the_hashes():
+    tokens = list(range(64))
+    by_16 = make_request("a", tokens, block_size=16).block_hashes
+    by_32 = make_request("b", tokens, block_size=32).block_hashes
+    assert len(by_16) == 4 and len(by_32) == 2
+    assert not set(by_16) & set(by_32)
+
+
+def test_block_hashes_extend_as_output_tokens_arrive():
+    request = make_request("r", list(range(30)), block_size=16)
+    assert len(request.block_hashes) == 1
+    first = request.block_hashes[0]
+
+    request.append_output_token_ids(30)  # 31 tokens: block 1 still partial
+    assert request.block_hashes == [first]
+    request.append_output_token_ids(31)  # 32 tokens: block 1 full
+    assert len(request.block_hashes) == 2
+    assert request.block_hashes[0] == first
+    request.append_output_token_ids(list(range(32, 50)))  # 50 tokens: 3 full blocks
+    assert len(request.block_hashes) == 3
+
+    # A block filled by generated tokens hashes exactly like the same tokens
+    # arriving in a prompt, so a later prompt can hit it.
+    assert make_request("p", list(range(50))).block_hashes == request.block_hashes
+
+
+def test_block_hasher_called_repeatedly_returns_only_new_hashes():
+    request = make_request("r", list(range(40)), block_size=16)
+    hasher = get_request_block_hasher(16)
+    assert hasher(request) == []  # both full blocks were hashed at construction
+
+
+def test_request_without_hasher_has_no_block_hashes():
+    request = make_request("r", list(range(40)), hash_blocks=False)
+    assert request.block_hashes == []
+    request.append_output_token_ids([1] * 30)
+    assert request.block_hashes == []
+
+
+def test_cache_salt_is_an_extra_key_of_the_first_block_only():
+    salted = make_request("s", list(range(40)), cache_salt="tenant-a")
+    plain = make_request("p", list(range(40)))
+    assert generate_block_hash_extra_keys(salted, 0, 16) == ("tenant-a",)
+    assert generate_block_hash_extra_keys(salted, 16, 32) is None
+    assert generate_block_hash_extra_keys(plain, 0, 16) is None
+
+
+def test_cache_salt_changes_every_block_hash():
+    tokens = list(range(64))
+    plain = make_request("p", tokens).block_hashes
+    salt_a = make_request("a", tokens, cache_salt="tenant-a").block_hashes
+    salt_a_again = make_request("a2", tokens, cache_salt="tenant-a").block_hashes
+    salt_b = make_request("b", tokens, cache_salt="tenant-b").block_hashes
+    assert len(plain) == len(salt_a) == len(salt_b) == 4
+    # The salt only enters block 0, but the chain carries it into every block.
+    for i in range(4):
+        assert len({plain[i], salt_a[i], salt_b[i]}) == 3, i
+    assert salt_a == salt_a_again
+    assert salt_a[0] == hash_block_tokens(sha256, None, tokens[:16], ("tenant-a",))
+
+
+def test_init_none_hash_uses_pythonhashseed(monkeypatch, restore_none_hash):
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    init_none_hash()
+    assert kv_cache_utils.NONE_HASH == sha256("1234")
+    seeded = make_request("r", list(range(32))).block_hashes
+
+    monkeypatch.setenv("PYTHONHASHSEED", "5678")
+    init_none_hash()
+    assert kv_cache_utils.NONE_HASH == sha256("5678")
+    assert make_request("r", list(range(32))).block_hashes[0] != seeded[0]
+
+    # Unset (or empty): a fixed default, not a random one, so runs agree.
+    monkeypatch.delenv("PYTHONHASHSEED")
+    init_none_hash()
+    assert kv_cache_utils.NONE_HASH == sha256("glassbox")
+    monkeypatch.setenv("PYTHONHASHSEED", "")
+    init_none_hash()
+    assert kv_cache_utils.NONE_HASH == sha256("glassbox")
+
+    # Same seed -> the same hashes again.
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    init_none_hash()
+    assert make_request("r", list(range(32))).block_hashes == seeded
+
+
+_CHILD_SCRIPT = """
+import json
+from engine.sampling_params import SamplingParams
+from engine.v1.core.kv_cache_utils import get_request_block_hasher
+from engine.v1.request import Request
+hashes = {}
+for salt in (None, "tenant-a"):
+    request = Request(
+        request_id="child",
+        prompt_token_ids=list(range(1000, 1070)),
+        sampling_params=SamplingParams(max_tokens=8),
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(16),
+    )
+    request.append_output_token_ids([5, 6])
+    hashes[str(salt)] = [h.hex() for h in request.block_hashes]
+print(json.dumps(hashes))
+"""
+
+
+def _hashes_in_child(pythonhashseed: str | None) -> dict[str, list[str]]:
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)
+    if pythonhashseed is not None:
+        env["PYTHONHASHSEED"] = pythonhashseed
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD_SCRIPT],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _hashes_here() -> dict[str, list[str]]:
+    hashes = {}
+    for salt in (None, "tenant-a"):
+        request = make_request("parent", list(range(1000, 1070)), max_tokens=8, cache_salt=salt)
+        request.append_output_token_ids([5, 6])
+        hashes[str(salt)] = [h.hex() for h in request.block_hashes]
+    return hashes
+
+
+def test_block_hashes_are_identical_in_another_process(monkeypatch, restore_none_hash):
+    """sha256 over pickle, seeded by a fixed default: no dependence on Python's
+    per-process randomised hash(). The child runs with PYTHONHASHSEED unset, so
+    its str hashes are randomised, yet every block hash must match ours."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    init_none_hash()
+    here = _hashes_here()
+    assert [len(v) for v in here.values()] == [4, 4]  # 72 tokens -> 4 full blocks
+
+    child = _hashes_in_child(None)
+    assert child == here
+
+
+def test_block_hashes_follow_pythonhashseed_in_another_process(monkeypatch, restore_none_hash):
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    init_none_hash()
+    here_42 = _hashes_here()
+    monkeypatch.delenv("PYTHONHASHSEED")
+    init_none_hash()
+    here_default = _hashes_here()
+
+    child_42 = _hashes_in_child("42")
+    assert child_42 == here_42
+    assert child_42["None"][0] != here_default["None"][0]
+
+
+# ---------------------------------------------------------------------------
+# KV cache specs and pool sizing
+# ---------------------------------------------------------------------------
+def test_full_attention_page_size_bytes():
+    # K and V pages: 2 * block_size * num_kv_heads * head_size * dtype bytes.
+    assert make_kv_cache_spec(block_size=16, num_kv_heads=1, head_size=8).page_size_bytes == 1024
+    bf16 = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
+    assert bf16.page_size_bytes == 2 * 16 * 8 * 128 * 2
+    spec = make_kv_cache_spec()
+    # 100 tokens need 7 blocks of 16.
+    assert spec.max_memory_usage_bytes(100) == 7 * 1024
+    assert spec.max_memory_usage_bytes(112) == 7 * 1024
+    assert spec.max_memory_usage_bytes(113) == 8 * 1024
+
+
+def test_full_attention_spec_rejects_unknown_dtype():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="int3")
+
+
+def test_get_num_blocks():
+    assert get_num_blocks(available_memory=10 * 1024, num_layers=1, page_size_bytes=1024) == 10
+    assert get_num_blocks(available_memory=10 * 1024 + 1023, num_layers=1, page_size_bytes=1024) == 10
+    assert get_num_blocks(available_memory=10 * 1024, num_layers=2, page_size_bytes=1024) == 5
+    assert get_num_blocks(available_memory=-1, num_layers=1, page_size_bytes=1024) == 0
+
+
+def test_get_kv_cache_config_with_override():
+    spec = make_kv_cache_spec()
+    config = get_kv_cache_config(
+        {"layer.0": spec}, available_memory=0, max_model_len=160, num_gpu_blocks_override=11
+    )
+    assert config.num_blocks == 11
+    assert len(config.kv_cache_groups) == 1
+    assert config.kv_cache_groups[0].layer_names == ["layer.0"]
+    assert config.kv_cache_groups[0].kv_cache_spec == spec
+    assert [(t.size, t.shared_by) for t in config.kv_cache_tensors] == [(11 * 1024, ["layer.0"])]
+
+
+def test_get_kv_cache_config_block_count_from_memory_budget():
+    spec = make_kv_cache_spec()  # 1024 bytes per block per layer
+    layers = {"layer.0": spec, "layer.1": spec}
+    # Two layers: one block costs 2048 bytes; 10.99 blocks' worth rounds down to 10.
+    config = get_kv_cache_config(layers, available_memory=10 * 2048 + 2047, max_model_len=64)
+    assert config.num_blocks == 10
+    assert [(t.size, t.shared_by) for t in config.kv_cache_tensors] == [
+        (10 * 1024, ["layer.0"]),
+        (10 * 1024, ["layer.1"]),
+    ]
+    assert config.kv_cache_groups[0].layer_names == ["layer.0", "layer.1"]
+    # The override wins over the budget.
+    overridden = get_kv_cache_config(
+        layers, available_memory=10 * 2048, max_model_len=64, num_gpu_blocks_override=7
+    )
+    assert overridden.num_blocks == 7
+
+
+def test_get_kv_cache_config_boundary_fits_exactly_one_max_len_sequence():
+    spec = make_kv_cache_spec()
+    # 160 tokens = 10 blocks; 11 blocks leave 10 after the null block.
+    config = get_kv_cache_config(
+        {"layer.0": spec}, available_memory=0, max_model_len=160, num_gpu_blocks_override=11
+    )
+    assert config.num_blocks == 11
+    with pytest.raises(ValueError, match="max_model_len=161") as excinfo:
+        get_kv_cache_config(
+            {"layer.0": spec}, available_memory=0, max_model_len=161, num_gpu_blocks_override=11
+        )
+    message = str(excinfo.value)
+    assert "needs 11 blocks" in message
+    assert "10 usable" in message
+
+
+def test_get_kv_cache_config_too_little_memory_for_max_model_len():
+    spec = make_kv_cache_spec()
+    # 5 blocks of memory, 4 usable (64 tokens); max_model_len 100 needs 7 blocks.
+    with pytest.raises(ValueError, match="max_model_len=100"):
+        get_kv_cache_config({"layer.0": spec}, available_memory=5 * 1024, max_model_len=100)
+
+
+def test_get_kv_cache_config_without_memory_or_override():
+    with pytest.raises(ValueError, match="no memory is left for the KV cache"):
+        get_kv_cache_config({"layer.0": make_kv_cache_spec()}, available_memory=0, max_model_len=16)
+
+
+def test_get_kv_cache_config_rejects_no_layers_and_mixed_specs():
+    with pytest.raises(ValueError, match="no attention layers"):
+        get_kv_cache_config({}, available_memory=1 << 20, max_model_len=16)
+    with pytest.raises(ValueError, match="share one KV cache spec"):
+        get_kv_cache_config(
+            {"layer.0": make_kv_cache_spec(head_size=8), "layer.1": make_kv_cache_spec(head_size=16)},
+            available_memory=1 << 20,
+            max_model_len=16,
+        )
