@@ -29,15 +29,28 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Total number of KV blocks, the null block included. Skips memory profiling."""
 
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size in bytes. On CUDA it replaces the gpu_memory_utilization
+    budget; on the CPU it replaces GLASSBOX_CPU_KVCACHE_SPACE (GiB, default 1),
+    the twin of vLLM's VLLM_CPU_KVCACHE_SPACE."""
+
     prefix_caching_hash_algo: str = "sha256"
 
     # Filled in by EngineCore._initialize_kv_caches once the pool is sized.
     num_gpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if (
+            not isinstance(self.block_size, int)
+            or isinstance(self.block_size, bool)
+            or self.block_size <= 0
+        ):
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if (
+            not isinstance(self.gpu_memory_utilization, (int, float))
+            or isinstance(self.gpu_memory_utilization, bool)
+            or not 0.0 < self.gpu_memory_utilization <= 1.0
+        ):
             raise ValueError(
                 "gpu_memory_utilization must be in (0, 1], "
                 f"got {self.gpu_memory_utilization!r}"
@@ -48,6 +61,13 @@ class CacheConfig:
             raise ValueError(
                 "num_gpu_blocks_override must be an integer >= 2 (block 0 is the "
                 f"reserved null block), got {self.num_gpu_blocks_override!r}"
+            )
+        if self.kv_cache_memory_bytes is not None and (
+            not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes <= 0
+        ):
+            raise ValueError(
+                "kv_cache_memory_bytes must be a positive integer, "
+                f"got {self.kv_cache_memory_bytes!r}"
             )
         if self.prefix_caching_hash_algo != "sha256":
             raise ValueError(

@@ -35,6 +35,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
@@ -79,11 +80,16 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             ),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs or SchedulerConfig.DEFAULT_MAX_NUM_SEQS,
+                max_num_seqs=(
+                    SchedulerConfig.DEFAULT_MAX_NUM_SEQS
+                    if self.max_num_seqs is None
+                    else self.max_num_seqs
+                ),
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]

@@ -57,6 +57,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         # Characters held back while streaming deltas, since they may turn out
         # to be the start of a stop string.
         self.stop_buffer_length = (
@@ -80,25 +81,39 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string if one was hit.
 
         ``stop_terminated``: the core already stopped on the last token (EOS or
-        a stop token id); its text is not added to the output.
+        a stop token id); its text is left out unless
+        ``include_stop_str_in_output``.
+        Stop strings are only searched in text produced by output tokens past
+        ``min_tokens``, the same grace period the core gives EOS.
         """
         self.token_ids.extend(new_token_ids)
         if self.tokenizer is None:
             return None
-        to_decode = new_token_ids[:-1] if stop_terminated and new_token_ids else new_token_ids
-        added_chars = 0
-        for token_id in to_decode:
+        to_decode = new_token_ids
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            to_decode = new_token_ids[:-1]
+        num_outputs_before = len(self.token_ids) - len(new_token_ids)
+        text_len_before = len(self.output_text)
+        # Text length once min_tokens outputs have been decoded: the search
+        # starts after it.
+        search_from = text_len_before if num_outputs_before >= self.min_tokens else None
+        for k, token_id in enumerate(to_decode, start=1):
             self._window_ids.append(token_id)
             prefix_text = self._decode(self._window_ids[self._prefix_offset : self._read_offset])
             full_text = self._decode(self._window_ids[self._prefix_offset :])
             if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-                delta = full_text[len(prefix_text) :]
-                self.output_text += delta
-                added_chars += len(delta)
+                self.output_text += full_text[len(prefix_text) :]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._window_ids)
+            if search_from is None and num_outputs_before + k >= self.min_tokens:
+                search_from = len(self.output_text)
+        if search_from is None:
+            return None
         found = check_stop_strings(
-            self.output_text, added_chars, self.stop, self.include_stop_str_in_output
+            self.output_text,
+            len(self.output_text) - search_from,
+            self.stop,
+            self.include_stop_str_in_output,
         )
         if found is None:
             return None

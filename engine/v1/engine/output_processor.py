@@ -181,9 +181,12 @@ class OutputProcessor:
             stop_str = state.detokenizer.update(new_ids, stop_terminated)
             state._new_tokens = len(new_ids)
             state._update_logprobs(output, len(new_ids))
-            if stop_str is not None and finish_reason is None:
+            if stop_str is not None:
+                # The stop string wins even if the core also finished this
+                # step (length, EOS); only a still-running request needs an abort.
+                if finish_reason is None:
+                    reqs_to_abort.append(output.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
-                reqs_to_abort.append(output.request_id)
             finished = finish_reason is not None
 
             request_output = self._make_request_output(state, finish_reason, stop_reason, finished)

@@ -42,13 +42,8 @@ class Executor(ABC):
                 )
             return backend
         if backend in (None, "uni"):
-            try:
-                from engine.v1.executor.uniproc_executor import UniProcExecutor
-            except ModuleNotFoundError as e:
-                raise NotImplementedError(
-                    "the in-process model executor ('uni') is not part of this build yet; "
-                    "pass an Executor subclass as distributed_executor_backend"
-                ) from e
+            from engine.v1.executor.uniproc_executor import UniProcExecutor
+
             return UniProcExecutor
         raise ValueError(f"unknown distributed_executor_backend {backend!r}; use 'uni'")
 

@@ -1,0 +1,485 @@
+"""Linear layers with tensor-parallel seams and fused-weight loading.
+
+vLLM twin: ``vllm/model_executor/layers/linear.py``.
+Read it for two ideas:
+  * one parameter can hold several checkpoint tensors: ``QKVParallelLinear``
+    stacks q/k/v rows, ``MergedColumnParallelLinear`` stacks gate/up rows, and
+    ``weight_loader(param, loaded_weight, loaded_shard_id)`` copies each
+    checkpoint tensor into its row range (``output_sizes`` -> shard offsets);
+  * where tensor parallelism would cut a matrix: column-parallel layers split
+    the output rows of ``W`` (each rank computes part of ``y``), row-parallel
+    layers split the input columns (each rank computes a partial ``y`` that an
+    all-reduce sums).
+Weights follow ``torch.nn.functional.linear``: ``W`` is ``[out, in]`` and
+``y = x @ W.T + b``. ``forward`` returns ``(output, output_bias)`` as in vLLM
+(``output_bias`` is only non-None with ``skip_bias_add``).
+Sessions: 04 (worker: model loading).
+
+Simpler than vLLM: one "quant method" (unquantized); tensor parallel size is
+always 1. ``tp_rank``/``tp_size`` are still used in the slicing arithmetic so
+the seams read like vLLM's, but every slice is the whole tensor and no
+all-reduce or all-gather runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import Parameter
+
+
+def set_weight_attrs(weight: torch.Tensor, weight_attrs: dict[str, Any] | None) -> None:
+    """Attach loading hints to a parameter (``output_dim``, ``weight_loader``...).
+
+    vLLM keeps this helper in ``vllm/model_executor/utils.py``.
+    """
+    for key, value in (weight_attrs or {}).items():
+        if hasattr(weight, key):
+            raise AttributeError(f"overwriting existing tensor attribute {key!r}")
+        setattr(weight, key, value)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def _rank_slice(
+    loaded: torch.Tensor, dim: int | None, shard_size: int, shard_rank: int, full_size: int
+) -> torch.Tensor:
+    """This rank's ``shard_size`` entries of a full checkpoint tensor along ``dim``.
+
+    A tensor whose size along ``dim`` is not ``full_size`` is returned as is,
+    so the copy that follows reports the mismatch instead of hiding it.
+    """
+    if dim is None or loaded.ndim <= dim or loaded.shape[dim] != full_size:
+        return loaded
+    return loaded.narrow(dim, shard_rank * shard_size, shard_size)
+
+
+def _copy_checked(prefix: str, what: str, param_data: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param_data.shape != loaded.shape:
+        raise ValueError(
+            f"{prefix or 'linear layer'}: {what} expects shape {tuple(param_data.shape)}, "
+            f"the checkpoint tensor has shape {tuple(loaded.shape)}"
+        )
+    param_data.copy_(loaded)
+
+
+def _check_fused_size(prefix: str, loaded: torch.Tensor, dim: int, output_sizes: list[int]) -> None:
+    if loaded.ndim <= dim or loaded.shape[dim] != sum(output_sizes):
+        raise ValueError(
+            f"{prefix or 'linear layer'}: a fused checkpoint tensor must have "
+            f"{sum(output_sizes)} (= {' + '.join(map(str, output_sizes))}) entries along dim "
+            f"{dim}, got shape {tuple(loaded.shape)}"
+        )
+
+
+class UnquantizedLinearMethod:
+    """Creates a plain ``[out, in]`` weight and applies ``y = x W^T + b``."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        weight = Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        # dim 0 of W indexes outputs, dim 1 inputs: the loaders slice by these.
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    """Fields every linear layer shares; subclasses create the parameters."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        *,
+        return_bias: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.has_bias = bias
+        self.skip_bias_add = skip_bias_add
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.prefix = prefix  # full module name, used in error messages
+        self.quant_method = UnquantizedLinearMethod()
+        self.return_bias = return_bias
+        self.disable_tp = disable_tp
+        # Glassbox runs one worker: rank 0 of a group of 1.
+        self.tp_rank = 0
+        self.tp_size = 1
+
+    def _make_bias(self, size: int, attrs: dict[str, Any]) -> None:
+        if self.has_bias:
+            self.bias = Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
+            set_weight_attrs(self.bias, attrs)
+        else:
+            self.register_parameter("bias", None)
+
+    def _finish(self, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Parameter | None]:
+        if not self.return_bias:
+            return output
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole matrix (used for small, unsharded projections)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        *,
+        return_bias: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            skip_bias_add,
+            params_dtype,
+            prefix,
+            return_bias=return_bias,
+            disable_tp=disable_tp,
+        )
+        self.output_partition_sizes = list(getattr(self, "output_sizes", [output_size]))
+        self.quant_method.create_weights(
+            self,
+            self.input_size,
+            self.output_partition_sizes,
+            self.input_size,
+            self.output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        self._make_bias(self.output_size, {"output_dim": 0, "weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        _copy_checked(self.prefix, "parameter", param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor):
+        bias = None if self.skip_bias_add else self.bias
+        return self._finish(self.quant_method.apply(self, x, bias))
+
+
+class ColumnParallelLinear(LinearBase):
+    """``y = x W^T + b`` with ``W``'s output rows split across ranks.
+
+    Rank r holds rows ``[r * out/tp, (r+1) * out/tp)`` and produces that slice
+    of ``y``; ``gather_output`` would all-gather the slices.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        output_sizes: list[int] | None = None,
+        prefix: str = "",
+        *,
+        return_bias: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            skip_bias_add,
+            params_dtype,
+            prefix,
+            return_bias=return_bias,
+            disable_tp=disable_tp,
+        )
+        self.gather_output = gather_output
+        self.input_size_per_partition = input_size
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        # One entry per checkpoint tensor packed into W (subclasses set it first).
+        if not hasattr(self, "output_sizes"):
+            self.output_sizes = list(output_sizes) if output_sizes else [output_size]
+        self.output_partition_sizes = [divide(s, self.tp_size) for s in self.output_sizes]
+        self.quant_method.create_weights(
+            self,
+            self.input_size_per_partition,
+            self.output_partition_sizes,
+            self.input_size,
+            self.output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        self._make_bias(
+            self.output_size_per_partition, {"output_dim": 0, "weight_loader": self.weight_loader}
+        )
+
+    def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is not None:
+            shard_size = param.data.shape[output_dim]
+            loaded_weight = _rank_slice(
+                loaded_weight, output_dim, shard_size, self.tp_rank, shard_size * self.tp_size
+            )
+        _copy_checked(self.prefix, "parameter", param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor):
+        bias = None if self.skip_bias_add else self.bias
+        output = self.quant_method.apply(self, x, bias)  # [T, out / tp]
+        # With tp_size > 1 and gather_output, an all-gather would rebuild [T, out].
+        return self._finish(output)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input, stacked row-wise.
+
+    ``output_sizes=[inter, inter]`` packs ``gate_proj`` (shard 0) and
+    ``up_proj`` (shard 1): ``W`` is ``[2 * inter, hidden]`` and shard ``i``
+    lives at rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        *,
+        return_bias: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias,
+            gather_output,
+            skip_bias_add,
+            params_dtype,
+            prefix=prefix,
+            return_bias=return_bias,
+            disable_tp=disable_tp,
+        )
+
+    def weight_loader(
+        self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | None = None
+    ) -> None:
+        output_dim = param.output_dim
+        if loaded_shard_id is None:
+            # The checkpoint already holds the fused tensor: load it shard by shard.
+            _check_fused_size(self.prefix, loaded_weight, output_dim, self.output_sizes)
+            offset = 0
+            for shard_id, size in enumerate(self.output_sizes):
+                self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size), shard_id)
+                offset += size
+            return
+        if not isinstance(loaded_shard_id, int) or not 0 <= loaded_shard_id < len(
+            self.output_sizes
+        ):
+            raise ValueError(
+                f"{self.prefix}: shard id must be an int in [0, {len(self.output_sizes) - 1}], "
+                f"got {loaded_shard_id!r}"
+            )
+        shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
+        shard_size = self.output_sizes[loaded_shard_id] // self.tp_size
+        param_data = param.data.narrow(output_dim, shard_offset, shard_size)
+        loaded_weight = _rank_slice(
+            loaded_weight, output_dim, shard_size, self.tp_rank, self.output_sizes[loaded_shard_id]
+        )
+        _copy_checked(self.prefix, f"shard {loaded_shard_id}", param_data, loaded_weight)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The attention input projection: q, k and v stacked in one matrix.
+
+    ``W`` is ``[(H + 2 * H_kv) * D, hidden]``; rows ``[0, H*D)`` are q,
+    ``[H*D, (H+H_kv)*D)`` are k, the rest v. Under tensor parallelism heads are
+    split across ranks; when there are fewer KV heads than ranks each KV head
+    is replicated (``num_kv_head_replicas``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+        *,
+        return_bias: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
+        self.hidden_size = hidden_size
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        tp_size = 1  # as LinearBase: one worker
+        self.num_heads = divide(self.total_num_heads, tp_size)
+        if tp_size >= self.total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, self.total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        self.output_sizes = [
+            self.num_heads * head_size * tp_size,  # q_proj
+            self.num_kv_heads * head_size * tp_size,  # k_proj
+            self.num_kv_heads * head_size * tp_size,  # v_proj
+        ]
+        super().__init__(
+            hidden_size,
+            sum(self.output_sizes),
+            bias,
+            False,
+            skip_bias_add,
+            params_dtype,
+            prefix=prefix,
+            return_bias=return_bias,
+            disable_tp=disable_tp,
+        )
+
+    def _get_shard_offset_mapping(self, loaded_shard_id: str) -> int:
+        return {
+            "q": 0,
+            "k": self.num_heads * self.head_size,
+            "v": (self.num_heads + self.num_kv_heads) * self.head_size,
+        }[loaded_shard_id]
+
+    def _get_shard_size_mapping(self, loaded_shard_id: str) -> int:
+        return {
+            "q": self.num_heads * self.head_size,
+            "k": self.num_kv_heads * self.head_size,
+            "v": self.num_kv_heads * self.head_size,
+        }[loaded_shard_id]
+
+    def weight_loader(
+        self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str | None = None
+    ) -> None:
+        output_dim = param.output_dim
+        if loaded_shard_id is None:
+            # A fused qkv tensor in the checkpoint: split it by the full sizes.
+            _check_fused_size(self.prefix, loaded_weight, output_dim, self.output_sizes)
+            offset = 0
+            for shard_id, size in zip(("q", "k", "v"), self.output_sizes):
+                self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size), shard_id)
+                offset += size
+            return
+        if loaded_shard_id not in ("q", "k", "v"):
+            raise ValueError(
+                f"{self.prefix}: shard id must be 'q', 'k' or 'v', got {loaded_shard_id!r}"
+            )
+        shard_offset = self._get_shard_offset_mapping(loaded_shard_id)
+        shard_size = self._get_shard_size_mapping(loaded_shard_id)
+        param_data = param.data.narrow(output_dim, shard_offset, shard_size)
+        # q heads are split by rank; a replicated KV head is shared by
+        # num_kv_head_replicas consecutive ranks.
+        shard_rank = (
+            self.tp_rank if loaded_shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
+        )
+        full_size = self.output_sizes[("q", "k", "v").index(loaded_shard_id)]
+        loaded_weight = _rank_slice(loaded_weight, output_dim, shard_size, shard_rank, full_size)
+        _copy_checked(self.prefix, f"shard {loaded_shard_id!r}", param_data, loaded_weight)
+
+
+class RowParallelLinear(LinearBase):
+    """``y = x W^T + b`` with ``W``'s input columns split across ranks.
+
+    Rank r multiplies its slice of ``x`` by its ``[out, in/tp]`` block; the
+    partial results would be summed by an all-reduce (``reduce_results``).
+    The bias is added once (rank 0), not once per rank.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
+        prefix: str = "",
+        *,
+        return_bias: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            skip_bias_add,
+            params_dtype,
+            prefix,
+            return_bias=return_bias,
+            disable_tp=disable_tp,
+        )
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.output_size_per_partition = output_size
+        self.output_partition_sizes = [output_size]
+        self.quant_method.create_weights(
+            self,
+            self.input_size_per_partition,
+            self.output_partition_sizes,
+            self.input_size,
+            self.output_size,
+            self.params_dtype,
+            weight_loader=self.weight_loader,
+        )
+        # The bias is not sharded: it has no input dimension.
+        self._make_bias(output_size, {"weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        input_dim = getattr(param, "input_dim", None)
+        if input_dim is not None:
+            shard_size = param.data.shape[input_dim]
+            loaded_weight = _rank_slice(
+                loaded_weight, input_dim, shard_size, self.tp_rank, shard_size * self.tp_size
+            )
+        _copy_checked(self.prefix, "parameter", param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor):
+        # x is [T, in / tp] when input_is_parallel (the previous column-parallel
+        # layer left it split); tp_size is 1 here, so it is the whole input.
+        bias = None if (self.tp_rank > 0 or self.skip_bias_add) else self.bias
+        output = self.quant_method.apply(self, x, bias)
+        # With tp_size > 1 and reduce_results, an all-reduce would sum partials.
+        return self._finish(output)

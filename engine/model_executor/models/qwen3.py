@@ -1,0 +1,189 @@
+"""Qwen3 (dense), written with Glassbox's layers.
+
+vLLM twin: ``vllm/model_executor/models/qwen3.py``.
+Read it for what Qwen3 changes relative to Qwen2: an RMSNorm over each query
+and key head (``q_norm``/``k_norm``, over ``head_dim``) *before* RoPE, no q/k/v
+bias by default (``attention_bias``), and an explicit ``head_dim`` that may
+differ from ``hidden_size / num_heads``. Everything else -- the MLP, the
+model body, weight loading -- is Qwen2's, reused as vLLM does.
+Sessions: 04.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine.model_executor.layers.attention import Attention
+from engine.model_executor.layers.layernorm import RMSNorm
+from engine.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.model_executor.layers.logits_processor import LogitsProcessor
+from engine.model_executor.layers.rotary_embedding import get_rope
+from engine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from engine.model_executor.models.qwen2 import QWEN_DEFAULT_ROPE_THETA, Qwen2Model
+from engine.model_executor.models.qwen2 import Qwen2MLP as Qwen3MLP
+from engine.model_executor.models.utils import AutoWeightsLoader, get_rope_parameters, maybe_prefix
+
+if TYPE_CHECKING:
+    from engine.config import GlassboxConfig
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rope_parameters: dict[str, Any],
+        *,
+        glassbox_config: GlassboxConfig,
+        max_position: int = 4096 * 32,
+        head_dim: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        qkv_bias: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.total_num_heads = num_heads
+        self.num_heads = num_heads  # per tensor-parallel rank; tp_size is 1
+        self.total_num_kv_heads = num_kv_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
+            bias=qkv_bias,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        # [H * D] -> hidden: with an explicit head_dim, H * D need not equal hidden.
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim, hidden_size, bias=False, prefix=f"{prefix}.o_proj"
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim, max_position=max_position, rope_parameters=rope_parameters
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.scaling,
+            num_kv_heads=self.num_kv_heads,
+            glassbox_config=glassbox_config,
+            prefix=f"{prefix}.attn",
+        )
+        self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + 2 * H_kv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Per-head RMSNorm: view as [T, heads, D], normalise over D, flatten back.
+        q_by_head = self.q_norm(q.reshape(*q.shape[:-1], self.num_heads, self.head_dim))
+        q = q_by_head.view(q.shape)
+        k_by_head = self.k_norm(k.reshape(*k.shape[:-1], self.num_kv_heads, self.head_dim))
+        k = k_by_head.view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)  # [T, H * D]
+        output, _ = self.o_proj(attn_output)  # [T, hidden]
+        return output
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(
+        self, config: dict[str, Any], glassbox_config: GlassboxConfig, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.hidden_size = config["hidden_size"]
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.self_attn = Qwen3Attention(
+            hidden_size=self.hidden_size,
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            rope_parameters=get_rope_parameters(config, default_theta=QWEN_DEFAULT_ROPE_THETA),
+            glassbox_config=glassbox_config,
+            max_position=config.get("max_position_embeddings", 4096 * 32),
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=eps,
+            qkv_bias=bool(config.get("attention_bias", False)),
+            prefix=f"{prefix}.self_attn",
+        )
+        self.mlp = Qwen3MLP(
+            self.hidden_size,
+            config["intermediate_size"],
+            config.get("hidden_act", "silu"),
+            prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = RMSNorm(self.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(self.hidden_size, eps=eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
+
+
+class Qwen3Model(Qwen2Model):
+    def __init__(self, *, glassbox_config: GlassboxConfig, prefix: str = "") -> None:
+        super().__init__(
+            glassbox_config=glassbox_config, prefix=prefix, decoder_layer_type=Qwen3DecoderLayer
+        )
+
+
+class Qwen3ForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, glassbox_config: GlassboxConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = glassbox_config.model_config.hf_config
+        self.config = config
+        self.model = Qwen3Model(
+            glassbox_config=glassbox_config, prefix=maybe_prefix(prefix, "model")
+        )
+        if config.get("tie_word_embeddings", False):
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(
+                config["vocab_size"], config["hidden_size"], prefix=maybe_prefix(prefix, "lm_head")
+            )
+        self.logits_processor = LogitsProcessor(config["vocab_size"])
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)  # [N, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(
+            self,
+            skip_prefixes=["lm_head."] if self.config.get("tie_word_embeddings", False) else None,
+        )
+        return loader.load_weights(weights)

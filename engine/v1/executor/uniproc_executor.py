@@ -1,0 +1,45 @@
+"""UniProcExecutor: one worker, in the EngineCore process.
+
+vLLM twin: ``vllm/v1/executor/uniproc_executor.py`` (``UniProcExecutor``).
+Read it for the shortest path from EngineCore to the model: every executor
+call is a direct method call on the single ``Worker`` (vLLM routes the same
+calls through ``collective_rpc`` so multi-process executors look identical).
+Sessions: 07 (executor).
+"""
+
+from __future__ import annotations
+
+from engine.v1.executor.abstract import Executor
+from engine.v1.worker.gpu_worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.driver_worker: Worker | None = Worker(self.glassbox_config, local_rank=0, rank=0)
+        self.driver_worker.init_device()
+        self.driver_worker.load_model()
+
+    def _worker(self) -> Worker:
+        if self.driver_worker is None:
+            raise RuntimeError("the executor has been shut down")
+        return self.driver_worker
+
+    def get_kv_cache_specs(self):
+        return self._worker().get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        return self._worker().determine_available_memory()
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self._worker().initialize_from_config(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        return self._worker().execute_model(scheduler_output)
+
+    def sample_tokens(self):
+        return self._worker().sample_tokens()
+
+    def shutdown(self) -> None:
+        if self.driver_worker is not None:
+            self.driver_worker.shutdown()
+            self.driver_worker = None

@@ -1,0 +1,210 @@
+"""SamplingMetadata: one step's sampling knobs for the whole batch, as tensors.
+
+vLLM twin: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``). vLLM fills
+it in ``InputBatch._make_sampling_metadata``
+(``vllm/v1/worker/gpu_input_batch.py``) from per-row CPU arrays that the
+persistent batch keeps up to date; Glassbox's ``build_sampling_metadata``
+below builds it from scratch each step from the batch's ``SamplingParams``.
+Read it for: how per-request settings become per-row tensors the Sampler can
+apply to all rows at once, and the flags that let it skip work
+(``all_greedy``, ``all_random``, ``no_penalties``, ``top_k``/``top_p`` left
+as None when no row uses them).
+Sessions: 04 (the runner builds it), 05 (the sampler reads it).
+
+Simpler than vLLM:
+- Rebuilt every step instead of being patched incrementally; costs some
+  Python per step, saves a lot of bookkeeping.
+- ``temperature`` is always a tensor (greedy rows hold 0.0); vLLM leaves it
+  None when every row is greedy.
+- No speculative decoding (``spec_token_ids``), thinking budgets,
+  ``logprob_token_ids`` or custom logits processors.
+- min-p, logit bias and min-tokens live in ``logitsprocs`` exactly as in
+  vLLM: ``MinPLogitsProcessor.min_p`` [N, 1], ``LogitBiasLogitsProcessor.biases``
+  {row: {token: bias}}, ``MinTokensLogitsProcessor.min_toks``
+  {row: (min_tokens, output ids, stop ids)}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams, SamplingType
+from engine.v1.sample.logits_processor import LogitsProcessors, build_logitsprocs
+from engine.v1.sample.ops.penalties import make_padded_token_tensor
+
+
+@dataclass
+class SamplingMetadata:
+    # [N] float32. 0.0 on greedy rows.
+    temperature: torch.Tensor
+    all_greedy: bool  # every row is greedy: argmax and return early
+    all_random: bool  # no row is greedy: skip the argmax
+
+    # [N] float32 in (0, 1], or None when every row has top_p == 1.
+    top_p: torch.Tensor | None
+    # [N] int64 in [1, V] (V = off), or None when no row uses top-k.
+    top_k: torch.Tensor | None
+
+    # row -> that request's own RNG (seeded requests only).
+    generators: dict[int, torch.Generator]
+
+    # Largest logprobs count any row asked for; None when no row asked.
+    # 0 means "only the sampled token's logprob". -1 (whole vocab) is stored as V.
+    max_num_logprobs: int | None
+
+    no_penalties: bool  # every row has repetition 1, frequency 0, presence 0
+    # [N, max_prompt_len] int64 padded with V; None when no_penalties.
+    prompt_token_ids: torch.Tensor | None
+    # [N] float32 each.
+    frequency_penalties: torch.Tensor
+    presence_penalties: torch.Tensor
+    repetition_penalties: torch.Tensor
+
+    # Generated ids so far, one list per row (the runner's lists, not copies).
+    output_token_ids: list[list[int]]
+
+    # [N, V] bool, True = this token is NOT allowed for this row. None when no
+    # row has allowed_token_ids.
+    allowed_token_ids_mask: torch.Tensor | None
+
+    # row -> the row's bad words as token id sequences.
+    bad_words_token_ids: dict[int, list[list[int]]]
+
+    # The min-tokens, logit-bias and min-p processors this batch needs.
+    logitsprocs: LogitsProcessors
+
+
+def _check_token_ids(field: str, row: int, token_ids: Iterable[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{field} of request row {row} must be token ids in [0, {vocab_size - 1}] "
+            f"(vocab size {vocab_size}), got {bad}."
+        )
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: dict[int, torch.Generator],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """Turn the batch's per-request settings into a SamplingMetadata.
+
+    Row i is request i of the batch: ``params[i]``, its prompt ids
+    ``prompt_token_ids[i]`` and its generated ids so far ``output_token_ids[i]``.
+    ``generators[i]`` is request i's own ``torch.Generator``; every request
+    with a seed (``SamplingType.RANDOM_SEED``) must have one, and the runner
+    must keep it across steps so the stream of random numbers continues
+    (on CUDA it must be a CUDA generator on the logits' device).
+    ``vocab_size`` is the width of the logits the sampler will receive.
+    """
+    num_reqs = len(params)
+    if len(prompt_token_ids) != num_reqs or len(output_token_ids) != num_reqs:
+        raise ValueError(
+            "params, prompt_token_ids and output_token_ids must have one entry per "
+            f"request; got {num_reqs}, {len(prompt_token_ids)} and {len(output_token_ids)}."
+        )
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}.")
+    bad_rows = [row for row in generators if not 0 <= row < num_reqs]
+    if bad_rows:
+        raise ValueError(
+            f"generators keys must be request rows in [0, {num_reqs - 1}], got {bad_rows}."
+        )
+
+    sampling_types = [sp.sampling_type for sp in params]
+    for row, sampling_type in enumerate(sampling_types):
+        if sampling_type == SamplingType.RANDOM_SEED and row not in generators:
+            raise ValueError(
+                f"request row {row} has seed={params[row].seed} but no entry in generators; "
+                "seeded requests must sample with their own torch.Generator."
+            )
+    all_greedy = all(t == SamplingType.GREEDY for t in sampling_types)
+    all_random = num_reqs > 0 and not any(t == SamplingType.GREEDY for t in sampling_types)
+
+    def per_row(values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    temperature = per_row(
+        [
+            0.0 if t == SamplingType.GREEDY else sp.temperature
+            for sp, t in zip(params, sampling_types)
+        ]
+    )
+
+    top_p = None
+    if any(sp.top_p < 1.0 for sp in params):
+        top_p = per_row([sp.top_p for sp in params])
+    # top_k 0 means off; k >= V keeps everything too. Both are stored as V.
+    top_k_values = [sp.top_k if 0 < sp.top_k < vocab_size else vocab_size for sp in params]
+    top_k = None
+    if any(k < vocab_size for k in top_k_values):
+        top_k = torch.tensor(top_k_values, dtype=torch.int64, device=device)
+
+    # Logprobs: -1 asks for the whole vocabulary; more than V is the same thing.
+    num_logprobs = [
+        vocab_size if sp.logprobs == -1 else min(sp.logprobs, vocab_size)
+        for sp in params
+        if sp.logprobs is not None
+    ]
+    max_num_logprobs = max(num_logprobs) if num_logprobs else None
+
+    no_penalties = all(
+        sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+        for sp in params
+    )
+    prompt_tensor = None
+    if not no_penalties:
+        for row in range(num_reqs):
+            _check_token_ids("prompt_token_ids", row, prompt_token_ids[row], vocab_size)
+            _check_token_ids("output_token_ids", row, output_token_ids[row], vocab_size)
+        prompt_tensor = make_padded_token_tensor(prompt_token_ids, vocab_size, device)
+
+    allowed_token_ids_mask = None
+    if any(sp.allowed_token_ids for sp in params):
+        # Start from "nothing masked" so rows without a whitelist are untouched.
+        mask = torch.zeros((num_reqs, vocab_size), dtype=torch.bool)
+        for row, sp in enumerate(params):
+            if sp.allowed_token_ids:
+                _check_token_ids("allowed_token_ids", row, sp.allowed_token_ids, vocab_size)
+                mask[row] = True
+                mask[row, sp.allowed_token_ids] = False
+        allowed_token_ids_mask = mask.to(device)
+
+    bad_words_token_ids: dict[int, list[list[int]]] = {}
+    for row, sp in enumerate(params):
+        if sp.bad_words_token_ids:
+            for ids in sp.bad_words_token_ids:
+                _check_token_ids("bad_words_token_ids", row, ids, vocab_size)
+            bad_words_token_ids[row] = sp.bad_words_token_ids
+
+    for row, sp in enumerate(params):
+        if sp.logit_bias:
+            _check_token_ids("logit_bias", row, sp.logit_bias.keys(), vocab_size)
+        if sp.min_tokens and len(output_token_ids[row]) < sp.min_tokens:
+            _check_token_ids("all_stop_token_ids", row, sp.all_stop_token_ids, vocab_size)
+
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=all_greedy,
+        all_random=all_random,
+        top_p=top_p,
+        top_k=top_k,
+        generators=generators,
+        max_num_logprobs=max_num_logprobs,
+        no_penalties=no_penalties,
+        prompt_token_ids=prompt_tensor,
+        frequency_penalties=per_row([sp.frequency_penalty for sp in params]),
+        presence_penalties=per_row([sp.presence_penalty for sp in params]),
+        repetition_penalties=per_row([sp.repetition_penalty for sp in params]),
+        output_token_ids=output_token_ids,
+        allowed_token_ids_mask=allowed_token_ids_mask,
+        bad_words_token_ids=bad_words_token_ids,
+        logitsprocs=build_logitsprocs(params, output_token_ids, device),
+    )

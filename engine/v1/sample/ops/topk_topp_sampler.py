@@ -1,0 +1,115 @@
+"""Top-k / top-p filtering followed by a random draw, per request row.
+
+vLLM twin: ``vllm/v1/sample/ops/topk_topp_sampler.py`` (``TopKTopPSampler``,
+``apply_top_k_top_p_pytorch``, ``random_sample``).
+Read it for:
+
+- top-k: keep the k highest logits of the row (k = vocab size means "off").
+- top-p (nucleus): of what top-k kept, keep the most likely tokens until
+  their probability mass reaches p (the token that crosses p is kept; the
+  most likely token is always kept; p = 1 means "off").
+- the draw without ``torch.multinomial``: with q_i ~ Exp(1) independent,
+  ``argmax_i(p_i / q_i)`` is token i with probability exactly p_i (the
+  "exponential race": token i arrives at time q_i / p_i; the first arrival
+  wins). It needs no CPU-GPU sync and makes per-request seeds easy: a row
+  with its own ``torch.Generator`` draws its q from that generator, so its
+  tokens depend only on its seed and its own logits, never on which other
+  requests share the batch. Rows without a generator use the global RNG.
+
+Sessions: 05.
+
+Simpler than vLLM: one plain-torch path. vLLM picks FlashInfer on CUDA,
+a Triton top-k/top-p kernel for larger batches, aiter on ROCm, an XPU kernel,
+and a ``torch.compile``-d draw on CPU; all compute the same distribution.
+No ``logprobs_mode`` (Glassbox always returns raw logprobs, so this never
+hands back processed logits).
+
+Ties: both filters here are thresholds on the logit value, so tokens tied
+with the last kept token are kept too. vLLM's top-k does the same; its top-p
+masks positions of a sorted row, so at a tie on the top-p boundary it may keep
+any subset of the tied tokens depending on sort order. Glassbox keeps them all
+so that the kept set does not depend on how ``sort`` orders equal values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class TopKTopPSampler(nn.Module):
+    """Filter logits with top-k and/or top-p, then draw one token per row.
+
+    May modify ``logits`` in place.
+    """
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, None]:
+        """logits [N, V] float32 (already temperature-scaled); k int64 [N] or
+        None; p float32 [N] or None; generators maps row -> its generator.
+
+        Returns (sampled ids int64 [N], None). The second item mirrors vLLM's
+        "processed logprobs" slot, which Glassbox never fills.
+        """
+        logits = apply_top_k_top_p(logits, k, p)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        return random_sample(probs, generators), None
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set filtered-out logits to -inf, in place. logits [N, V]; k in [1, V]; p in (0, 1]."""
+    if k is None and p is None:
+        return logits
+    vocab_size = logits.shape[-1]
+    # Ascending sort: position V-1 holds the row's largest logit.
+    sorted_logits = logits.sort(dim=-1).values  # [N, V]
+    threshold: torch.Tensor | None = None  # [N, 1]: keep logits >= threshold
+
+    if k is not None:
+        # The k-th largest logit sits at ascending position V - k.
+        kth_position = (vocab_size - k.to(torch.int64)).clamp(0, vocab_size - 1)
+        threshold = sorted_logits.gather(1, kth_position.unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+
+    if p is not None:
+        # Probabilities of what top-k kept, smallest first; mass_up_to[j] is the
+        # mass of sorted positions 0..j. A prefix whose mass is <= 1 - p can be
+        # dropped: what is left still has mass >= p.
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_up_to = sorted_probs.cumsum(dim=-1)
+        num_dropped = (mass_up_to <= 1 - p.unsqueeze(1)).sum(dim=-1)
+        # Never drop the largest logit, whatever rounding did to the sums.
+        num_dropped = num_dropped.clamp(max=vocab_size - 1)
+        p_threshold = sorted_logits.gather(1, num_dropped.unsqueeze(1))
+        threshold = p_threshold if threshold is None else torch.maximum(threshold, p_threshold)
+
+    assert threshold is not None
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def random_sample(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """Draw one token per row of ``probs`` [N, V] via the exponential race.
+
+    Rows listed in ``generators`` draw their noise from their own generator;
+    all other rows from the global RNG. Returns int64 [N].
+    """
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        # Fill every row from the global RNG, then overwrite the seeded rows.
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # Exp(1) can return exactly 0; 0/0 would be NaN and NaN wins argmax. With a
+    # floor, a zero-probability token scores 0 and can never be drawn.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1).view(-1)

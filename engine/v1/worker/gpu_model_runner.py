@@ -1,0 +1,313 @@
+"""GPUModelRunner: one SchedulerOutput in, one ModelRunnerOutput out.
+
+vLLM twin: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``:
+``_update_states``, ``_prepare_inputs``, ``execute_model``, ``sample_tokens``,
+``initialize_kv_cache``). Device-agnostic despite the name, as in vLLM's CPU
+runner which subclasses it.
+
+Read it for one step of the worker:
+  1. ``_update_states`` -- apply the scheduler's deltas to the persistent
+     batch: drop finished / preempted requests, add new ones, append new
+     block ids (or replace them for a request resumed after preemption);
+  2. ``_prepare_inputs`` -- with numpy, flatten every scheduled token of every
+     request into one batch: ``input_ids``, ``positions``, ``query_start_loc``,
+     ``seq_lens``, ``slot_mapping``, then one copy each to the device;
+  3. ``execute_model`` -- build attention metadata, run the model under the
+     forward context, keep only the hidden state of each request's last
+     scheduled token and turn it into logits;
+  4. ``sample_tokens`` -- the sampler picks one token per request; requests
+     still in the middle of their prompt (a chunked prefill) throw theirs away.
+Sessions: 04 (worker).
+
+Simpler than vLLM: no CUDA graphs, speculative decoding, LoRA, multimodal,
+pipeline parallelism or async output copies (yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import GlassboxConfig
+from engine.forward_context import set_forward_context
+from engine.model_executor.layers.attention.attention import Attention
+from engine.model_executor.model_loader import get_model
+from engine.utils.torch_utils import resolve_dtype
+from engine.v1.attention.backend import CommonAttentionMetadata
+from engine.v1.core.sched.output import SchedulerOutput
+from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from engine.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from engine.v1.sample.metadata import build_sampling_metadata
+from engine.v1.sample.sampler import Sampler
+from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExecuteModelState:
+    """What execute_model hands to sample_tokens (vLLM's two-phase step)."""
+
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor  # [num_reqs, vocab]
+    req_ids: list[str]
+    # Rows whose sample is thrown away: their prompt is not fully computed yet.
+    discard_rows: list[int]
+
+
+class GPUModelRunner:
+    def __init__(self, glassbox_config: GlassboxConfig, device: torch.device) -> None:
+        self.glassbox_config = glassbox_config
+        self.model_config = glassbox_config.model_config
+        self.cache_config = glassbox_config.cache_config
+        self.scheduler_config = glassbox_config.scheduler_config
+        self.device = device
+        self.dtype = resolve_dtype(self.model_config.dtype, device)
+        self.block_size = self.cache_config.block_size
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_reqs = self.scheduler_config.max_num_seqs
+        self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
+
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size, device)
+        self.sampler = Sampler()
+        self.execute_model_state: ExecuteModelState | None = None
+        self.attn_layers: dict[str, Attention] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.attn_metadata_builder = None
+        self.model: torch.nn.Module | None = None
+
+        # Host staging buffers, reused every step (vLLM keeps pinned CPU
+        # tensors plus device twins; numpy views keep the maths readable).
+        self.arange_np = np.arange(max(self.max_num_reqs, self.max_num_tokens) + 1, dtype=np.int64)
+        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------
+    # Set-up
+    # ------------------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        self.model = get_model(self.glassbox_config, device=self.device, dtype=self.dtype)
+        self.attn_layers = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
+        }
+        if not self.attn_layers:
+            raise ValueError("the model has no Attention layers; nothing to build a KV cache for")
+        logger.info("model loaded in %.2fs", time.perf_counter() - start)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return {name: layer.get_kv_cache_spec(self.glassbox_config) for name, layer in self.attn_layers.items()}
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate one KV tensor per attention layer and bind it to the layer."""
+        self.kv_caches = []
+        for tensor_spec in kv_cache_config.kv_cache_tensors:
+            (layer_name,) = tensor_spec.shared_by
+            layer = self.attn_layers[layer_name]
+            shape = layer.attn_backend.get_kv_cache_shape(
+                kv_cache_config.num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+            kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = kv_cache
+            self.kv_caches.append(kv_cache)
+        backend = next(iter(self.attn_layers.values())).attn_backend
+        self.attn_backend = backend
+        self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
+
+    # ------------------------------------------------------------------
+    # 1. Apply the scheduler's deltas
+    # ------------------------------------------------------------------
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # Preempted requests lose their KV but keep their state (and seeded
+        # generator); they come back as "resumed" with a fresh block table.
+        for req_id in scheduler_output.preempted_req_ids:
+            batch.remove_request(req_id)
+
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new.block_ids[0]),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Recompute from scratch: the old blocks are gone.
+                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                batch.remove_request(req_id)
+                batch.add_request(state)
+                continue
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids[0])
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                batch.add_request(state)
+            else:
+                if new_block_ids:
+                    batch.block_table.append_row(new_block_ids[0], row)
+                batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+
+        # Requests not scheduled this step stay in self.requests but leave the
+        # batch, so rows 0..n-1 are exactly this step's requests.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in list(batch.req_id_to_index):
+            if req_id not in scheduled:
+                batch.remove_request(req_id)
+        batch.condense()
+
+    # ------------------------------------------------------------------
+    # 2. Flatten the step into device tensors
+    # ------------------------------------------------------------------
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        batch = self.input_batch
+        req_ids = batch.req_ids
+        num_reqs = len(req_ids)
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
+        )
+        total = int(num_scheduled.sum())
+        # Example: num_scheduled [2, 5, 3] -> req_indices [0 0 1 1 1 1 1 2 2 2]
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)
+        cu_num_tokens = np.cumsum(num_scheduled)
+        # Offset of each token inside its request's chunk: [0 1 0 1 2 3 4 0 1 2]
+        offsets = self.arange_np[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        positions_np = num_computed[req_indices] + offsets
+        input_ids_np = batch.token_ids_cpu[req_indices, positions_np]
+
+        query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int32)
+        query_start_loc_np[1:] = cu_num_tokens
+        seq_lens_np = (num_computed + num_scheduled).astype(np.int32)
+        slot_mapping_np = batch.block_table.compute_slot_mapping(req_indices, positions_np)
+
+        self.input_ids[:total].copy_(torch.from_numpy(input_ids_np), non_blocking=True)
+        self.positions[:total].copy_(torch.from_numpy(positions_np), non_blocking=True)
+        query_start_loc_cpu = torch.from_numpy(query_start_loc_np)
+        seq_lens_cpu = torch.from_numpy(seq_lens_np)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc_cpu.to(self.device, non_blocking=True),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
+            seq_lens_cpu=seq_lens_cpu,
+            num_reqs=num_reqs,
+            num_actual_tokens=total,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            block_table_tensor=batch.block_table.commit_block_table(num_reqs),
+            slot_mapping=torch.from_numpy(slot_mapping_np).to(self.device, non_blocking=True),
+        )
+        # The logits we need: each request's last scheduled token.
+        logits_indices = torch.from_numpy(cu_num_tokens - 1).to(self.device, non_blocking=True)
+        # A request whose context still stops short of its known tokens is in
+        # the middle of its prompt: whatever it samples is discarded.
+        discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens[i]]
+        return common, total, logits_indices, discard_rows
+
+    # ------------------------------------------------------------------
+    # 3. Forward
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        assert self.model is not None and self.attn_metadata_builder is not None
+        common, num_tokens, logits_indices, discard_rows = self._prepare_inputs(scheduler_output)
+        metadata = self.attn_metadata_builder.build(common)
+        # Every layer reads the same metadata (one KV cache group).
+        attn_metadata = {name: metadata for name in self.attn_layers}
+        with set_forward_context(attn_metadata, self.glassbox_config, step=scheduler_output.step):
+            hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+        logits = self.model.compute_logits(hidden_states[logits_indices])
+        self.execute_model_state = ExecuteModelState(
+            scheduler_output, logits, list(self.input_batch.req_ids), discard_rows
+        )
+        return None
+
+    # ------------------------------------------------------------------
+    # 4. Sample
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        state = self.execute_model_state
+        if state is None:
+            raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        self.execute_model_state = None
+        batch = self.input_batch
+        reqs = [self.requests[r] for r in state.req_ids]
+        metadata = build_sampling_metadata(
+            [r.sampling_params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            {i: r.generator for i, r in enumerate(reqs) if r.generator is not None},
+            state.logits.shape[-1],
+            self.device,
+        )
+        sampler_output = self.sampler(state.logits, metadata)
+        sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()
+        logprobs = (
+            sampler_output.logprobs_tensors.tolists()
+            if sampler_output.logprobs_tensors is not None
+            else None
+        )
+        discard = set(state.discard_rows)
+        sampled_token_ids: list[list[int]] = []
+        kept_rows: list[int] = []
+        for i, req in enumerate(reqs):
+            if i in discard:
+                sampled_token_ids.append([])
+                continue
+            token = int(sampled[i])
+            sampled_token_ids.append([token])
+            kept_rows.append(i)
+            req.output_token_ids.append(token)
+            batch.append_token(i, token)
+        if logprobs is not None:
+            # One logprob row per token actually returned, in request order.
+            logprobs = type(logprobs)(
+                [logprobs.logprob_token_ids[i] for i in kept_rows],
+                [logprobs.logprobs[i] for i in kept_rows],
+                [logprobs.sampled_token_ranks[i] for i in kept_rows],
+            )
+        return ModelRunnerOutput(
+            req_ids=state.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+        )
+
+    # ------------------------------------------------------------------
+    # Profiling
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward over max_num_batched_tokens dummy tokens, no KV cache, to
+        measure peak activation memory before sizing the KV cache."""
+        assert self.model is not None
+        n = self.max_num_tokens
+        with set_forward_context(None, self.glassbox_config):
+            hidden = self.model(self.input_ids[:n], self.positions[:n])
+        self.model.compute_logits(hidden[: min(n, self.max_num_reqs)])

@@ -1,0 +1,114 @@
+"""Worker: one device, one model runner, and the memory budget for KV.
+
+vLLM twin: ``vllm/v1/worker/gpu_worker.py`` (``Worker``: ``init_device``,
+``load_model``, ``determine_available_memory``, ``initialize_from_config``,
+``execute_model``, ``sample_tokens``).
+Read it for how the number of KV blocks is decided:
+  * CUDA: run the model once at the largest batch with no KV cache
+    (``profile_run``), read the peak memory, and give the KV cache what is left
+    of ``gpu_memory_utilization * total memory`` (or exactly
+    ``kv_cache_memory_bytes`` when set);
+  * CPU: there is nothing useful to profile, so the size is a setting --
+    ``kv_cache_memory_bytes``, else ``GLASSBOX_CPU_KVCACHE_SPACE`` GiB
+    (default 1), the twin of vLLM's ``VLLM_CPU_KVCACHE_SPACE``.
+``num_gpu_blocks_override`` skips all of this (EngineCore never asks).
+Sessions: 04 (worker).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+import torch
+
+from engine.config import GlassboxConfig
+from engine.v1.worker.gpu_model_runner import GPUModelRunner
+from engine.v1.worker.worker_base import WorkerBase
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def cpu_kv_cache_space_bytes() -> int:
+    raw = os.environ.get("GLASSBOX_CPU_KVCACHE_SPACE", "1")
+    try:
+        gib = float(raw)
+    except ValueError as e:
+        raise ValueError(f"GLASSBOX_CPU_KVCACHE_SPACE must be a number of GiB, got {raw!r}") from e
+    if gib <= 0:
+        raise ValueError(f"GLASSBOX_CPU_KVCACHE_SPACE must be > 0 GiB, got {raw!r}")
+    return int(gib * GiB)
+
+
+class Worker(WorkerBase):
+    def __init__(self, glassbox_config: GlassboxConfig, local_rank: int = 0, rank: int = 0) -> None:
+        super().__init__(glassbox_config, local_rank, rank)
+        self.device: torch.device | None = None
+        self.model_runner: GPUModelRunner | None = None
+
+    def init_device(self) -> None:
+        device_type = self.glassbox_config.device_config.resolve()
+        if device_type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' was requested but torch sees no CUDA device")
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(self.glassbox_config.model_config.seed)
+        self.model_runner = GPUModelRunner(self.glassbox_config, self.device)
+
+    def load_model(self) -> None:
+        assert self.model_runner is not None, "init_device() first"
+        self.model_runner.load_model()
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        assert self.model_runner is not None and self.device is not None
+        cache_config = self.glassbox_config.cache_config
+        if cache_config.kv_cache_memory_bytes is not None:
+            return cache_config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return cpu_kv_cache_space_bytes()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory used by others (other processes, the CUDA context) counts too.
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * cache_config.gpu_memory_utilization)
+        available = budget - peak - max(non_torch, 0)
+        logger.info(
+            "memory: total %.2f GiB, budget %.2f GiB, peak torch %.2f GiB, other %.2f GiB -> KV %.2f GiB",
+            total / GiB, budget / GiB, peak / GiB, non_torch / GiB, available / GiB,
+        )
+        return available
+
+    def get_kv_cache_spec(self):
+        assert self.model_runner is not None
+        return self.model_runner.get_kv_cache_spec()
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self):
+        assert self.model_runner is not None
+        return self.model_runner.sample_tokens()
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+        if self.device is not None and self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()

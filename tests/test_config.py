@@ -1,0 +1,338 @@
+"""Tests for engine/config/*.py, engine/engine/arg_utils.py (EngineArgs), the
+KV-cache sizing errors raised while an engine starts, and the ``glassbox`` CLI
+entry point (twins of vllm/config/, vllm/engine/arg_utils.py and
+vllm/entrypoints/cli/main.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import engine
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    GlassboxConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from engine.engine.arg_utils import EngineArgs
+from engine.entrypoints.cli.main import main
+from engine.v1.executor.abstract import Executor
+from tests.helpers.counting_executor import CountingExecutor
+from tests.helpers.engine_fixtures import EOS, VOCAB_SIZE, make_llm
+from tests.helpers.tiny_model import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("cfg") / "tiny")
+
+
+def engine_config(model_dir, **kwargs) -> GlassboxConfig:
+    return EngineArgs(model=str(model_dir), **kwargs).create_engine_config()
+
+
+# ---------------------------------------------------------------------------
+# Each bad value names its field
+# ---------------------------------------------------------------------------
+BAD_ENGINE_ARGS = {
+    "block_size 0": ({"block_size": 0}, "block_size"),
+    "block_size negative": ({"block_size": -16}, "block_size"),
+    "block_size float": ({"block_size": 16.0}, "block_size"),
+    "gpu_memory_utilization 1.5": ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    "gpu_memory_utilization 0": ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+    "num_gpu_blocks_override 1": ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
+    "kv_cache_memory_bytes 0": ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+    "scheduling_policy lifo": ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    "tensor_parallel_size 2": ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    "device tpu": ({"device": "tpu"}, "device"),
+    "load_format bin": ({"load_format": "bin"}, "load_format"),
+    "dtype int4": ({"dtype": "int4"}, "dtype"),
+    "max_model_len too large": ({"max_model_len": 257}, "max_model_len=257"),
+    "max_model_len 0": ({"max_model_len": 0}, "max_model_len"),
+    "no chunked prefill, small budget": (
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 255},
+        "max_num_batched_tokens",
+    ),
+    "max_num_batched_tokens 0": ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    "max_num_seqs -1": ({"max_num_seqs": -1}, "max_num_seqs"),
+    # 0 must be rejected like -1, not silently replaced by the default of 128.
+    "max_num_seqs 0": ({"max_num_seqs": 0}, "max_num_seqs"),
+    "long_prefill_token_threshold -1": (
+        {"long_prefill_token_threshold": -1},
+        "long_prefill_token_threshold",
+    ),
+    "executor backend ray": ({"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
+}
+
+
+@pytest.mark.parametrize("kwargs,field", list(BAD_ENGINE_ARGS.values()), ids=list(BAD_ENGINE_ARGS))
+def test_bad_engine_args_name_the_field(model_dir, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        engine_config(model_dir, **kwargs)
+
+
+def test_bad_value_through_llm(model_dir):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        make_llm(model_dir, gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize(
+    "make,field",
+    [
+        (lambda: CacheConfig(block_size=0), "block_size"),
+        (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (lambda: CacheConfig(prefix_caching_hash_algo="md5"), "prefix_caching_hash_algo"),
+        (lambda: SchedulerConfig(policy="lifo"), "scheduling_policy"),
+        (lambda: SchedulerConfig(max_model_len=0), "max_model_len"),
+        (
+            lambda: SchedulerConfig(
+                max_model_len=4096, max_num_batched_tokens=2048, enable_chunked_prefill=False
+            ),
+            "max_num_batched_tokens",
+        ),
+        (lambda: ParallelConfig(tensor_parallel_size=2), "tensor_parallel_size"),
+        (lambda: DeviceConfig(device="tpu"), "device"),
+        (lambda: LoadConfig(load_format="bin"), "load_format"),
+    ],
+)
+def test_config_dataclasses_validate(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_valid_edge_values(model_dir):
+    config = engine_config(
+        model_dir,
+        gpu_memory_utilization=1.0,
+        max_model_len=256,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=256,
+        num_gpu_blocks_override=2,
+    )
+    assert config.cache_config.gpu_memory_utilization == 1.0
+    assert config.scheduler_config.max_num_batched_tokens == 256
+    assert config.cache_config.num_gpu_blocks_override == 2
+
+
+# ---------------------------------------------------------------------------
+# Model folder and HF config
+# ---------------------------------------------------------------------------
+def test_model_must_be_a_local_folder(tmp_path):
+    with pytest.raises(ValueError, match="not a local folder"):
+        ModelConfig(model=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelConfig(model=str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig(model=str(tmp_path))
+
+
+def test_model_config_fields(model_dir):
+    config = ModelConfig(model=str(model_dir))
+    assert config.tokenizer == str(model_dir)
+    assert config.max_model_len == 256
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert config.vocab_size == VOCAB_SIZE
+    assert config.get_num_layers() == 2
+    assert config.get_num_kv_heads() == 1
+    assert config.get_head_size() == 16 // 2
+    assert config.eos_token_id == EOS
+
+
+def test_model_config_hf_overrides(model_dir):
+    config = ModelConfig(
+        model=str(model_dir),
+        hf_overrides={"max_position_embeddings": 64, "head_dim": 32, "eos_token_id": [7, 2]},
+    )
+    assert config.max_model_len == 64
+    assert config.get_head_size() == 32
+    assert config.eos_token_id == 7
+    with pytest.raises(ValueError, match="max_model_len=65"):
+        ModelConfig(model=str(model_dir), max_model_len=65, hf_overrides={"max_position_embeddings": 64})
+
+
+@pytest.mark.parametrize(
+    "hf_config,expected",
+    [
+        ({"max_position_embeddings": 100, "n_positions": 50}, 100),
+        ({"n_positions": 50, "max_seq_len": 40}, 50),
+        ({"seq_length": 30}, 30),
+        ({"model_max_length": 20}, 20),
+        ({}, 2048),
+    ],
+)
+def test_derived_max_model_len(tmp_path, hf_config, expected):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    assert ModelConfig(model=str(tmp_path)).max_model_len == expected
+
+
+# ---------------------------------------------------------------------------
+# EngineArgs -> GlassboxConfig
+# ---------------------------------------------------------------------------
+def test_engine_args_defaults(model_dir):
+    config = engine_config(model_dir)
+    assert config.model_config.max_model_len == 256
+    assert config.cache_config.block_size == 16
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.num_gpu_blocks is None  # filled in by EngineCore
+    assert config.scheduler_config.max_model_len == 256
+    assert config.scheduler_config.max_num_batched_tokens == 2048
+    assert config.scheduler_config.max_num_seqs == 128
+    assert config.scheduler_config.enable_chunked_prefill is True
+    assert config.scheduler_config.policy == "fcfs"
+    assert config.load_config.load_format == "auto"
+    assert config.parallel_config.tensor_parallel_size == 1
+    assert config.parallel_config.distributed_executor_backend is None
+    assert config.device_config.device == "auto"
+
+
+def test_without_chunked_prefill_the_budget_covers_max_model_len(tmp_path):
+    model = make_tiny_model_dir(tmp_path / "m", max_position_embeddings=4096)
+    assert engine_config(model, enable_chunked_prefill=False).scheduler_config.max_num_batched_tokens == 4096
+    assert engine_config(model).scheduler_config.max_num_batched_tokens == 2048
+    explicit = engine_config(model, enable_chunked_prefill=False, max_num_batched_tokens=5000)
+    assert explicit.scheduler_config.max_num_batched_tokens == 5000
+
+
+def test_engine_args_land_in_the_right_config(model_dir, tmp_path):
+    other_tokenizer = make_tiny_model_dir(tmp_path / "tok")
+    config = engine_config(
+        model_dir,
+        tokenizer=str(other_tokenizer),
+        skip_tokenizer_init=True,
+        dtype="float16",
+        seed=7,
+        max_model_len=128,
+        block_size=8,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=50,
+        gpu_memory_utilization=0.5,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        long_prefill_token_threshold=16,
+        scheduling_policy="priority",
+        load_format="dummy",
+        hf_overrides={"num_hidden_layers": 4},
+        enforce_eager=True,
+        distributed_executor_backend=CountingExecutor,
+        device="cpu",
+    )
+    m = config.model_config
+    assert (m.tokenizer, m.skip_tokenizer_init, m.dtype, m.seed) == (
+        str(other_tokenizer),
+        True,
+        "float16",
+        7,
+    )
+    assert (m.max_model_len, m.get_num_layers(), m.enforce_eager) == (128, 4, True)
+    c = config.cache_config
+    assert (c.block_size, c.enable_prefix_caching, c.num_gpu_blocks_override) == (8, False, 50)
+    assert c.gpu_memory_utilization == 0.5
+    s = config.scheduler_config
+    assert (s.max_model_len, s.max_num_batched_tokens, s.max_num_seqs) == (128, 64, 4)
+    assert (s.long_prefill_token_threshold, s.policy) == (16, "priority")
+    assert config.load_config.load_format == "dummy"
+    assert config.parallel_config.distributed_executor_backend is CountingExecutor
+    assert config.device_config.device == "cpu"
+    assert config.device_config.resolve() == "cpu"
+
+
+def test_field_names_are_the_llm_keywords():
+    names = EngineArgs.field_names()
+    assert names == {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {"model", "block_size", "enable_prefix_caching", "num_gpu_blocks_override"} <= names
+    assert {"max_num_batched_tokens", "scheduling_policy", "device"} <= names
+
+
+def test_executor_class_selection(model_dir):
+    config = engine_config(model_dir, distributed_executor_backend=CountingExecutor)
+    assert Executor.get_class(config) is CountingExecutor
+
+    class NotAnExecutor:
+        pass
+
+    config = engine_config(model_dir, distributed_executor_backend=NotAnExecutor)
+    with pytest.raises(TypeError, match="subclass of Executor"):
+        Executor.get_class(config)
+
+
+# ---------------------------------------------------------------------------
+# KV cache sizing errors at start-up
+# ---------------------------------------------------------------------------
+class _Tracked(CountingExecutor):
+    instances: list[CountingExecutor] = []
+
+    def _init_executor(self) -> None:
+        super()._init_executor()
+        type(self).instances.append(self)
+
+
+def sized_executor(num_blocks: int, block_size: int = 16, num_layers: int = 2) -> type[_Tracked]:
+    page_size = 2 * block_size * 1 * 8 * 4  # K+V, 1 KV head, head size 8, float32
+    return type(
+        "Sized",
+        (_Tracked,),
+        {"instances": [], "available_memory": num_blocks * page_size * num_layers, "num_layers": num_layers},
+    )
+
+
+def test_block_override_too_small_for_max_model_len(model_dir):
+    # max_model_len 256 at 16 tokens per block needs 16 blocks + the null block.
+    with pytest.raises(ValueError, match="max_model_len=256") as info:
+        make_llm(model_dir, num_gpu_blocks_override=16)
+    assert "needs 16 blocks" in str(info.value)
+    llm = make_llm(model_dir, num_gpu_blocks_override=17)
+    assert llm.llm_engine.glassbox_config.cache_config.num_gpu_blocks == 17
+    # A shorter max_model_len fits in a smaller pool.
+    make_llm(model_dir, num_gpu_blocks_override=4, max_model_len=48)
+    with pytest.raises(ValueError, match="max_model_len=49"):
+        make_llm(model_dir, num_gpu_blocks_override=4, max_model_len=49)
+
+
+def test_available_memory_too_small_for_max_model_len(model_dir):
+    too_small = sized_executor(num_blocks=16)
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        make_llm(model_dir, executor=too_small)
+    # The executor (and its model) is released when EngineCore fails to start.
+    (executor,) = too_small.instances
+    assert executor.is_shutdown
+
+    just_enough = sized_executor(num_blocks=17)
+    llm = make_llm(model_dir, executor=just_enough)
+    assert llm.llm_engine.glassbox_config.cache_config.num_gpu_blocks == 17
+    assert not just_enough.instances[0].is_shutdown
+
+
+def test_no_memory_left_for_kv_cache(model_dir):
+    none_left = sized_executor(num_blocks=0)
+    with pytest.raises(ValueError, match="no memory is left"):
+        make_llm(model_dir, executor=none_left)
+    assert none_left.instances[0].is_shutdown
+
+
+# ---------------------------------------------------------------------------
+# The glassbox CLI
+# ---------------------------------------------------------------------------
+def test_cli_without_a_command(capsys):
+    assert main([]) == 0
+    assert "usage: glassbox" in capsys.readouterr().out
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"glassbox {engine.__version__}"
+
+
+def test_cli_unknown_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
+    assert "no-such-command" in capsys.readouterr().err
