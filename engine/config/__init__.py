@@ -5,6 +5,7 @@ from engine.config.device import DeviceConfig
 from engine.config.glassbox import GlassboxConfig
 from engine.config.load import LoadConfig
 from engine.config.model import ModelConfig
+from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
 
@@ -14,6 +15,7 @@ __all__ = [
     "GlassboxConfig",
     "LoadConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
 ]

@@ -11,6 +11,7 @@ from engine.config.cache import CacheConfig
 from engine.config.device import DeviceConfig
 from engine.config.load import LoadConfig
 from engine.config.model import ModelConfig
+from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
 
@@ -23,3 +24,4 @@ class GlassboxConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)

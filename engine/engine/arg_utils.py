@@ -18,6 +18,7 @@ from engine.config import (
     GlassboxConfig,
     LoadConfig,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -25,7 +26,8 @@ from engine.config import (
 
 @dataclass
 class EngineArgs:
-    model: str
+    # None (or "default") = the embedded SmolLM2-135M-Instruct, converted once.
+    model: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
@@ -48,14 +50,21 @@ class EngineArgs:
     distributed_executor_backend: str | type | None = None
     device: str = "auto"
     disable_log_stats: bool = False
+    trace_path: str | None = None
+    trace_level: str = "off"
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> GlassboxConfig:
+        model = self.model
+        if model is None or model == "default":
+            from engine.model_executor.model_loader.default_model import resolve_model
+
+            model = resolve_model(model)
         model_config = ModelConfig(
-            model=self.model,
+            model=model,
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
             dtype=self.dtype,
@@ -100,4 +109,7 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             device_config=DeviceConfig(device=self.device),
+            observability_config=ObservabilityConfig(
+                trace_path=self.trace_path, trace_level=self.trace_level
+            ),
         )

@@ -38,12 +38,13 @@ _GENERATION_DEFAULT_KEYS = {
 class LLM:
     """Offline inference over one model.
 
-    Every keyword is an ``EngineArgs`` field, under vLLM's name (``block_size``,
+    ``model`` is an HF checkpoint folder (or hub id when online); left out, it
+    is the embedded SmolLM2-135M-Instruct. Every keyword is an ``EngineArgs`` field, under vLLM's name (``block_size``,
     ``enable_prefix_caching``, ``num_gpu_blocks_override``,
     ``max_num_batched_tokens``, ``scheduling_policy``, ...), plus ``device``.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from engine.tracing import NULL_TRACER, Tracer
 from engine.v1.core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
@@ -92,6 +93,7 @@ class BlockPool:
         num_gpu_blocks: int,
         enable_caching: bool,
         hash_block_size: int,
+        tracer: Tracer = NULL_TRACER,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be an integer >= 2, got {num_gpu_blocks!r}")
@@ -105,6 +107,7 @@ class BlockPool:
         # for sliding-window holes and padding); it is taken out for good.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.tracer = tracer
 
     # -- prefix cache -------------------------------------------------------
     def get_cached_block(

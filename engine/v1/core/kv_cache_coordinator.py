@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.tracing import NULL_TRACER, Tracer
 from engine.v1.core.block_pool import BlockPool
 from engine.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from engine.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
@@ -29,12 +30,14 @@ if TYPE_CHECKING:
 
 
 class KVCacheCoordinator(ABC):
-    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool) -> None:
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, enable_caching: bool, tracer: Tracer = NULL_TRACER
+    ) -> None:
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.block_pool = BlockPool(
-            kv_cache_config.num_blocks, enable_caching, hash_block_size=block_size
+            kv_cache_config.num_blocks, enable_caching, hash_block_size=block_size, tracer=tracer
         )
         self.single_type_managers = tuple(
             get_manager_for_kv_cache_spec(
@@ -92,8 +95,10 @@ class KVCacheCoordinator(ABC):
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one KV cache group: every layer shares one block table."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool) -> None:
-        super().__init__(kv_cache_config, enable_caching)
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, enable_caching: bool, tracer: Tracer = NULL_TRACER
+    ) -> None:
+        super().__init__(kv_cache_config, enable_caching, tracer)
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size
 
@@ -111,11 +116,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 def get_kv_cache_coordinator(
-    kv_cache_config: KVCacheConfig, enable_caching: bool
+    kv_cache_config: KVCacheConfig, enable_caching: bool, tracer: Tracer = NULL_TRACER
 ) -> KVCacheCoordinator:
     if len(kv_cache_config.kv_cache_groups) != 1:
         raise ValueError(
             f"Glassbox supports exactly one KV cache group, got "
             f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not implemented)"
         )
-    return UnitaryKVCacheCoordinator(kv_cache_config, enable_caching)
+    return UnitaryKVCacheCoordinator(kv_cache_config, enable_caching, tracer)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.tracing import NULL_TRACER, Tracer
 from engine.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from engine.v1.core.kv_cache_utils import KVCacheBlock
 from engine.v1.kv_cache_interface import KVCacheConfig
@@ -65,12 +66,14 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         log_stats: bool = False,
+        tracer: Tracer = NULL_TRACER,
     ) -> None:
         self.max_model_len = max_model_len
+        self.tracer = tracer
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.coordinator = get_kv_cache_coordinator(kv_cache_config, enable_caching)
+        self.coordinator = get_kv_cache_coordinator(kv_cache_config, enable_caching, tracer)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config

@@ -21,6 +21,7 @@ import logging
 import time
 
 from engine.config import GlassboxConfig
+from engine.tracing import Tracer
 from engine.v1.core.kv_cache_utils import get_kv_cache_config, get_request_block_hasher
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import EngineCoreOutputs, EngineCoreRequest
@@ -38,10 +39,16 @@ class EngineCore:
         glassbox_config: GlassboxConfig,
         executor_class: type[Executor],
         log_stats: bool = True,
+        tracer: Tracer | None = None,
     ) -> None:
         self.glassbox_config = glassbox_config
         self.log_stats = log_stats
-        self.model_executor = executor_class(glassbox_config)
+        if tracer is None:
+            obs = glassbox_config.observability_config
+            tracer = Tracer(obs.trace_path, obs.trace_level)
+        # One tracer per process; the executor's in-process worker shares it.
+        self.tracer = tracer
+        self.model_executor = executor_class(glassbox_config, tracer=tracer)
         try:
             kv_cache_config = self._initialize_kv_caches(glassbox_config)
             self.kv_cache_config = kv_cache_config
@@ -50,6 +57,7 @@ class EngineCore:
                 cache_config=glassbox_config.cache_config,
                 kv_cache_config=kv_cache_config,
                 log_stats=log_stats,
+                tracer=tracer,
             )
         except BaseException:
             # Don't leave a loaded model (or worker processes) behind.
@@ -114,6 +122,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         model_output = self.execute_model_with_error_logging(scheduler_output)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.tracer.lifecycle: self.tracer.flush()  # noqa: E701
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def reset_prefix_cache(self) -> bool:

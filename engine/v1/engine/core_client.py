@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from engine.config import GlassboxConfig
+from engine.tracing import Tracer
 from engine.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from engine.v1.engine.core import EngineCore
 from engine.v1.executor.abstract import Executor
@@ -22,9 +23,12 @@ from engine.v1.executor.abstract import Executor
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(
-        glassbox_config: GlassboxConfig, executor_class: type[Executor], log_stats: bool
+        glassbox_config: GlassboxConfig,
+        executor_class: type[Executor],
+        log_stats: bool,
+        tracer: Tracer | None = None,
     ) -> EngineCoreClient:
-        return InprocClient(glassbox_config, executor_class, log_stats)
+        return InprocClient(glassbox_config, executor_class, log_stats, tracer)
 
     @abstractmethod
     def get_output(self) -> EngineCoreOutputs: ...
@@ -41,9 +45,14 @@ class EngineCoreClient(ABC):
 
 class InprocClient(EngineCoreClient):
     def __init__(
-        self, glassbox_config: GlassboxConfig, executor_class: type[Executor], log_stats: bool
+        self,
+        glassbox_config: GlassboxConfig,
+        executor_class: type[Executor],
+        log_stats: bool,
+        tracer: Tracer | None = None,
     ) -> None:
-        self.engine_core = EngineCore(glassbox_config, executor_class, log_stats)
+        # In-process: front end and core share one tracer (one pid, one file).
+        self.engine_core = EngineCore(glassbox_config, executor_class, log_stats, tracer)
 
     def get_output(self) -> EngineCoreOutputs:
         outputs, _ = self.engine_core.step()

@@ -19,6 +19,7 @@ from engine.config import GlassboxConfig
 from engine.engine.arg_utils import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tracing import Tracer
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine.core_client import EngineCoreClient
 from engine.v1.engine.input_processor import InputProcessor, PromptType
@@ -50,7 +51,15 @@ class LLMEngine:
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = StatLogger(model_config.model) if log_stats else None
-        self.engine_core = EngineCoreClient.make_client(glassbox_config, executor_class, log_stats)
+        obs = glassbox_config.observability_config
+        self.tracer = Tracer(obs.trace_path, obs.trace_level)
+        try:
+            self.engine_core = EngineCoreClient.make_client(
+                glassbox_config, executor_class, log_stats, self.tracer
+            )
+        except BaseException:
+            self.tracer.close()
+            raise
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -132,3 +141,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        self.tracer.close()

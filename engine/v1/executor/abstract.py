@@ -19,6 +19,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from engine.tracing import NULL_TRACER, Tracer
+
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
     from engine.v1.core.sched.output import SchedulerOutput
@@ -27,8 +29,10 @@ if TYPE_CHECKING:
 
 
 class Executor(ABC):
-    def __init__(self, glassbox_config: GlassboxConfig) -> None:
+    def __init__(self, glassbox_config: GlassboxConfig, tracer: Tracer = NULL_TRACER) -> None:
         self.glassbox_config = glassbox_config
+        # The EngineCore process's tracer; in-process workers share it.
+        self.tracer = tracer
         self._init_executor()
 
     @staticmethod

@@ -15,7 +15,9 @@ from engine.v1.worker.gpu_worker import Worker
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.driver_worker: Worker | None = Worker(self.glassbox_config, local_rank=0, rank=0)
+        self.driver_worker: Worker | None = Worker(
+            self.glassbox_config, local_rank=0, rank=0, tracer=self.tracer
+        )
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 

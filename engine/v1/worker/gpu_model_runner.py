@@ -34,6 +34,7 @@ import torch
 
 from engine.config import GlassboxConfig
 from engine.forward_context import set_forward_context
+from engine.tracing import NULL_TRACER, Tracer
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
 from engine.utils.torch_utils import resolve_dtype
@@ -60,8 +61,11 @@ class ExecuteModelState:
 
 
 class GPUModelRunner:
-    def __init__(self, glassbox_config: GlassboxConfig, device: torch.device) -> None:
+    def __init__(
+        self, glassbox_config: GlassboxConfig, device: torch.device, tracer: Tracer = NULL_TRACER
+    ) -> None:
         self.glassbox_config = glassbox_config
+        self.tracer = tracer
         self.model_config = glassbox_config.model_config
         self.cache_config = glassbox_config.cache_config
         self.scheduler_config = glassbox_config.scheduler_config

@@ -24,6 +24,7 @@ import os
 import torch
 
 from engine.config import GlassboxConfig
+from engine.tracing import NULL_TRACER, Tracer
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
 from engine.v1.worker.worker_base import WorkerBase
 
@@ -44,8 +45,15 @@ def cpu_kv_cache_space_bytes() -> int:
 
 
 class Worker(WorkerBase):
-    def __init__(self, glassbox_config: GlassboxConfig, local_rank: int = 0, rank: int = 0) -> None:
+    def __init__(
+        self,
+        glassbox_config: GlassboxConfig,
+        local_rank: int = 0,
+        rank: int = 0,
+        tracer: Tracer = NULL_TRACER,
+    ) -> None:
         super().__init__(glassbox_config, local_rank, rank)
+        self.tracer = tracer
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
 
@@ -60,7 +68,7 @@ class Worker(WorkerBase):
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(self.glassbox_config.model_config.seed)
-        self.model_runner = GPUModelRunner(self.glassbox_config, self.device)
+        self.model_runner = GPUModelRunner(self.glassbox_config, self.device, tracer=self.tracer)
 
     def load_model(self) -> None:
         assert self.model_runner is not None, "init_device() first"

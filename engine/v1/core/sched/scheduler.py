@@ -41,6 +41,7 @@ from collections.abc import Iterable
 
 from engine.config.cache import CacheConfig
 from engine.config.scheduler import SchedulerConfig
+from engine.tracing import NULL_TRACER, Tracer
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.v1.core.sched.interface import SchedulerInterface
 from engine.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -64,8 +65,10 @@ class Scheduler(SchedulerInterface):
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         log_stats: bool = True,
+        tracer: Tracer = NULL_TRACER,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.tracer = tracer
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
@@ -91,6 +94,7 @@ class Scheduler(SchedulerInterface):
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=log_stats,
+            tracer=tracer,
         )
         self.step_counter = 0
         self.num_preemptions_total = 0
