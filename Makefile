@@ -2,13 +2,14 @@
 #   make setup   install system packages, .venv, torch (CPU), glassbox[test]
 #   make test    run the test suite (+ session notebooks via nbval, once any exist)
 #   make run     the main job
+#   make test-gpu  GPU tests + GPU benchmarks, on a CUDA machine (results under $$OUT)
 
 PYTHON := .venv/bin/python
 # Session notebooks, run by nbval only when at least one exists.
 NOTEBOOKS := $(shell find sessions -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort)
 NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env $(NOTEBOOKS))
 
-.PHONY: setup test run
+.PHONY: setup test run test-gpu
 
 setup:
 	bash scripts/setup.sh
@@ -18,3 +19,6 @@ test:
 
 run:
 	.venv/bin/glassbox
+
+test-gpu:
+	bash scripts/gpu_run.sh all

@@ -1,0 +1,79 @@
+"""The engine on CUDA against the engine on CPU and against transformers.
+
+Marked ``gpu``: skipped where torch sees no CUDA device (CI), run by
+``make test-gpu`` on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, initializer_range=0.2,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+def _prompts(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 64, 150, 300, 5][:n]
+    return [{"prompt_token_ids": torch.randint(3, 512, (L,), generator=g).tolist()} for L in lengths]
+
+
+def _generate(model, device, dtype, **kw):
+    llm = LLM(model, skip_tokenizer_init=True, device=device, dtype=dtype,
+              max_model_len=512, num_gpu_blocks_override=256, **kw)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_cuda_fp32_greedy_equals_cpu_fp32(tiny_llama):
+    cpu = _generate(tiny_llama, "cpu", "float32")
+    gpu = _generate(tiny_llama, "cuda", "float32")
+    assert gpu == cpu
+
+
+def test_cuda_fp32_greedy_equals_cpu_with_chunking_and_preemption(tiny_llama):
+    cpu = _generate(tiny_llama, "cpu", "float32")
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32",
+              max_model_len=512, num_gpu_blocks_override=40, max_num_batched_tokens=64)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    metrics = {m.name: m.value for m in llm.get_metrics()}
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == cpu
+    assert metrics["glassbox:num_preemptions"] > 0
+
+
+def test_bf16_logprobs_close_to_transformers_bf16(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompts(1)[0]["prompt_token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.bfloat16).cuda().eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+    ref = torch.log_softmax(logits, -1)
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", max_model_len=512,
+              num_gpu_blocks_override=64)
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
+    llm.shutdown()
+    position = out[0].outputs[0].logprobs[0]
+    for token_id, lp in position.items():
+        assert abs(lp.logprob - ref[token_id].item()) < 5e-2, (token_id, lp.logprob, ref[token_id])
