@@ -1,6 +1,7 @@
 """Engine configuration, one dataclass per concern (vLLM twin: ``vllm/config/``)."""
 
 from engine.config.cache import CacheConfig
+from engine.config.compilation import CompilationConfig, CUDAGraphMode
 from engine.config.device import DeviceConfig
 from engine.config.glassbox import GlassboxConfig
 from engine.config.load import LoadConfig
@@ -11,6 +12,8 @@ from engine.config.scheduler import SchedulerConfig
 
 __all__ = [
     "CacheConfig",
+    "CompilationConfig",
+    "CUDAGraphMode",
     "DeviceConfig",
     "GlassboxConfig",
     "LoadConfig",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config.cache import CacheConfig
+from engine.config.compilation import CompilationConfig
 from engine.config.device import DeviceConfig
 from engine.config.load import LoadConfig
 from engine.config.model import ModelConfig
@@ -25,3 +26,4 @@ class GlassboxConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     GlassboxConfig,
     LoadConfig,
@@ -51,6 +52,8 @@ class EngineArgs:
     device: str = "auto"
     disable_log_stats: bool = False
     trace_path: str | None = None
+    # {"cudagraph_mode": "FULL_DECODE_ONLY" | "NONE", "cudagraph_capture_sizes": [...]}
+    compilation_config: dict[str, Any] | None = None
     trace_level: str = "off"
 
     @classmethod
@@ -82,6 +85,14 @@ class EngineArgs:
             max_num_batched_tokens = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not self.enable_chunked_prefill:
                 max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        if isinstance(self.compilation_config, CompilationConfig):
+            compilation_config = self.compilation_config
+        else:
+            compilation_config = CompilationConfig(**(self.compilation_config or {}))
+        max_num_seqs = (
+            SchedulerConfig.DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs
+        )
+        compilation_config.finalize(max_num_seqs, enforce_eager=self.enforce_eager)
         return GlassboxConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -109,6 +120,7 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             device_config=DeviceConfig(device=self.device),
+            compilation_config=compilation_config,
             observability_config=ObservabilityConfig(
                 trace_path=self.trace_path, trace_level=self.trace_level
             ),

@@ -20,6 +20,11 @@ Events of one process go to one file; in multi-process runs each process
 writes ``<path>.<role>-<pid>.part`` and ``merge_trace_parts`` interleaves them
 by time into ``<path>`` at shutdown.
 
+``replay.py`` rebuilds the scheduler and KV-cache state at any step from a
+trace (``TraceReplay``); ``perfetto.py`` turns a trace into Chrome/Perfetto
+trace-event JSON (``export_perfetto``). The event kinds and their fields are
+documented in ``docs/trace_format.md``.
+
 This package is a leaf: it imports no other Glassbox module.
 Sessions: all (the TUI and notebooks replay these traces).
 """
@@ -86,7 +91,7 @@ class Tracer:
             if self.step is not None and "step" not in fields:
                 record["step"] = self.step
             record.update(fields)
-            self._file.write(json.dumps(record, separators=(",", ":"), default=_jsonable) + "\n")
+            self._file.write(_encode(record) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:
@@ -112,6 +117,9 @@ def _jsonable(obj: Any) -> Any:
         return obj.hex()
     raise TypeError(f"trace field of type {type(obj).__name__} is not JSON serialisable")
 
+
+# One encoder for every event (json.dumps with options builds a new one per call).
+_encode = json.JSONEncoder(separators=(",", ":"), default=_jsonable, check_circular=False).encode
 
 # The tracer of a component built without one: every hook is skipped.
 NULL_TRACER = Tracer()
@@ -140,13 +148,20 @@ def _order_key(event: dict[str, Any]) -> tuple[int, int, int]:
 
 def merge_trace_parts(path: str) -> str:
     """Interleave ``path`` (if it exists) and every ``path.*.part`` by time
-    into ``path``; the part files are removed. Returns ``path``."""
+    into ``path``; the part files are removed. Returns ``path``.
+
+    A ``path`` whose events all precede the parts' first event is the trace
+    of an earlier run under the same name: it is replaced, not merged.
+    """
     sources = sorted(glob.glob(glob.escape(path) + ".*.part"))
     if not sources:
         return path
-    if os.path.exists(path):
-        sources.append(path)
     streams = [sorted(_read_events(p), key=_order_key) for p in sources]
+    if os.path.exists(path):
+        existing = sorted(_read_events(path), key=_order_key)
+        first_part_ts = min((s[0]["ts"] for s in streams if s), default=None)
+        if existing and (first_part_ts is None or existing[-1]["ts"] >= first_part_ts):
+            streams.append(existing)
     tmp = path + ".merging"
     with open(tmp, "w", encoding="utf-8") as out:
         for event in heapq.merge(*streams, key=_order_key):
@@ -165,10 +180,25 @@ def load_trace(path: str) -> list[dict[str, Any]]:
     return sorted(_read_events(path), key=_order_key)
 
 
+# The replay model and the Perfetto export build on the functions above.
+from engine.tracing.perfetto import build_perfetto, export_perfetto  # noqa: E402
+from engine.tracing.replay import (  # noqa: E402
+    EngineState,
+    ReplayError,
+    StepView,
+    TraceReplay,
+)
+
 __all__ = [
     "NULL_TRACER",
+    "EngineState",
+    "ReplayError",
+    "StepView",
     "TraceLevel",
+    "TraceReplay",
     "Tracer",
+    "build_perfetto",
+    "export_perfetto",
     "load_trace",
     "merge_trace_parts",
     "part_path",

@@ -77,3 +77,49 @@ def test_bf16_logprobs_close_to_transformers_bf16(tiny_llama):
     position = out[0].outputs[0].logprobs[0]
     for token_id, lp in position.items():
         assert abs(lp.logprob - ref[token_id].item()) < 5e-2, (token_id, lp.logprob, ref[token_id])
+
+
+def test_cuda_graphs_match_eager(tiny_llama):
+    """FULL_DECODE_ONLY replay gives the same greedy tokens as eager, and the
+    graph path is really taken (the dispatcher captured and chose graphs)."""
+    eager = _generate(tiny_llama, "cuda", "float32", enforce_eager=True)
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32",
+              max_model_len=512, num_gpu_blocks_override=256, max_num_seqs=8)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == eager
+
+
+def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
+    from engine.config.compilation import CUDAGraphMode
+    from engine.engine.arg_utils import EngineArgs
+    from engine.v1.engine.core import EngineCore
+    from engine.v1.executor.abstract import Executor
+    from engine.v1.request import Request
+
+    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32",
+                      max_model_len=512, num_gpu_blocks_override=64, max_num_seqs=4)
+    config = args.create_engine_config()
+    core = EngineCore(config, Executor.get_class(config))
+    runner = core.model_executor.driver_worker.model_runner
+    assert runner.cudagraph_dispatcher.mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert sorted(k.num_tokens for k in runner.cudagraph_dispatcher.captured) == [1, 2, 4]
+    modes = []
+    original = runner.cudagraph_dispatcher.dispatch
+
+    def spy(num_tokens, uniform_decode):
+        result = original(num_tokens, uniform_decode)
+        modes.append((num_tokens, result[0], result[1].num_tokens))
+        return result
+
+    runner.cudagraph_dispatcher.dispatch = spy
+    for i, p in enumerate(_prompts(3)):
+        core.add_request(Request(f"r{i}", p["prompt_token_ids"],
+                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                 block_hasher=core.request_block_hasher))
+    while core.scheduler.has_requests():
+        core.step()
+    core.shutdown()
+    # Three decodes are padded to the 4-graph.
+    assert (3, CUDAGraphMode.FULL, 4) in modes

@@ -16,6 +16,7 @@ Conventions:
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.v1.core.block_pool import BlockPool
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import EngineCoreRequest
+from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
 from engine.v1.metrics.reader import Metric
 from tests.helpers.counting_executor import CountingExecutor
 from tests.helpers.tiny_model import ROLES
@@ -53,8 +55,21 @@ def ids(text: str) -> list[int]:
 
 
 def make_llm(model_dir: str | Path, executor: type = CountingExecutor, **kwargs: Any) -> LLM:
-    """An ``LLM`` over the tiny model, run by ``executor``."""
-    return LLM(str(model_dir), distributed_executor_backend=executor, **kwargs)
+    """An ``LLM`` over the tiny model, run by ``executor``, with EngineCore in
+    this process (GLASSBOX_ENABLE_MULTIPROCESSING=0, as vLLM's own tests do
+    with VLLM_ENABLE_V1_MULTIPROCESSING=0): the tests using it look inside the
+    scheduler and executor objects, and build executor classes on the fly
+    that could not be sent to another process. The multi-process engine is
+    tested in tests/v1/engine/test_core_proc.py."""
+    previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
+    os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
+    try:
+        return LLM(str(model_dir), distributed_executor_backend=executor, **kwargs)
+    finally:
+        if previous is None:
+            del os.environ[ENABLE_MULTIPROCESSING_ENV]
+        else:
+            os.environ[ENABLE_MULTIPROCESSING_ENV] = previous
 
 
 def make_config(model_dir: str | Path, **kwargs: Any) -> GlassboxConfig:

@@ -1,11 +1,31 @@
 """Which attention backend a layer gets (vLLM twin: ``vllm/v1/attention/selector.py``).
 
-Sessions: 05. Today: the plain-torch CPU backend on every device; the GPU
-backends (Triton, FlashInfer) register here when they land.
+Read it for the selection order:
+
+  * CPU  -> ``CPU_ATTN`` (plain torch, ``backends/cpu_attn.py``);
+  * CUDA -> ``FLASHINFER`` when ``engine.v1.attention.backends.flashinfer``
+    imports (it needs the ``flashinfer`` package), else ``TRITON_ATTN``
+    (our Triton kernels, ``backends/triton_attn.py``). vLLM's CUDA platform
+    walks a longer priority list (``_get_backend_priorities`` in
+    ``vllm/platforms/cuda.py``: FLASH_ATTN, FLASHINFER, TRITON_ATTN, ... on
+    Hopper); we have no FlashAttention backend, so ours starts at FlashInfer;
+  * the environment variable ``GLASSBOX_ATTENTION_BACKEND`` overrides the
+    choice with one of ``CPU_ATTN``, ``TRITON_ATTN``, ``FLASHINFER`` (vLLM:
+    ``--attention-backend`` / ``AttentionConfig.backend``).
+
+Backends are imported only when chosen, so a CPU run never imports triton.
+Sessions: 05 (attention backends).
+
+Simpler than vLLM: the name -> class table sits here (vLLM's is
+``AttentionBackendEnum`` in ``backends/registry.py``) and the choice looks at
+the device only -- not head size, dtype, KV-cache dtype, sinks or MLA.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+import os
 from typing import TYPE_CHECKING
 
 from engine.v1.attention.backend import AttentionBackend
@@ -13,8 +33,63 @@ from engine.v1.attention.backend import AttentionBackend
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
 
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKEND_ENV = "GLASSBOX_ATTENTION_BACKEND"
+
+# Backend name -> "module:class" (imported lazily).
+BACKENDS: dict[str, str] = {
+    "CPU_ATTN": "engine.v1.attention.backends.cpu_attn:CPUAttentionBackend",
+    "TRITON_ATTN": "engine.v1.attention.backends.triton_attn:TritonAttentionBackend",
+    "FLASHINFER": "engine.v1.attention.backends.flashinfer:FlashInferBackend",
+}
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module_name, class_name = BACKENDS[name].split(":")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, class_name)
+    except AttributeError:
+        raise ImportError(f"{module_name} defines no {class_name} (backend {name})") from None
+
+
+def _try_load_flashinfer() -> type[AttentionBackend] | None:
+    """The FlashInfer backend, or None when it cannot be imported here."""
+    try:
+        return _load("FLASHINFER")
+    except ImportError as e:
+        logger.debug("FLASHINFER attention backend unavailable (%s); using TRITON_ATTN", e)
+        return None
+
+
+def _check_triton_on_device(device: str) -> None:
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "TRITON_ATTN on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "starting (slow; for study and tests), or use CPU_ATTN"
+        )
+
 
 def get_attn_backend(glassbox_config: GlassboxConfig | None = None) -> type[AttentionBackend]:
-    from engine.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    device = "cpu" if glassbox_config is None else glassbox_config.device_config.resolve()
+    requested = os.environ.get(ATTENTION_BACKEND_ENV)
+    if requested:
+        name = requested.strip()
+        if name not in BACKENDS:
+            raise ValueError(
+                f"{ATTENTION_BACKEND_ENV}={requested!r} is not a backend; valid values: {sorted(BACKENDS)}"
+            )
+        if name == "FLASHINFER" and device != "cuda":
+            raise ValueError(f"{ATTENTION_BACKEND_ENV}=FLASHINFER needs a CUDA device, got device {device!r}")
+        if name == "TRITON_ATTN":
+            _check_triton_on_device(device)
+        # An explicit request fails loudly if the backend cannot be imported.
+        return _load(name)
 
-    return CPUAttentionBackend
+    if device == "cuda":
+        backend = _try_load_flashinfer()
+        if backend is not None:
+            return backend
+        return _load("TRITON_ATTN")
+    return _load("CPU_ATTN")

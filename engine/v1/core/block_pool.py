@@ -14,8 +14,11 @@ Block 0 is the null block: popped at start-up, never handed out, never cached,
 never returned to the free queue.
 Sessions: 03 (KV cache).
 
-Simpler than vLLM: no KV events for external consumers and no residency
-metrics.
+Simpler than vLLM: no KV events for external consumers (vLLM's
+``BlockStored`` / ``BlockRemoved`` for KV-aware routers) and no residency
+metrics. Glassbox's trace events (``kv.init``, ``kv.cached``, ``kv.evicted``,
+``kv.cache_reset``; the per-request ones come from the managers) play a
+similar role for the replay model in ``engine/tracing/replay.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from engine.v1.core.kv_cache_utils import (
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 
@@ -108,6 +113,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.tracer = tracer
+        if self.tracer.lifecycle: self.tracer.emit("kv.init", num_blocks=num_gpu_blocks, block_size=hash_block_size, null_block_id=self.null_block.block_id, enable_caching=enable_caching)  # noqa: E701
 
     # -- prefix cache -------------------------------------------------------
     def get_cached_block(
@@ -151,6 +157,7 @@ class BlockPool:
             key = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
             block.block_hash = key
             self.cached_block_hash_to_block.insert(key, block)
+            if self.tracer.lifecycle: self.tracer.emit("kv.cached", block_id=block.block_id, block_hash=request.block_hashes[i].hex(), kv_cache_group_id=kv_cache_group_id, request_id=request.request_id, block_index=i)  # noqa: E701
 
     # -- allocation -----------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -178,6 +185,7 @@ class BlockPool:
         if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
             return False
         block.reset_hash()
+        if self.tracer.lifecycle: self.tracer.emit("kv.evicted", block_id=block.block_id, block_hash=get_block_hash(key).hex(), kv_cache_group_id=get_group_id(key))  # noqa: E701
         return True
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -205,6 +213,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.reset_hash()
+        if self.tracer.lifecycle: self.tracer.emit("kv.cache_reset")  # noqa: E701
         return True
 
     # -- accounting -------------------------------------------------------------

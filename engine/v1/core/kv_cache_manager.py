@@ -107,6 +107,7 @@ class KVCacheManager:
         hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
+        if self.tracer.lifecycle: self.tracer.emit("kv.cache_hit", request_id=request.request_id, num_cached_tokens=num_hit_tokens, block_ids=[b.block_id for b in hit_blocks[0]], num_tokens=request.num_tokens, num_block_hashes=len(request.block_hashes))  # noqa: E701
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,
@@ -148,6 +149,7 @@ class KVCacheManager:
             request.request_id, num_tokens_need_slot, hit_blocks
         )
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+            if self.tracer.lifecycle: self.tracer.emit("kv.allocation_failed", request_id=request.request_id, num_new_tokens=num_new_tokens, num_blocks_needed=num_blocks_to_allocate, num_free_blocks=self.block_pool.get_num_free_blocks())  # noqa: E701
             return None
 
         if any(hit_blocks):

@@ -16,6 +16,14 @@ sampling knobs interact:
 5. Gather logprobs: for each row the sampled token's raw logprob and rank,
    followed by the top ``max_num_logprobs`` raw logprobs.
 
+Tracing (not in vLLM): given ``trace_req_ids`` (a label per row, None for
+rows not traced), the sampler emits one ``sampler.sampled`` event per traced
+row -- the chosen token and its raw logprob -- and, at trace level ``full``,
+the top candidates and their probabilities after each stage above that ran:
+``raw`` (the model's distribution), ``processed`` (step 3), and for
+non-greedy batches ``temperature``, ``min_p`` and ``top_k_top_p``. The
+stage snapshots are computed on the side and never feed back into sampling.
+
 Sessions: 05.
 
 Simpler than vLLM:
@@ -32,9 +40,12 @@ Simpler than vLLM:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
+from engine.tracing import NULL_TRACER, Tracer
 from engine.v1.sample.metadata import SamplingMetadata
 from engine.v1.sample.ops.bad_words import apply_bad_words
 from engine.v1.sample.ops.penalties import apply_all_penalties
@@ -46,19 +57,29 @@ _SAMPLING_EPS = 1e-5
 
 
 class Sampler(nn.Module):
-    def __init__(self) -> None:
+    # Candidates per stage in ``full`` traces.
+    NUM_TRACE_CANDIDATES = 5
+
+    def __init__(self, tracer: Tracer = NULL_TRACER) -> None:
         super().__init__()
         self.topk_topp_sampler = TopKTopPSampler()
+        self.tracer = tracer
+        # ``full`` tracing only: the traced rows [R] and, per stage that ran
+        # in the current call, (name, top-C probs [R, C], their ids [R, C]).
+        self._trace_rows: torch.Tensor | None = None
+        self._trace_stages: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self,
         logits: torch.Tensor,
         sampling_metadata: SamplingMetadata,
+        trace_req_ids: Sequence[str | None] | None = None,
     ) -> SamplerOutput:
         """logits [N, V] (any float dtype) -> SamplerOutput.
 
         ``sampled_token_ids`` is int32 [N, 1]; ``logprobs_tensors`` is None
         unless ``sampling_metadata.max_num_logprobs`` is set.
+        ``trace_req_ids`` labels rows for trace events (None: row not traced).
         """
         num_rows = len(sampling_metadata.output_token_ids)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
@@ -66,6 +87,9 @@ class Sampler(nn.Module):
                 f"logits must have shape [num_requests={num_rows}, vocab_size], "
                 f"got {tuple(logits.shape)}."
             )
+
+        if self.tracer.full: self._begin_stage_trace(trace_req_ids, logits)  # noqa: E701
+        raw_logits = logits
 
         # 1. Logprobs of the raw model output, before anything below edits it.
         num_logprobs = sampling_metadata.max_num_logprobs
@@ -76,6 +100,7 @@ class Sampler(nn.Module):
 
         # 3. Masks, argmax-changing processors, penalties.
         logits = self.apply_logits_processors(logits, sampling_metadata)
+        if self.tracer.full: self._trace_stage("processed", logits)  # noqa: E701
 
         # 4. Greedy and/or random sampling.
         sampled = self.sample(logits, sampling_metadata)  # int64 [N]
@@ -85,6 +110,8 @@ class Sampler(nn.Module):
         if num_logprobs is not None:
             assert raw_logprobs is not None
             logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
+
+        if self.tracer.lifecycle and trace_req_ids is not None: self._emit_sampled(trace_req_ids, raw_logits, raw_logprobs, sampled, sampling_metadata)  # noqa: E701
 
         return SamplerOutput(
             sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1),
@@ -154,10 +181,12 @@ class Sampler(nn.Module):
         logits = self.apply_temperature(
             logits, sampling_metadata.temperature, sampling_metadata.all_random
         )
+        if self.tracer.full: self._trace_stage("temperature", logits)  # noqa: E701
 
         # Min-p (processors that cannot change the argmax).
         for processor in sampling_metadata.logitsprocs.argmax_invariant:
             logits = processor.apply(logits)
+        if self.tracer.full and sampling_metadata.logitsprocs.argmax_invariant: self._trace_stage("min_p", logits)  # noqa: E701
 
         random_sampled, _ = self.topk_topp_sampler(
             logits,
@@ -165,6 +194,8 @@ class Sampler(nn.Module):
             sampling_metadata.top_k,
             sampling_metadata.top_p,
         )
+        # The top-k / top-p filter masked ``logits`` in place: what the draw used.
+        if self.tracer.full and (sampling_metadata.top_k is not None or sampling_metadata.top_p is not None): self._trace_stage("top_k_top_p", logits)  # noqa: E701
         if greedy_sampled is None:
             return random_sampled
         return torch.where(
@@ -192,3 +223,70 @@ class Sampler(nn.Module):
             logprobs=torch.cat((token_logprobs, topk_logprobs), dim=1),
             selected_token_ranks=ranks,
         )
+
+    # ------------------------------------------------------------------
+    # Tracing (reads the tensors, never changes them)
+    # ------------------------------------------------------------------
+    def _begin_stage_trace(
+        self, trace_req_ids: Sequence[str | None] | None, logits: torch.Tensor
+    ) -> None:
+        self._trace_stages = None
+        if trace_req_ids is None:
+            return
+        rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
+        if not rows:
+            return
+        self._trace_rows = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        self._trace_stages = []
+        self._trace_stage("raw", logits)
+
+    def _trace_stage(self, stage: str, logits: torch.Tensor) -> None:
+        """Keep the top candidates of the traced rows as this stage left them."""
+        if self._trace_stages is None or self._trace_rows is None:
+            return
+        probs = logits.index_select(0, self._trace_rows).softmax(dim=-1, dtype=torch.float32)
+        k = min(self.NUM_TRACE_CANDIDATES, probs.shape[-1])
+        top_probs, top_ids = probs.topk(k, dim=-1)
+        self._trace_stages.append((stage, top_probs, top_ids))
+
+    def _emit_sampled(
+        self,
+        trace_req_ids: Sequence[str | None],
+        raw_logits: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        sampled: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+    ) -> None:
+        """One ``sampler.sampled`` event per traced row."""
+        rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=sampled.device)
+        tokens = sampled.index_select(0, index)
+        if raw_logprobs is None:
+            row_logprobs = self.compute_logprobs(raw_logits.index_select(0, index))
+        else:
+            row_logprobs = raw_logprobs.index_select(0, index)
+        chosen = row_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        greedy = (sampling_metadata.temperature.index_select(0, index) < _SAMPLING_EPS).tolist()
+        token_list, logprob_list = tokens.tolist(), chosen.tolist()
+        stages = None
+        if self.tracer.full and self._trace_stages is not None:
+            ranks = (row_logprobs >= chosen.unsqueeze(-1)).sum(dim=-1).tolist()
+            stages = [(name, p.tolist(), t.tolist()) for name, p, t in self._trace_stages]
+            self._trace_stages = self._trace_rows = None
+        for j, row in enumerate(rows):
+            fields = dict(
+                request_id=trace_req_ids[row],
+                row=row,
+                token_id=token_list[j],
+                logprob=logprob_list[j],
+                greedy=greedy[j],
+            )
+            if stages is not None:
+                fields["rank"] = ranks[j]
+                fields["stages"] = [
+                    {"stage": name, "token_ids": ids[j], "probs": probs[j]}
+                    for name, probs, ids in stages
+                ]
+            self.tracer.emit("sampler.sampled", **fields)

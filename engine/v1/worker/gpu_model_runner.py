@@ -19,8 +19,20 @@ Read it for one step of the worker:
      still in the middle of their prompt (a chunked prefill) throw theirs away.
 Sessions: 04 (worker).
 
-Simpler than vLLM: no CUDA graphs, speculative decoding, LoRA, multimodal,
-pipeline parallelism or async output copies (yet).
+Tracing: ``runner.batch`` (the flattened batch: rows, query lengths,
+positions, slot ranges, attention backend, CUDA graph mode), ``runner.forward``
+(wall time of the model call and logits), at ``full`` also ``runner.inputs``
+(the input tensors in summary); the sampler gets the tracer and the request
+id of every row whose sample is kept.
+
+CUDA graphs (``capture_model``, ``_dispatch_cudagraph``): on CUDA with a
+backend that supports them, pure-decode batches replay a FULL graph captured
+at the next capture size (FULL_DECODE_ONLY); the inputs and the attention
+metadata live in persistent buffers whose *contents* change each step, and
+padding rows get slot -1 and zero-length requests. Mixed batches run eagerly.
+
+Simpler than vLLM: no piecewise graphs (they need torch.compile), speculative
+decoding, LoRA, multimodal, pipeline parallelism or async output copies.
 """
 
 from __future__ import annotations
@@ -33,12 +45,14 @@ import numpy as np
 import torch
 
 from engine.config import GlassboxConfig
+from engine.config.compilation import CUDAGraphMode
 from engine.forward_context import set_forward_context
 from engine.tracing import NULL_TRACER, Tracer
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
 from engine.utils.torch_utils import resolve_dtype
 from engine.v1.attention.backend import CommonAttentionMetadata
+from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -78,7 +92,7 @@ class GPUModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(tracer=tracer)
         self.execute_model_state: ExecuteModelState | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -88,8 +102,22 @@ class GPUModelRunner:
         # Host staging buffers, reused every step (vLLM keeps pinned CPU
         # tensors plus device twins; numpy views keep the maths readable).
         self.arange_np = np.arange(max(self.max_num_reqs, self.max_num_tokens) + 1, dtype=np.int64)
-        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_num_tokens, dtype=torch.long, device=device)
+        # Device buffers with fixed addresses: CUDA graphs replay reads from
+        # them, so each step copies its values in rather than making new tensors.
+        n = max(self.max_num_tokens, self.max_num_reqs)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        # Pinned host staging makes the host->device copies asynchronous.
+        self.pin_memory = device.type == "cuda"
+        self._pinned: dict[int, torch.Tensor] = {}
+
+        compilation_config = glassbox_config.compilation_config
+        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config)
+        # key -> (graph, its output hidden states), filled by capture_model().
+        self.cudagraphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------
     # Set-up
@@ -122,6 +150,10 @@ class GPUModelRunner:
         backend = next(iter(self.attn_layers.values())).attn_backend
         self.attn_backend = backend
         self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
+        if self.device.type != "cuda" or not backend.supports_cudagraph:
+            # Graphs need CUDA and a backend that never syncs with the host.
+            self.cudagraph_dispatcher.mode = CUDAGraphMode.NONE
+        if self.tracer.lifecycle: self.tracer.emit("runner.init", model=self.model_config.model, architecture=type(self.model).__name__, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), attn_backend=backend.get_name(), num_layers=len(self.kv_caches), num_blocks=kv_cache_config.num_blocks, block_size=self.block_size, kv_cache_shape=list(self.kv_caches[0].shape) if self.kv_caches else [])  # noqa: E701
 
     # ------------------------------------------------------------------
     # 1. Apply the scheduler's deltas
@@ -207,22 +239,44 @@ class GPUModelRunner:
         seq_lens_np = (num_computed + num_scheduled).astype(np.int32)
         slot_mapping_np = batch.block_table.compute_slot_mapping(req_indices, positions_np)
 
-        self.input_ids[:total].copy_(torch.from_numpy(input_ids_np), non_blocking=True)
-        self.positions[:total].copy_(torch.from_numpy(positions_np), non_blocking=True)
-        query_start_loc_cpu = torch.from_numpy(query_start_loc_np)
-        seq_lens_cpu = torch.from_numpy(seq_lens_np)
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc_cpu.to(self.device, non_blocking=True),
-            query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
-            seq_lens_cpu=seq_lens_cpu,
-            num_reqs=num_reqs,
-            num_actual_tokens=total,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            block_table_tensor=batch.block_table.commit_block_table(num_reqs),
-            slot_mapping=torch.from_numpy(slot_mapping_np).to(self.device, non_blocking=True),
+        max_query_len = int(num_scheduled.max())
+        # CUDA graph choice: a pure-decode batch may be padded to a captured size.
+        cudagraph_mode, batch_desc = self.cudagraph_dispatcher.dispatch(
+            total, uniform_decode=(max_query_len == 1 and total == num_reqs)
         )
+        padded = batch_desc.num_tokens if cudagraph_mode == CUDAGraphMode.FULL else total
+        if padded > total:
+            # Padding tokens: id 0 at position 0, written nowhere (slot -1);
+            # padding requests: zero query tokens, zero context.
+            pad = padded - total
+            input_ids_np = np.concatenate([input_ids_np, np.zeros(pad, dtype=input_ids_np.dtype)])
+            positions_np = np.concatenate([positions_np, np.zeros(pad, dtype=positions_np.dtype)])
+            slot_mapping_np = np.concatenate([slot_mapping_np, np.full(pad, -1, dtype=np.int64)])
+            query_start_loc_np = np.concatenate(
+                [query_start_loc_np, np.full(pad, total, dtype=np.int32)]
+            )
+            seq_lens_np = np.concatenate([seq_lens_np, np.zeros(pad, dtype=np.int32)])
+        num_rows = num_reqs + (padded - total)
+
+        self._copy_to_device(self.input_ids, input_ids_np)
+        self._copy_to_device(self.positions, positions_np)
+        self._copy_to_device(self.query_start_loc, query_start_loc_np)
+        self._copy_to_device(self.seq_lens, seq_lens_np)
+        self._copy_to_device(self.slot_mapping, slot_mapping_np)
+        batch.block_table.commit_block_table(num_reqs)
+        common = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[: num_rows + 1],
+            query_start_loc_cpu=torch.from_numpy(query_start_loc_np[: num_reqs + 1]),
+            seq_lens=self.seq_lens[:num_rows],
+            seq_lens_cpu=torch.from_numpy(seq_lens_np[:num_reqs]),
+            num_reqs=num_rows,
+            num_actual_tokens=padded,
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens_np.max()),
+            block_table_tensor=batch.block_table.block_table[:num_rows],
+            slot_mapping=self.slot_mapping[:padded],
+        )
+        self._step_cudagraph = (cudagraph_mode, batch_desc)
         # The logits we need: each request's last scheduled token.
         logits_indices = torch.from_numpy(cu_num_tokens - 1).to(self.device, non_blocking=True)
         # A request whose context still stops short of its known tokens is in
@@ -230,11 +284,26 @@ class GPUModelRunner:
         discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens[i]]
         return common, total, logits_indices, discard_rows
 
+    def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """numpy -> persistent device buffer. On CUDA through a persistent
+        pinned host twin, so the copy is asynchronous (the previous step's
+        copy has finished: sampling synchronised)."""
+        host = torch.from_numpy(src)
+        if self.pin_memory:
+            pinned = self._pinned.get(id(dst))
+            if pinned is None:
+                pinned = self._pinned[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+            pinned[: len(src)].copy_(host)
+            host = pinned[: len(src)]
+        dst[: len(src)].copy_(host, non_blocking=True)
+
     # ------------------------------------------------------------------
     # 3. Forward
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # Worker and sampler events belong to the scheduler's step.
+        if self.tracer.lifecycle: self.tracer.set_step(scheduler_output.step)  # noqa: E701
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -243,9 +312,25 @@ class GPUModelRunner:
         metadata = self.attn_metadata_builder.build(common)
         # Every layer reads the same metadata (one KV cache group).
         attn_metadata = {name: metadata for name in self.attn_layers}
-        with set_forward_context(attn_metadata, self.glassbox_config, step=scheduler_output.step):
-            hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+        mode, batch_desc = self._step_cudagraph
+        cudagraph_mode = mode.name
+        if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, logits_indices, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
+        forward_start_ns = time.perf_counter_ns() if self.tracer.lifecycle else 0
+        if mode == CUDAGraphMode.FULL:
+            # Replay: the graph reads this step's values from the buffers.
+            graph, graph_hidden = self.cudagraphs[batch_desc]
+            graph.replay()
+            hidden_states = graph_hidden[:num_tokens]
+        else:
+            with set_forward_context(
+                attn_metadata,
+                self.glassbox_config,
+                cudagraph_runtime_mode=cudagraph_mode,
+                step=scheduler_output.step,
+            ):
+                hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
         logits = self.model.compute_logits(hidden_states[logits_indices])
+        if self.tracer.lifecycle: self._trace_forward(scheduler_output.step, forward_start_ns, num_tokens, logits)  # noqa: E701
         self.execute_model_state = ExecuteModelState(
             scheduler_output, logits, list(self.input_batch.req_ids), discard_rows
         )
@@ -270,7 +355,12 @@ class GPUModelRunner:
             state.logits.shape[-1],
             self.device,
         )
-        sampler_output = self.sampler(state.logits, metadata)
+        trace_req_ids = (
+            [None if i in state.discard_rows else r for i, r in enumerate(state.req_ids)]
+            if self.tracer.lifecycle
+            else None
+        )
+        sampler_output = self.sampler(state.logits, metadata, trace_req_ids=trace_req_ids)
         sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()
         logprobs = (
             sampler_output.logprobs_tensors.tolists()
@@ -304,6 +394,141 @@ class GPUModelRunner:
         )
 
     # ------------------------------------------------------------------
+    # Tracing (reads the step's inputs, never changes them)
+    # ------------------------------------------------------------------
+    def _trace_batch(
+        self,
+        scheduler_output: SchedulerOutput,
+        common: CommonAttentionMetadata,
+        num_tokens: int,
+        logits_indices: torch.Tensor,
+        discard_rows: list[int],
+        cudagraph_mode: str,
+        num_tokens_padded: int | None = None,
+    ) -> None:
+        """``runner.batch``: how this step's tokens were laid out."""
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        query_start_loc = common.query_start_loc_cpu.tolist()
+        query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(req_ids))]
+        seq_lens = common.seq_lens_cpu.tolist()
+        block_table = batch.block_table.block_table_np
+        slots = []
+        for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+            # Runs of consecutive slots: [block id, first offset in it, count].
+            runs = []
+            pos, end = seq_len - query_len, seq_len
+            while pos < end:
+                block_index, offset = divmod(pos, self.block_size)
+                n = min(self.block_size - offset, end - pos)
+                runs.append([int(block_table[row, block_index]), offset, n])
+                pos += n
+            slots.append(runs)
+        self.tracer.emit(
+            "runner.batch",
+            step=scheduler_output.step,
+            num_reqs=len(req_ids),
+            num_tokens=num_tokens,
+            num_tokens_padded=num_tokens_padded if num_tokens_padded is not None else num_tokens,
+            attn_backend=self.attn_backend.get_name(),
+            cudagraph_mode=cudagraph_mode,
+            req_ids=req_ids,
+            query_lens=query_lens,
+            num_computed_tokens=[s - q for s, q in zip(seq_lens, query_lens)],
+            seq_lens=seq_lens,
+            slot_mapping=slots,
+            discard_req_ids=[req_ids[i] for i in discard_rows],
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+        )
+        if self.tracer.full:
+            self.tracer.emit(
+                "runner.inputs",
+                step=scheduler_output.step,
+                input_ids=_tensor_summary(self.input_ids[:num_tokens]),
+                positions=_tensor_summary(self.positions[:num_tokens]),
+                query_start_loc=_tensor_summary(common.query_start_loc_cpu),
+                seq_lens=_tensor_summary(common.seq_lens_cpu),
+                slot_mapping=_tensor_summary(common.slot_mapping),
+                block_table=_tensor_summary(common.block_table_tensor),
+                logits_indices=_tensor_summary(logits_indices),
+            )
+
+    def _trace_forward(
+        self, step: int, start_ns: int, num_tokens: int, logits: torch.Tensor
+    ) -> None:
+        """``runner.forward``: wall time of the model call plus ``compute_logits``.
+
+        On CUDA the clock is read after a synchronize, so the time is the
+        device's; it costs nothing extra because sampling syncs right after.
+        """
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        duration_ns = time.perf_counter_ns() - start_ns
+        self.tracer.emit(
+            "runner.forward", step=step, duration_ns=duration_ns, num_tokens=num_tokens,
+            num_logits=int(logits.shape[0]),
+        )
+
+    # ------------------------------------------------------------------
+    # CUDA graphs
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_model(self) -> int:
+        """Capture one FULL graph per decode capture size (largest first, so
+        smaller graphs reuse its memory pool). Returns how many were captured.
+
+        Each capture runs the model on a dummy decode batch: every row is a
+        one-token request at position 0 whose slot is -1 (nothing written)
+        and whose one-token context is the null block, block 0. A warm-up
+        eager run first makes any lazily allocated workspace exist, so the
+        graph records no allocation.
+        """
+        keys = self.cudagraph_dispatcher.decode_keys()
+        if not keys or self.device.type != "cuda" or self.model is None:
+            return 0
+        assert self.attn_metadata_builder is not None
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self.input_batch.block_table.block_table.zero_()
+        for key in sorted(keys, key=lambda k: -k.num_tokens):
+            n = key.num_tokens
+            self.input_ids[:n].zero_()
+            self.positions[:n].zero_()
+            self.slot_mapping[:n].fill_(-1)
+            self.query_start_loc[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32))
+            self.seq_lens[:n].fill_(1)
+            common = CommonAttentionMetadata(
+                query_start_loc=self.query_start_loc[: n + 1],
+                query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
+                seq_lens=self.seq_lens[:n],
+                seq_lens_cpu=torch.ones(n, dtype=torch.int32),
+                num_reqs=n,
+                num_actual_tokens=n,
+                max_query_len=1,
+                max_seq_len=1,
+                block_table_tensor=self.input_batch.block_table.block_table[:n],
+                slot_mapping=self.slot_mapping[:n],
+            )
+            metadata = self.attn_metadata_builder.build(common)
+            attn_metadata = {name: metadata for name in self.attn_layers}
+            with set_forward_context(attn_metadata, self.glassbox_config, cudagraph_runtime_mode="FULL"):
+                self.model(self.input_ids[:n], self.positions[:n])  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(self.input_ids[:n], self.positions[:n])
+            self.cudagraphs[key] = (graph, hidden)
+            self.cudagraph_dispatcher.captured.add(key)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d CUDA graphs (sizes %s) in %.1fs",
+            len(keys), [k.num_tokens for k in keys], time.perf_counter() - start,
+        )
+        if self.tracer.lifecycle: self.tracer.emit("runner.cudagraphs", mode=self.cudagraph_dispatcher.mode.name, sizes=[k.num_tokens for k in keys], seconds=time.perf_counter() - start)  # noqa: E701
+        return len(keys)
+
+    # ------------------------------------------------------------------
     # Profiling
     # ------------------------------------------------------------------
     @torch.inference_mode()
@@ -315,3 +540,24 @@ class GPUModelRunner:
         with set_forward_context(None, self.glassbox_config):
             hidden = self.model(self.input_ids[:n], self.positions[:n])
         self.model.compute_logits(hidden[: min(n, self.max_num_reqs)])
+
+
+# Values kept per tensor in ``runner.inputs`` (the head; the tail too when longer).
+_SUMMARY_VALUES = 32
+
+
+def _tensor_summary(t: torch.Tensor) -> dict:
+    """Shape, dtype, range and the first/last values of a tensor, for traces."""
+    flat = t.detach().reshape(-1)
+    summary: dict = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if flat.numel():
+        summary["min"] = flat.min().item()
+        summary["max"] = flat.max().item()
+    if t.dim() == 2 and t.shape[0] * t.shape[1] <= 4 * _SUMMARY_VALUES:
+        summary["values"] = t.tolist()
+    elif flat.numel() <= 2 * _SUMMARY_VALUES:
+        summary["values"] = flat.tolist()
+    else:
+        summary["head"] = flat[:_SUMMARY_VALUES].tolist()
+        summary["tail"] = flat[-_SUMMARY_VALUES:].tolist()
+    return summary

@@ -106,6 +106,12 @@ class Worker(WorkerBase):
     def initialize_from_config(self, kv_cache_config) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        self.compile_or_warm_up_model()
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture CUDA graphs (a no-op on the CPU or with enforce_eager)."""
+        assert self.model_runner is not None
+        self.model_runner.capture_model()
 
     def execute_model(self, scheduler_output):
         assert self.model_runner is not None

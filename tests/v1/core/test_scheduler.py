@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config.scheduler import SchedulerConfig
+from engine.v1.core.kv_cache_utils import get_request_block_hasher
 from engine.v1.core.sched.request_queue import SchedulingPolicy
 from engine.v1.engine import EngineCoreEventType, FinishReason
 from engine.v1.outputs import LogprobsLists, ModelRunnerOutput
@@ -174,6 +176,7 @@ def test_budget_never_exceeded_with_many_prompts():
     for i, n in enumerate(lengths):
         sched.add_request(make_request(f"r{i}", prompt(n, 1000 * (i + 1)), max_tokens=4))
     num_steps = 0
+    total_work = 0
     while sched.has_unfinished_requests():
         step = run_step(sched)
         num_steps += 1
@@ -181,10 +184,14 @@ def test_budget_never_exceeded_with_many_prompts():
         assert sum(scheduled.values()) == step.scheduler_output.total_num_scheduled_tokens
         assert 0 < step.scheduler_output.total_num_scheduled_tokens <= budget
         assert all(n > 0 for n in scheduled.values())
+        total_work += step.scheduler_output.total_num_scheduled_tokens
         assert num_steps < 100
-    # Every prompt token and every decode input was computed exactly once:
-    # total work = sum(prompts) + 3 decode steps per request (4 outputs, the
-    # first sampled off the prompt), spread over budget-limited steps.
+    # Every prompt token and every decode input was computed exactly once (no
+    # preemption, no shared prefixes): sum(prompts) = 386, plus 3 decode
+    # steps per request (4 outputs, the first one sampled off the prompt).
+    assert total_work == sum(lengths) + 3 * len(lengths) == 410
+    # 410 tokens at <= 48 per step take at least 9 steps.
+    assert num_steps >= 9
     assert num_free(sched) == 199
 
 
@@ -209,8 +216,6 @@ def test_long_prefill_token_threshold_clamps_each_request():
 
 
 def test_chunked_prefill_off_requires_budget_of_max_model_len():
-    from engine.config.scheduler import SchedulerConfig
-
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_model_len=256, max_num_batched_tokens=128, enable_chunked_prefill=False)
     # Equal is fine.
@@ -419,36 +424,82 @@ def test_fcfs_request_preempts_itself_when_it_is_last():
     assert num_free(sched) == 2
 
 
+def test_resumed_request_recomputes_in_chunks():
+    # Budget 16 and no prefix caching: B is preempted in the middle of its
+    # prompt and then recomputed chunk by chunk.
+    sched = make_scheduler(
+        num_blocks=5, max_model_len=64, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    sched.add_request(make_request("A", prompt(31, 1000), max_tokens=4))
+    sched.add_request(make_request("B", prompt(20, 2000), max_tokens=10))
+    req_b = sched.requests["B"]
+    expected = [
+        {"A": 16},  # A -> [1]
+        {"A": 15, "B": 1},  # A -> [1, 2] and samples; B -> [3]
+        {"A": 1, "B": 15},  # both inside their blocks; B now at 16 of 20
+    ]
+    for want in expected:
+        assert run_step(sched).scheduler_output.num_scheduled_tokens == want
+    assert num_free(sched) == 1
+
+    # A's 33rd token takes block 4; B's next 4 tokens need a 2nd block, none
+    # is left, and B is the last running request: it preempts itself.
+    out = run_step(sched).scheduler_output
+    assert out.num_scheduled_tokens == {"A": 1}
+    assert out.preempted_req_ids == {"B"}
+    assert req_b.num_output_tokens == 0
+
+    # B resumes with 15 of its 20 tokens: still a chunk, so it samples nothing.
+    step = run_step(sched)
+    out = step.scheduler_output
+    assert out.num_scheduled_tokens == {"A": 1, "B": 15}
+    assert out.scheduled_cached_reqs.resumed_req_ids == {"B"}
+    assert out.scheduled_cached_reqs.all_token_ids == {"B": prompt(20, 2000)}
+    assert out.scheduled_new_reqs == []
+    assert req_b.is_prefill_chunk
+    assert "B" not in step.outputs
+    assert step.outputs["A"].finish_reason == FinishReason.LENGTH  # 4th token
+
+    # The rest of the recompute: a plain cached request again.
+    step = run_step(sched)
+    cached = step.scheduler_output.scheduled_cached_reqs
+    assert step.scheduler_output.num_scheduled_tokens == {"B": 5}
+    assert cached.resumed_req_ids == set() and cached.all_token_ids == {}
+    assert cached.num_computed_tokens == [15]
+    assert not req_b.is_prefill_chunk
+    assert step.outputs["B"].new_token_ids == [TOK]
+
+
 def test_priority_preempts_worst_priority_then_latest_arrival():
     # 7 blocks -> 6 usable.
     sched = make_scheduler(num_blocks=7, max_model_len=64, policy="priority")
     assert sched.policy == SchedulingPolicy.PRIORITY
-    sched.add_request(make_request("A", prompt(20, 1000), priority=1, arrival_time=2.0))
-    run_step(sched)  # A: 2 blocks
-    sched.add_request(make_request("B", prompt(20, 2000), priority=1, arrival_time=1.0))
+    sched.add_request(make_request("B", prompt(20, 1000), priority=1, arrival_time=1.0))
+    run_step(sched)  # B: 2 blocks
+    sched.add_request(make_request("A", prompt(20, 2000), priority=1, arrival_time=2.0))
     sched.add_request(make_request("H", prompt(31, 3000), priority=0, arrival_time=3.0))
 
-    # H (priority 0) is admitted before B; the pool is then full.
+    # H (priority 0) is admitted before A; the pool is then full.
     step = run_step(sched)
     assert list(step.scheduler_output.num_scheduled_tokens.items()) == [
-        ("A", 1), ("H", 31), ("B", 20),
+        ("B", 1), ("H", 31), ("A", 20),
     ]
-    assert running_ids(sched) == ["A", "H", "B"]
+    assert running_ids(sched) == ["B", "H", "A"]
     assert num_free(sched) == 0
     run_step(sched)  # everyone decodes inside their blocks; H now has 33 tokens
 
-    # H needs a 3rd block. The victim is max(priority, arrival_time): A and B
-    # share priority 1, A arrived later (2.0 > 1.0) -> A, although it is first
-    # in the running list and was already scheduled this step.
+    # H needs a 3rd block. The victim is max(priority, arrival_time): B and A
+    # share priority 1 and A arrived later (2.0 > 1.0) -> A, although B comes
+    # first in the running list.
     step = run_step(sched)
     out = step.scheduler_output
     assert out.preempted_req_ids == {"A"}
-    assert out.num_scheduled_tokens == {"H": 1, "B": 1}
+    assert out.num_scheduled_tokens == {"B": 1, "H": 1}
     assert out.total_num_scheduled_tokens == 2
-    assert out.scheduled_cached_reqs.req_ids == ["H", "B"]
+    assert out.scheduled_cached_reqs.req_ids == ["B", "H"]
     assert sched.requests["A"].status == RequestStatus.PREEMPTED
     assert sched.requests["A"].num_computed_tokens == 0
-    assert running_ids(sched) == ["H", "B"] and waiting_ids(sched) == ["A"]
+    assert running_ids(sched) == ["B", "H"] and waiting_ids(sched) == ["A"]
     assert num_free(sched) == 1  # A's 2 blocks back, H took one
     assert "A" not in step.outputs
 
@@ -895,8 +946,6 @@ def test_cached_request_data_new_block_on_boundary():
 # EngineCoreOutputs: per-client grouping, stats, logprobs
 # ---------------------------------------------------------------------------
 def _request_for_client(req_id, tokens, client_index, **params):
-    from engine.v1.core.kv_cache_utils import get_request_block_hasher
-
     return Request(
         req_id,
         tokens,

@@ -86,6 +86,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.pending_finished: set[str] = set()
         self.next_id = 0
         self.clock = 0.0
+        # Requests the worker has been told about (NewRequestData sent once).
+        self.ever_scheduled: set[str] = set()
+        self.prev_scheduled: set[str] = set()
 
     # ------------------------------------------------------------------ set-up
     @initialize(
@@ -152,18 +155,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix = prefix[:prefix_len]
         tokens = (prefix + suffix)[: self.max_model_len - 1] or [VOCAB[0]]
         max_tokens = data.draw(st.sampled_from([40, 24, 17, 8, 3, 1]), label="max_tokens")
-        # As the OpenAI front end does, min_tokens never asks for more tokens
-        # than the context window has left.
+        # min_tokens stays within the room left in the context window. Past
+        # it a request could neither stop (min_tokens not yet met, so the
+        # length check is never reached) nor be scheduled (its next position
+        # would be max_model_len): it would stay RUNNING forever. vLLM's
+        # check_stop has the same order, so the input must keep it in range.
         room = self.max_model_len - len(tokens)
         min_tokens = data.draw(st.integers(0, min(max_tokens, room, 3)), label="min_tokens")
         ignore_eos = data.draw(st.booleans(), label="ignore_eos") and data.draw(st.booleans())
         use_stop = data.draw(st.booleans(), label="use_stop")
         priority = data.draw(st.integers(0, 3), label="priority")
-        # Arrival times are distinct. With an exact (priority, arrival_time)
-        # tie the PRIORITY victim is simply the first such request in the
-        # running list -- the same rule as vLLM -- and two tied requests can
-        # then preempt each other forever (see the report of this test suite);
-        # the drain's liveness check would flag that.
+        # Arrival times are distinct (priorities still tie). On an exact
+        # (priority, arrival_time) tie -- e.g. the n > 1 children of one
+        # request -- the PRIORITY victim is simply the first tied request in
+        # the running list, i.e. the one furthest along, exactly as in vLLM;
+        # with a long_prefill_token_threshold two tied requests can then
+        # preempt each other forever, which the drain's liveness check flags.
         self.clock += 1.0
 
         req_id = f"r{self.next_id}"
@@ -231,6 +238,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ a step
     def _step(self, pick_token, abort_in_flight):
         sched = self.sched
+        preempted_before = {
+            r.request_id for r in sched.waiting if r.status == RequestStatus.PREEMPTED
+        }
         out = sched.schedule()
 
         assert out.finished_req_ids == self.pending_finished
@@ -247,7 +257,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         cached = out.scheduled_cached_reqs
         assert len(set(new_ids) | set(cached.req_ids)) == len(new_ids) + len(cached.req_ids)
         assert set(new_ids) | set(cached.req_ids) == set(scheduled)
-        assert cached.resumed_req_ids <= set(cached.req_ids)
+        # The diff protocol: full request data exactly once, the first time it
+        # is scheduled; a preempted request comes back as "resumed"; full token
+        # lists go to every cached request the worker did not see last step.
+        assert not set(new_ids) & self.ever_scheduled
+        assert set(cached.req_ids) <= self.ever_scheduled
+        assert cached.resumed_req_ids == set(cached.req_ids) & preempted_before
+        assert set(cached.all_token_ids) == set(cached.req_ids) - self.prev_scheduled
+        assert len(cached.new_block_ids) == len(cached.num_computed_tokens) == cached.num_reqs
+        self.ever_scheduled |= set(scheduled)
+        self.prev_scheduled = set(scheduled)
         assert not (out.preempted_req_ids & set(scheduled))
         if out.preempted_req_ids:
             # Nobody is admitted in a step that preempted.

@@ -89,6 +89,7 @@ class Scheduler(SchedulerInterface):
         # Requests that were scheduled in the previous step (for CachedRequestData).
         self.prev_step_scheduled_req_ids: set[str] = set()
 
+        if self.tracer.lifecycle: self.tracer.emit("engine.config", **self._trace_config())  # noqa: E701
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
@@ -115,6 +116,8 @@ class Scheduler(SchedulerInterface):
         threshold = self.scheduler_config.long_prefill_token_threshold
         scheduled_timestamp = time.monotonic()
         self.step_counter += 1
+        # KV and scheduler events from here until the next schedule() belong to this step.
+        if self.tracer.lifecycle: self.tracer.set_step(self.step_counter)  # noqa: E701
 
         # -- 1. RUNNING requests -------------------------------------------
         req_index = 0
@@ -139,7 +142,13 @@ class Scheduler(SchedulerInterface):
                     break
                 # Out of blocks: preempt someone and retry.
                 if self.policy == SchedulingPolicy.PRIORITY:
-                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    # Worst (priority, arrival). Ties are broken by request id
+                    # (vLLM takes the first tied request, which lets two tied
+                    # requests -- e.g. the n > 1 children of one request --
+                    # preempt each other forever on a tight pool).
+                    victim = max(
+                        self.running, key=lambda r: (r.priority, r.arrival_time, r.request_id)
+                    )
                     self.running.remove(victim)
                     if victim in scheduled_running_reqs:
                         # Already scheduled earlier in this loop: refund it.
@@ -151,6 +160,7 @@ class Scheduler(SchedulerInterface):
                     victim = self.running.pop()
                 self._preempt_request(victim, scheduled_timestamp)
                 preempted_reqs.append(victim)
+                if self.tracer.lifecycle: self.tracer.emit("sched.preempted", request_id=victim.request_id, for_request_id=request.request_id, num_tokens=victim.num_tokens, num_output_tokens=victim.num_output_tokens, num_preemptions=victim.num_preemptions)  # noqa: E701
                 if victim is request:
                     break
 
@@ -224,6 +234,7 @@ class Scheduler(SchedulerInterface):
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
+                if self.tracer.lifecycle: self.tracer.emit("sched.admitted", request_id=request.request_id, resumed=request in scheduled_resumed_reqs, num_computed_tokens=num_computed_tokens, num_new_tokens=num_new_tokens, num_tokens=request.num_tokens)  # noqa: E701
 
         # -- 3. Build the output ------------------------------------------------
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -258,7 +269,50 @@ class Scheduler(SchedulerInterface):
             step=self.step_counter,
         )
         self._update_after_schedule(scheduler_output)
+        if self.tracer.lifecycle: self.tracer.emit("sched.step", **self._trace_step(scheduler_output, token_budget, scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs, scheduled_timestamp))  # noqa: E701
         return scheduler_output
+
+    def _trace_config(self) -> dict:
+        """Fields of the ``engine.config`` trace event (the settings a replay needs)."""
+        sc, cc = self.scheduler_config, self.cache_config
+        return dict(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=self.max_num_scheduled_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            long_prefill_token_threshold=sc.long_prefill_token_threshold,
+            policy=self.policy.value,
+            block_size=self.block_size,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            num_gpu_blocks=self.kv_cache_config.num_blocks,
+        )
+
+    def _trace_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        token_budget_left: int,
+        new_reqs: list[Request],
+        resumed_reqs: list[Request],
+        running_reqs: list[Request],
+        scheduled_timestamp: float,
+    ) -> dict:
+        """Fields of the ``sched.step`` trace event: one step's decisions."""
+        return dict(
+            token_budget=self.max_num_scheduled_tokens,
+            token_budget_left=token_budget_left,
+            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
+            total_num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            new_req_ids=[r.request_id for r in new_reqs],
+            resumed_req_ids=[r.request_id for r in resumed_reqs],
+            running_req_ids=[r.request_id for r in running_reqs],
+            preempted_req_ids=sorted(scheduler_output.preempted_req_ids),
+            finished_req_ids=sorted(scheduler_output.finished_req_ids),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_common_prefix_blocks=scheduler_output.num_common_prefix_blocks,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            duration_ns=int((time.monotonic() - scheduled_timestamp) * 1e9),
+        )
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         """Free a running request's KV and put it back at the front of the
@@ -311,6 +365,7 @@ class Scheduler(SchedulerInterface):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        update_start_ns = time.perf_counter_ns() if self.tracer.lifecycle else 0
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
@@ -369,6 +424,7 @@ class Scheduler(SchedulerInterface):
 
         if stopped_running_reqs:
             self.running = remove_all(self.running, stopped_running_reqs)
+        if self.tracer.lifecycle: self.tracer.emit("sched.update", new_token_ids={o.request_id: o.new_token_ids for outs in outputs.values() for o in outs if o.new_token_ids}, finished={o.request_id: str(o.finish_reason) for outs in outputs.values() for o in outs if o.finish_reason is not None}, num_running=len(self.running), num_waiting=len(self.waiting), duration_ns=time.perf_counter_ns() - update_start_ns)  # noqa: E701
 
         engine_core_outputs = {
             client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
@@ -389,6 +445,7 @@ class Scheduler(SchedulerInterface):
             raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.tracer.lifecycle: self.tracer.emit("sched.queued", request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, priority=request.priority, arrival_time=request.arrival_time, num_block_hashes=len(request.block_hashes))  # noqa: E701
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
@@ -425,6 +482,7 @@ class Scheduler(SchedulerInterface):
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
+        if self.tracer.lifecycle: self.tracer.emit("sched.finished", request_id=request.request_id, status=request.status.name, finish_reason=str(request.get_finished_reason()), stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens, num_cached_tokens=max(request.num_cached_tokens, 0), num_preemptions=request.num_preemptions)  # noqa: E701
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

@@ -40,7 +40,8 @@ import torch.nn as nn
 class TopKTopPSampler(nn.Module):
     """Filter logits with top-k and/or top-p, then draw one token per row.
 
-    May modify ``logits`` in place.
+    When k or p is given, ``logits`` is filtered in place (the ``full``
+    trace reads the filtered distribution from it afterwards).
     """
 
     def forward(

@@ -1,0 +1,84 @@
+"""Where one decode step's time goes on the GPU (issue 7: explain missed targets).
+
+Runs Qwen3-0.6B (dummy weights, bf16) in-process, one request decoding at
+context 512 with CUDA graphs, and reports for 50 steps: wall time per step,
+GPU time per step (CUDA events around the model call would hide host gaps,
+so torch.profiler's device total is used), and the top host-side functions
+from cProfile. Usage: python3 benchmarks/gpu_profile_step.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.gpu_throughput import model_dir  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    from engine.engine.arg_utils import EngineArgs
+    from engine.sampling_params import SamplingParams
+    from engine.v1.engine.core import EngineCore
+    from engine.v1.executor.abstract import Executor
+    from engine.v1.request import Request
+
+    path = model_dir()
+    eargs = EngineArgs(model=path, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+                       max_num_seqs=256, device="cuda", disable_log_stats=True,
+                       enable_prefix_caching=False)
+    config = eargs.create_engine_config()
+    core = EngineCore(config, Executor.get_class(config), log_stats=False)
+    for i in range(args.batch):
+        core.add_request(Request(f"r{i}", [(i + j) % 10000 for j in range(512)],
+                                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=400)))
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+    steps = 50
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) / steps * 1e3
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as tp:
+        for _ in range(10):
+            core.step()
+        torch.cuda.synchronize()
+    table = tp.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    gpu_us = sum(e.self_device_time_total for e in tp.key_averages()) / 10
+    result = {"batch": args.batch, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_us / 1e3}
+    print(json.dumps(result))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_step_b{args.batch}.txt"), "w") as f:
+        f.write(json.dumps(result) + "\n\n" + s.getvalue() + "\n\n" + table)
+    core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

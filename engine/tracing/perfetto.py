@@ -1,0 +1,457 @@
+"""Export a Glassbox trace as Chrome / Perfetto trace-event JSON.
+
+vLLM twin: none (vLLM exports OpenTelemetry spans; its profiler writes
+PyTorch's Chrome traces of kernels). Open the file in ui.perfetto.dev or
+chrome://tracing.
+
+Read it for how engine events map onto a timeline:
+
+  * per request, async spans (``ph`` b/e, one ``id`` each): on the front end
+    ``request <id>`` from ``request.added`` to ``request.finished``, with an
+    instant (``n``) per output; in the engine core ``core <id>`` from
+    ``sched.queued`` to ``sched.finished``, split into ``waiting`` /
+    ``running`` / ``preempted`` phases, with instants for prefix-cache
+    lookups and tokens. Front end and core get separate ids because their
+    lifetimes overlap without nesting (a stop string ends the request in the
+    front end before the core hears of it);
+  * per engine step, complete slices (``ph`` X) that nest on the
+    ``scheduler`` thread: ``step N`` around ``schedule()`` and
+    ``update_from_output()``; the ``model runner`` thread has ``forward``;
+  * counters (``ph`` C): KV blocks (used / free but still cached / free and
+    empty, stacked to the usable pool), queue lengths, scheduled tokens;
+  * flow arrows (``ph`` s/f) across the front end <-> engine-core hop, one
+    per request going in and one per output coming back: between the
+    process-hop events (``request.sent`` -> ``request.received``,
+    ``output.sent`` -> ``output.received``, matched by their request ids) when
+    the trace has them,
+    otherwise ``request.added`` -> ``sched.queued`` and ``sched.update`` ->
+    ``request.output``. Flow ends bind to small slices on an ``io`` thread;
+  * KV and API events as instants (``ph`` i) on their own threads;
+  * names for every process and thread (``ph`` M).
+
+Timestamps are microseconds since the first event. Slices on one thread are
+clamped so they never overlap (Perfetto moves overlapping slices to a
+separate track).
+Sessions: all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from engine.tracing import load_trace
+from engine.tracing.replay import STATE_KINDS, EngineState
+
+# Thread ids of the logical tracks inside one process.
+TID_SCHEDULER = 1
+TID_RUNNER = 2
+TID_KV = 3
+TID_FRONTEND = 4
+TID_CORE_IO = 5
+TID_API = 6
+_THREAD_NAMES = {
+    TID_SCHEDULER: "scheduler",
+    TID_RUNNER: "model runner",
+    TID_KV: "KV cache",
+    TID_FRONTEND: "front end",
+    TID_CORE_IO: "engine core io",
+    TID_API: "API server",
+}
+_FRONTEND_KINDS = ("request.added", "request.output", "request.finished")
+_HOP_KINDS = ("request.sent", "request.received", "output.sent", "output.received")
+# Width of the small slices flow arrows bind to (µs).
+_POINT_US = 1.0
+
+
+def export_perfetto(trace: str | Iterable[dict[str, Any]], out_path: str) -> dict[str, Any]:
+    """Write ``trace`` (a path or loaded events) as trace-event JSON to
+    ``out_path``; returns the JSON object written."""
+    events = load_trace(trace) if isinstance(trace, str) else list(trace)
+    doc = build_perfetto(events)
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    return doc
+
+
+def build_perfetto(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trace-event JSON object for loaded ``events``."""
+    return _Builder(events).build()
+
+
+class _Builder:
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = sorted(events, key=lambda e: (e["ts"], e["pid"], e.get("seq", 0)))
+        self.t0 = self.events[0]["ts"] if self.events else 0
+        self.out: list[dict[str, Any]] = []
+        # (pid, tid) -> list of [start_us, end_us, name, args] X slices.
+        self.slices: dict[tuple[int, int], list[list[Any]]] = defaultdict(list)
+        self.flows: list[dict[str, Any]] = []
+        self.async_ids: dict[tuple[str, str], int] = {}
+        self.threads_used: set[tuple[int, int]] = set()
+        self.roles: dict[int, set[str]] = defaultdict(set)
+
+    def us(self, ts_ns: int) -> float:
+        return (ts_ns - self.t0) / 1000.0
+
+    def async_id(self, layer: str, request_id: str) -> int:
+        key = (layer, request_id)
+        if key not in self.async_ids:
+            self.async_ids[key] = len(self.async_ids) + 1
+        return self.async_ids[key]
+
+    # ------------------------------------------------------------------
+    def build(self) -> dict[str, Any]:
+        for e in self.events:
+            kind = e["kind"]
+            if kind in ("request.received", "output.sent") or kind.startswith(
+                ("sched.", "kv.", "engine.")
+            ):
+                self.roles[e["pid"]].add("engine core")
+            elif kind.startswith(("runner.", "sampler.")):
+                self.roles[e["pid"]].add("worker")
+            elif kind.startswith("request."):
+                self.roles[e["pid"]].add("front end")
+            elif kind.startswith("api."):
+                self.roles[e["pid"]].add("API server")
+        self._steps()
+        self._runner()
+        self._kv_instants()
+        self._counters()
+        self._core_requests()
+        self._frontend_requests()
+        self._flows()
+        self._api()
+        self._emit_slices()
+        self._metadata()
+        self.out.sort(key=lambda ev: (ev["ph"] != "M", ev.get("ts", 0.0)))
+        return {
+            "traceEvents": self.out,
+            "displayTimeUnit": "ms",
+            "otherData": {"source": "glassbox", "t0_ns": self.t0},
+        }
+
+    def add_slice(self, pid: int, tid: int, start: float, end: float, name: str, args=None):
+        self.slices[(pid, tid)].append([start, max(end, start), name, args or {}])
+
+    # -- engine steps -----------------------------------------------------------
+    def _steps(self) -> None:
+        by_step: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+        for e in self.events:
+            if e["kind"] in ("sched.step", "sched.update") and e.get("step") is not None:
+                by_step[(e["pid"], e["step"])][e["kind"]] = e
+        for (pid, step), parts in sorted(by_step.items()):
+            sched, update = parts.get("sched.step"), parts.get("sched.update")
+            children = []
+            if sched is not None:
+                end = self.us(sched["ts"])
+                start = end - sched.get("duration_ns", 0) / 1000.0
+                children.append(
+                    [start, end, "schedule()", {
+                        "num_scheduled_tokens": sched["num_scheduled_tokens"],
+                        "new": sched.get("new_req_ids"),
+                        "resumed": sched.get("resumed_req_ids"),
+                        "preempted": sched.get("preempted_req_ids"),
+                        "token_budget_left": sched.get("token_budget_left"),
+                    }]
+                )
+            if update is not None:
+                end = self.us(update["ts"])
+                start = end - update.get("duration_ns", 0) / 1000.0
+                children.append(
+                    [start, end, "update_from_output()", {
+                        "new_token_ids": update["new_token_ids"],
+                        "finished": update.get("finished"),
+                    }]
+                )
+            # Keep children in order and inside their parent despite clock jitter.
+            for a, b in zip(children, children[1:]):
+                b[0] = max(b[0], a[1])
+                b[1] = max(b[1], b[0])
+            start, end = children[0][0], children[-1][1]
+            args = {"step": step}
+            if sched is not None:
+                args.update(
+                    total_num_scheduled_tokens=sched.get("total_num_scheduled_tokens"),
+                    num_running=sched.get("num_running"),
+                    num_waiting=sched.get("num_waiting"),
+                )
+            self.add_slice(pid, TID_SCHEDULER, start, end, f"step {step}", args)
+            for c in children:
+                self.add_slice(pid, TID_SCHEDULER, c[0], c[1], c[2], c[3])
+
+    def _runner(self) -> None:
+        for e in self.events:
+            if e["kind"] == "runner.forward":
+                end = self.us(e["ts"])
+                start = end - e["duration_ns"] / 1000.0
+                self.add_slice(
+                    e["pid"], TID_RUNNER, start, end, "forward",
+                    {"step": e.get("step"), "num_tokens": e.get("num_tokens"),
+                     "duration_ms": e["duration_ns"] / 1e6},
+                )
+            elif e["kind"] in ("runner.batch", "runner.init", "runner.inputs", "sampler.sampled"):
+                args = {k: v for k, v in e.items() if k not in ("ts", "pid", "seq", "kind")}
+                self._instant(e, TID_RUNNER, e["kind"], args)
+
+    def _kv_instants(self) -> None:
+        for e in self.events:
+            k = e["kind"]
+            if k.startswith("kv.") or k in ("engine.config", "sched.preempted"):
+                args = {key: v for key, v in e.items() if key not in ("ts", "pid", "seq", "kind")}
+                tid = TID_KV if k.startswith("kv.") else TID_SCHEDULER
+                self._instant(e, tid, k, args)
+
+    def _instant(self, e: dict[str, Any], tid: int, name: str, args: dict[str, Any]) -> None:
+        self.threads_used.add((e["pid"], tid))
+        self.out.append(
+            {"name": name, "cat": e["kind"].split(".")[0], "ph": "i", "s": "t",
+             "ts": self.us(e["ts"]), "pid": e["pid"], "tid": tid, "args": args}
+        )
+
+    # -- counters --------------------------------------------------------------------
+    def _counters(self) -> None:
+        state = EngineState()
+        engine_pids = {e["pid"] for e in self.events if e["kind"] == "kv.init"}
+        core = sorted(
+            (e for e in self.events if e["pid"] in engine_pids and e["kind"] in STATE_KINDS),
+            key=lambda e: (e["pid"], e.get("seq", 0)),
+        )
+        for e in core:
+            state.apply(e)
+            if e["kind"] not in ("kv.init", "sched.step", "sched.update"):
+                continue
+            ts, pid = self.us(e["ts"]), e["pid"]
+            usable = max(state.num_blocks - 1, 0)
+            cached_free = state.num_cached_free_blocks
+            self.out.append({
+                "name": "KV cache blocks", "ph": "C", "ts": ts, "pid": pid, "tid": TID_KV,
+                "args": {
+                    "used": usable - state.num_free_blocks,
+                    "free (cached)": cached_free,
+                    "free (empty)": state.num_free_blocks - cached_free,
+                },
+            })
+            self.out.append({
+                "name": "requests", "ph": "C", "ts": ts, "pid": pid, "tid": TID_SCHEDULER,
+                "args": {"running": len(state.running), "waiting": len(state.waiting)},
+            })
+            if e["kind"] == "sched.step":
+                self.out.append({
+                    "name": "scheduled tokens", "ph": "C", "ts": ts, "pid": pid,
+                    "tid": TID_SCHEDULER,
+                    "args": {"tokens": e.get("total_num_scheduled_tokens", 0)},
+                })
+
+    # -- per-request async spans -------------------------------------------------
+    def _core_requests(self) -> None:
+        open_phase: dict[str, tuple[str, dict[str, Any]]] = {}
+        opened: dict[str, dict[str, Any]] = {}
+        last_ts = self.events[-1]["ts"] if self.events else 0
+
+        def b(e, name, rid, args=None):
+            self.out.append({"name": name, "cat": "request.core", "ph": "b", "id": self.async_id("core", rid),
+                             "ts": self.us(e["ts"]), "pid": e["pid"], "tid": TID_SCHEDULER,
+                             "args": args or {"request_id": rid}})
+
+        def end(ts_ns, pid, name, rid):
+            self.out.append({"name": name, "cat": "request.core", "ph": "e", "id": self.async_id("core", rid),
+                             "ts": self.us(ts_ns), "pid": pid, "tid": TID_SCHEDULER})
+
+        def phase(e, rid, name):
+            if rid in open_phase:
+                old, _ = open_phase.pop(rid)
+                end(e["ts"], e["pid"], old, rid)
+            if name is not None:
+                b(e, name, rid)
+                open_phase[rid] = (name, e)
+
+        def n(e, name, rid, args):
+            self.out.append({"name": name, "cat": "request.core", "ph": "n", "id": self.async_id("core", rid),
+                             "ts": self.us(e["ts"]), "pid": e["pid"], "tid": TID_SCHEDULER, "args": args})
+
+        for e in self.events:
+            k = e["kind"]
+            rid = e.get("request_id")
+            if k == "sched.queued":
+                b(e, f"core {rid}", rid, {"request_id": rid, "num_prompt_tokens": e.get("num_prompt_tokens")})
+                opened[rid] = e
+                phase(e, rid, "waiting")
+            elif rid not in opened and k != "sched.update":
+                continue
+            elif k == "sched.admitted":
+                phase(e, rid, "running")
+            elif k == "sched.preempted":
+                phase(e, rid, "preempted")
+            elif k == "kv.cache_hit":
+                n(e, "prefix-cache lookup", rid, {"num_cached_tokens": e.get("num_cached_tokens")})
+            elif k == "sched.update":
+                for r, tokens in e["new_token_ids"].items():
+                    if r in opened:
+                        n(e, "tokens", r, {"token_ids": tokens})
+            elif k == "sched.finished":
+                phase(e, rid, None)
+                end(e["ts"], e["pid"], f"core {rid}", rid)
+                del opened[rid]
+        for rid, first in opened.items():
+            if rid in open_phase:
+                name, _ = open_phase.pop(rid)
+                end(last_ts, first["pid"], name, rid)
+            end(last_ts, first["pid"], f"core {rid}", rid)
+
+    def _frontend_requests(self) -> None:
+        opened: dict[str, dict[str, Any]] = {}
+        last_ts = self.events[-1]["ts"] if self.events else 0
+        for e in self.events:
+            k = e["kind"]
+            if k not in _FRONTEND_KINDS:
+                continue
+            rid = e["request_id"]
+            base = {"cat": "request", "id": self.async_id("front", rid), "pid": e["pid"],
+                    "tid": TID_FRONTEND, "ts": self.us(e["ts"])}
+            if k == "request.added":
+                self.out.append({**base, "name": f"request {rid}", "ph": "b",
+                                 "args": {"request_id": rid, "prompt": e.get("prompt"),
+                                          "num_prompt_tokens": e.get("num_prompt_tokens")}})
+                opened[rid] = e
+            elif rid not in opened:
+                continue
+            elif k == "request.output":
+                self.out.append({**base, "name": "output", "ph": "n",
+                                 "args": {"new_token_ids": e.get("new_token_ids"),
+                                          "text_delta": e.get("text_delta")}})
+            elif k == "request.finished":
+                self.out.append({**base, "name": f"request {rid}", "ph": "e",
+                                 "args": {"finish_reason": e.get("finish_reason")}})
+                del opened[rid]
+        for rid, first in opened.items():
+            self.out.append({"name": f"request {rid}", "cat": "request", "ph": "e",
+                             "id": self.async_id("front", rid), "pid": first["pid"],
+                             "tid": TID_FRONTEND, "ts": self.us(last_ts)})
+
+    # -- flows across the process hop ---------------------------------------------
+    def _flows(self) -> None:
+        kinds = {e["kind"] for e in self.events}
+        use_hops_in = "request.sent" in kinds and "request.received" in kinds
+        use_hops_out = "output.sent" in kinds and "output.received" in kinds
+        # (pid, tid) -> [(ts_us, flow event)] to place on point slices later.
+        self.point_events: dict[tuple[int, int], list[tuple[float, dict[str, Any], str]]] = (
+            defaultdict(list)
+        )
+        flow_id = 0
+
+        def pair(src: dict[str, Any], dst: dict[str, Any], name: str, src_tid: int, dst_tid: int):
+            nonlocal flow_id
+            flow_id += 1
+            s_ts, f_ts = self.us(src["ts"]), self.us(dst["ts"])
+            if f_ts < s_ts:  # clocks of two processes disagree: never draw backwards
+                f_ts = s_ts
+            self.point_events[(src["pid"], src_tid)].append(
+                (s_ts, {"name": name, "cat": "hop", "ph": "s", "id": flow_id, "ts": s_ts,
+                        "pid": src["pid"], "tid": src_tid}, src["kind"]))
+            self.point_events[(dst["pid"], dst_tid)].append(
+                (f_ts, {"name": name, "cat": "hop", "ph": "f", "bp": "e", "id": flow_id, "ts": f_ts,
+                        "pid": dst["pid"], "tid": dst_tid}, dst["kind"]))
+
+        # Requests going in.
+        src_kind, dst_kind = (
+            ("request.sent", "request.received") if use_hops_in else ("request.added", "sched.queued")
+        )
+        pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in self.events:
+            if e["kind"] == src_kind:
+                for rid in _request_ids(e):
+                    pending[rid].append(e)
+            elif e["kind"] == dst_kind:
+                for rid in _request_ids(e):
+                    if pending[rid]:
+                        pair(pending[rid].pop(0), e, "request in", TID_FRONTEND, TID_CORE_IO)
+        # Outputs coming back.
+        if use_hops_out:
+            # A batch received pairs with the oldest unmatched batch sent for the
+            # same requests (a batch the front end never read has no partner).
+            unmatched: list[dict[str, Any]] = []
+            for e in self.events:
+                if e["kind"] == "output.sent":
+                    unmatched.append(e)
+                elif e["kind"] == "output.received":
+                    ids = _request_ids(e)
+                    match = next((s for s in unmatched if _request_ids(s) == ids), None)
+                    if match is not None:
+                        unmatched.remove(match)
+                        pair(match, e, "outputs", TID_CORE_IO, TID_FRONTEND)
+        else:
+            waiting_output: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for e in self.events:
+                if e["kind"] == "sched.update":
+                    for rid in e["new_token_ids"]:
+                        waiting_output[rid].append(e)
+                elif e["kind"] == "request.output" and waiting_output[e["request_id"]]:
+                    pair(waiting_output[e["request_id"]].pop(0), e, "output", TID_CORE_IO,
+                         TID_FRONTEND)
+
+    def _api(self) -> None:
+        for e in self.events:
+            if e["kind"].startswith("api."):
+                args = {k: v for k, v in e.items() if k not in ("ts", "pid", "seq", "kind")}
+                self._instant(e, TID_API, e["kind"], args)
+
+    # -- slices (with the point slices flows bind to) -----------------------------
+    def _emit_slices(self) -> None:
+        for (pid, tid), points in self.point_events.items():
+            points.sort(key=lambda p: p[0])
+            i = 0
+            while i < len(points):
+                ts = points[i][0]
+                j = i
+                names = []
+                while j < len(points) and points[j][0] == ts:
+                    names.append(points[j][2])
+                    self.out.append(points[j][1])
+                    j += 1
+                end = ts + _POINT_US
+                if j < len(points):
+                    end = min(end, points[j][0])
+                self.add_slice(pid, tid, ts, end, names[0], {"events": names})
+                i = j
+        for (pid, tid), slices in self.slices.items():
+            self.threads_used.add((pid, tid))
+            # Parents before children: start ascending, longer first.
+            slices.sort(key=lambda s: (s[0], -(s[1] - s[0])))
+            stack: list[list[Any]] = []
+            for s in slices:
+                while stack and stack[-1][1] <= s[0]:
+                    stack.pop()
+                if stack and s[1] > stack[-1][1]:
+                    s[1] = stack[-1][1]  # clip to the enclosing slice
+                stack.append(s)
+                self.out.append({"name": s[2], "cat": "engine", "ph": "X", "ts": s[0],
+                                 "dur": s[1] - s[0], "pid": pid, "tid": tid, "args": s[3]})
+
+    def _metadata(self) -> None:
+        pids = {e["pid"] for e in self.events}
+        for pid in sorted(pids):
+            roles = self.roles.get(pid) or {"process"}
+            order = ["API server", "front end", "engine core", "worker", "process"]
+            label = " + ".join(r for r in order if r in roles)
+            self.out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                             "args": {"name": f"{label} (pid {pid})"}})
+        for pid, tid in sorted(self.threads_used | {(e["pid"], e["tid"]) for e in self.out
+                                                    if e["ph"] in ("b", "e", "n", "C", "s", "f")}):
+            self.out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                             "args": {"name": _THREAD_NAMES.get(tid, f"track {tid}")}})
+
+
+def _request_ids(event: dict[str, Any]) -> list[str]:
+    if "request_id" in event and event["request_id"] is not None:
+        return [event["request_id"]]
+    ids = event.get("request_ids")
+    return list(ids) if isinstance(ids, list) else []
+
+
+__all__ = ["build_perfetto", "export_perfetto"]
