@@ -18,7 +18,7 @@ test:
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests $(NBVAL_ARGS)
 
 run:
-	.venv/bin/glassbox
+	.venv/bin/glassbox trace "What is the capital of France?"
 
 test-gpu:
 	bash scripts/gpu_run.sh all

@@ -12,8 +12,15 @@ from collections.abc import Callable
 
 import engine
 
+from engine.entrypoints.cli import serve, trace, trace_export, tui
+
 # name -> (help, function(argparse namespace) -> exit code, add_arguments)
-COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] = {}
+COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] = {
+    "trace-export": (trace_export.HELP, trace_export.run, trace_export.add_arguments),
+    "serve": (serve.HELP, serve.run, serve.add_arguments),
+    "trace": (trace.HELP, trace.run, trace.add_arguments),
+    "tui": (tui.HELP, tui.run, tui.add_arguments),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,15 +4,23 @@ vLLM twin: ``vllm/v1/engine/__init__.py``.
 Read it for: exactly what crosses the process boundary -- an
 ``EngineCoreRequest`` goes in, ``EngineCoreOutputs`` (a batch of per-request
 ``EngineCoreOutput`` deltas) comes out. Everything is a msgspec struct so the
-ZMQ hop is one encode and one decode.
+ZMQ hop is one encode and one decode. A message *to* EngineCore is the ZMQ
+frames ``[request_type, msgpack payload, *aux buffers]`` where the first frame
+is one ``EngineCoreRequestType`` byte (ADD / ABORT / UTILITY); a message
+*from* it is ``[msgpack EngineCoreOutputs, *aux buffers]``, or the single
+frame ``ENGINE_CORE_DEAD`` when the core is going down.
 Sessions: 01 (engine loop).
+
+Simpler than vLLM: no multimodal features, LoRA, pooling, data-parallel waves
+or KV-transfer fields; utility results must be msgpack-native values (vLLM can
+fall back to pickle for them when insecure serialization is allowed).
 """
 
 from __future__ import annotations
 
 import enum
 import time
-
+from typing import Any
 
 import msgspec
 
@@ -88,12 +96,23 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found this step
 
 
+class UtilityOutput(msgspec.Struct, array_like=True):
+    """The answer to one UTILITY call, matched to its caller by ``call_id``."""
+
+    call_id: int
+    # Set when the call raised; ``result`` is then None.
+    failure_message: str | None = None
+    result: Any = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     finished_requests: set[str] | None = None
     engine_index: int = 0
+    # Set (and ``outputs`` empty) when this batch answers a utility call.
+    utility_output: UtilityOutput | None = None
 
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:
@@ -101,10 +120,28 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineCoreRequestType(enum.Enum):
-    """First frame of every message to EngineCore says what follows."""
+    """First frame of every message to EngineCore says what follows.
+
+    ADD carries an ``EngineCoreRequest``; ABORT a list of request ids; UTILITY
+    ``(client_index, call_id, method_name, args)``. WAKEUP never crosses the
+    socket: the core puts it on its own input queue to wake the idle busy
+    loop when a shutdown is requested. vLLM's ``b"\\x02"`` (START_DP_WAVE,
+    data parallel) and ``b"\\x04"`` (EXECUTOR_FAILED, from its multi-process
+    executor's failure callback) have no twin: Glassbox's in-process executor
+    raises inside the step instead.
+    """
 
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
+    WAKEUP = b"\x05"
+
+
+class EngineCoreReadyResponse(msgspec.Struct):
+    """EngineCore's first message on the input socket once it is built: the
+    values the front end could not know before the KV cache was sized."""
+
+    max_model_len: int
+    num_gpu_blocks: int
 
 

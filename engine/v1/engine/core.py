@@ -1,7 +1,6 @@
 """EngineCore: the loop that owns the scheduler and the executor.
 
-vLLM twin: ``vllm/v1/engine/core.py`` (``EngineCore``; the process wrapper
-``EngineCoreProc`` arrives with the multi-process engine).
+vLLM twin: ``vllm/v1/engine/core.py`` (``EngineCore``, ``EngineCoreProc``).
 Read it for:
   * ``__init__`` -- build the executor, size and allocate the KV cache
     (``_initialize_kv_caches``), then build the scheduler with the final
@@ -9,26 +8,63 @@ Read it for:
   * ``step()`` -- the heart of V1: ``schedule()`` -> ``execute_model()`` ->
     (``sample_tokens()``) -> ``update_from_output()``. Nothing else happens
     in a step.
+  * ``EngineCoreProc`` -- the same core in its own process. Three threads:
+    the input thread reads ZMQ frames, decodes them and puts
+    ``(request_type, request)`` on ``input_queue``; the busy loop
+    (``run_busy_loop``: ``_process_input_queue`` then
+    ``_process_engine_step``) is the only thread that touches the scheduler;
+    the output thread encodes ``EngineCoreOutputs`` from ``output_queue`` and
+    pushes them out. Socket IO and msgpack work release the GIL or overlap
+    with the model, so the API server never waits on a step and a step never
+    waits on the network.
 Sessions: 01 (engine loop).
 
 Simpler than vLLM: no batch queue / pipelining, no structured-output grammar
-bitmask, no utility RPCs.
+bitmask, no data parallelism, no drain-on-shutdown timeout (a shutdown request
+aborts whatever is still running, vLLM's ``shutdown_timeout=0``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
+import os
+import queue
+import signal
+import threading
 import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import zmq
 
 from engine.config import GlassboxConfig
-from engine.tracing import Tracer
+from engine.tracing import Tracer, part_path
 from engine.v1.core.kv_cache_utils import get_kv_cache_config, get_request_block_hasher
 from engine.v1.core.sched.scheduler import Scheduler
-from engine.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from engine.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityOutput,
+)
+from engine.v1.engine.utils import (
+    EngineHandshakeMetadata,
+    EngineZmqAddresses,
+    SignalCallback,
+    make_zmq_socket,
+)
 from engine.v1.executor.abstract import Executor
 from engine.v1.kv_cache_interface import KVCacheConfig
 from engine.v1.outputs import ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
+from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +164,346 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
     def shutdown(self) -> None:
         self.model_executor.shutdown()
         self.scheduler.shutdown()
+
+
+# How long EngineCore waits for the front end to answer its HELLO.
+HANDSHAKE_TIMEOUT_MINS = 5
+# After the parent dies, how long a clean exit may take before a hard one.
+PARENT_DEATH_EXIT_GRACE_S = 10.0
+
+
+class EngineShutdownState(enum.IntEnum):
+    RUNNING = 0
+    REQUESTED = 1  # by SIGTERM/SIGINT or the parent's death
+    SHUTTING_DOWN = 2  # requests aborted; finishing the last step
+
+
+class EngineCoreProc(EngineCore):
+    """EngineCore behind ZMQ sockets, in a process of its own."""
+
+    # Sent alone as one frame when the core dies, so the front end fails fast.
+    ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+    # Tells the output thread to flush and stop (never leaves the process).
+    _OUTPUT_THREAD_STOP = b"STOP"
+
+    def __init__(
+        self,
+        glassbox_config: GlassboxConfig,
+        executor_class: type[Executor],
+        log_stats: bool,
+        handshake_address: str,
+        engine_index: int = 0,
+    ) -> None:
+        # (request_type, request) from the input thread to the busy loop.
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        # (client_index, outputs) from the busy loop to the output thread.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | bytes] = queue.Queue()
+        self.engine_index = engine_index
+        identity = engine_index.to_bytes(length=2, byteorder="little")
+        self.shutdown_state = EngineShutdownState.RUNNING
+        self.output_thread: threading.Thread | None = None
+
+        # This process's own trace part; the front end merges the parts.
+        obs = glassbox_config.observability_config
+        tracer = (
+            Tracer(part_path(obs.trace_path, "core"), obs.trace_level)
+            if obs.trace_level != "off" and obs.trace_path
+            else Tracer()
+        )
+        try:
+            with self._perform_handshake(handshake_address, identity) as addresses:
+                super().__init__(glassbox_config, executor_class, log_stats, tracer)
+                ready_event = threading.Event()
+                input_thread = threading.Thread(
+                    target=self.process_input_sockets,
+                    args=(addresses.inputs[0], identity, ready_event),
+                    daemon=True,
+                    name="EngineCoreInputThread",
+                )
+                input_thread.start()
+                self.output_thread = threading.Thread(
+                    target=self.process_output_sockets,
+                    args=(addresses.outputs[0], engine_index),
+                    daemon=True,
+                    name="EngineCoreOutputThread",
+                )
+                self.output_thread.start()
+                # READY (sent when the block exits) must follow the input
+                # socket's first message, which the front end waits for next.
+                while not ready_event.wait(timeout=10):
+                    if not input_thread.is_alive():
+                        raise RuntimeError("the EngineCore input thread died during start-up")
+        except BaseException:
+            tracer.close()
+            raise
+
+    # -- start-up ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _perform_handshake(self, handshake_address: str, identity: bytes) -> Iterator[EngineZmqAddresses]:
+        """HELLO -> addresses; the caller builds the engine; then READY."""
+        ctx = zmq.Context()
+        try:
+            with make_zmq_socket(
+                ctx, handshake_address, zmq.DEALER, identity=identity, linger=5000, bind=False
+            ) as handshake_socket:
+                handshake_socket.send(msgspec.msgpack.encode({"status": "HELLO"}))
+                if not handshake_socket.poll(timeout=HANDSHAKE_TIMEOUT_MINS * 60_000):
+                    raise RuntimeError(
+                        f"no answer from the front end within {HANDSHAKE_TIMEOUT_MINS} minutes"
+                    )
+                init = msgspec.msgpack.decode(handshake_socket.recv(), type=EngineHandshakeMetadata)
+                try:
+                    yield init.addresses
+                except BaseException as e:
+                    # Tell the front end why, so it can raise the same kind of
+                    # error (a bad model path stays a ValueError over there).
+                    handshake_socket.send(
+                        msgspec.msgpack.encode(
+                            {"status": "FAILED", "error_type": type(e).__name__, "message": str(e)}
+                        )
+                    )
+                    raise
+                handshake_socket.send(msgspec.msgpack.encode({"status": "READY"}))
+        finally:
+            ctx.destroy(linger=5000)
+
+    @staticmethod
+    def run_engine_core(*args: Any, death_pipe: Any = None, **kwargs: Any) -> None:
+        """Entry point of the EngineCore process: build, loop, clean up."""
+        logging.basicConfig(
+            level=os.environ.get("GLASSBOX_LOGGING_LEVEL", "INFO"),
+            format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s",
+        )
+        engine_core: EngineCoreProc | None = None
+        signal_callback: SignalCallback | None = None
+
+        def request_shutdown() -> None:
+            assert engine_core is not None
+            engine_core.shutdown_state = max(engine_core.shutdown_state, EngineShutdownState.REQUESTED)
+            engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+        def signal_handler(signum, frame) -> None:
+            if engine_core is None:
+                # Still starting up: there is nothing to drain, just leave.
+                raise SystemExit(0)
+            # Only flip state and poke the helper thread: see SignalCallback.
+            engine_core.shutdown_state = max(engine_core.shutdown_state, EngineShutdownState.REQUESTED)
+            if signal_callback is not None:
+                signal_callback.trigger()
+
+        signal.signal(signal.SIGTERM, signal_handler)
+        signal.signal(signal.SIGINT, signal_handler)
+        try:
+            engine_core = EngineCoreProc(*args, **kwargs)
+            signal_callback = SignalCallback(request_shutdown)
+            if engine_core.shutdown_state != EngineShutdownState.RUNNING:
+                signal_callback.trigger()  # a signal arrived in between
+            if death_pipe is not None:
+                engine_core.watch_parent(death_pipe, request_shutdown)
+            engine_core.run_busy_loop()
+        except SystemExit:
+            logger.debug("EngineCore exiting.")
+            raise
+        except Exception:
+            if engine_core is None:
+                logger.exception("EngineCore failed to start.")
+            else:
+                logger.exception("EngineCore hit a fatal error.")
+                engine_core._send_engine_dead()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if signal_callback is not None:
+                signal_callback.stop()
+            if engine_core is not None:
+                engine_core.shutdown()
+
+    def watch_parent(self, death_pipe: Any, request_shutdown) -> None:
+        """Exit when the front end dies, even if it was SIGKILLed: no orphans."""
+
+        def wait_for_parent_death() -> None:
+            try:
+                death_pipe.recv()
+            except (EOFError, OSError):
+                pass
+            logger.warning("The front-end process is gone; EngineCore is shutting down.")
+            request_shutdown()
+            # A clean exit aborts requests and finishes the step in flight;
+            # if that takes too long, leave anyway.
+            time.sleep(PARENT_DEATH_EXIT_GRACE_S)
+            os._exit(1)
+
+        threading.Thread(target=wait_for_parent_death, daemon=True, name="ParentDeathWatcher").start()
+
+    # -- the busy loop ---------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def is_running(self) -> bool:
+        return self.shutdown_state == EngineShutdownState.RUNNING
+
+    def run_busy_loop(self) -> None:
+        while self._handle_shutdown():
+            # 1) Wait for work (blocking only while there is nothing to step).
+            self._process_input_queue()
+            # 2) One engine step; its outputs go to the output thread.
+            self._process_engine_step()
+        raise SystemExit
+
+    def _process_input_queue(self) -> None:
+        while not self.has_work() and self.is_running():
+            request_type, request = self.input_queue.get()
+            self._handle_client_request(request_type, request)
+        # Take everything else that arrived during the last step, without waiting.
+        while not self.input_queue.empty():
+            request_type, request = self.input_queue.get_nowait()
+            self._handle_client_request(request_type, request)
+
+    def _process_engine_step(self) -> bool:
+        outputs, model_executed = self.step()
+        for client_index, engine_core_outputs in outputs.items():
+            self._put_output(client_index, engine_core_outputs)
+        return model_executed
+
+    def _handle_shutdown(self) -> bool:
+        """True while the loop should keep going."""
+        if self.shutdown_state == EngineShutdownState.RUNNING:
+            return True
+        if self.shutdown_state == EngineShutdownState.REQUESTED:
+            num_requests = self.scheduler.get_num_unfinished_requests()
+            if num_requests:
+                logger.info("Shutdown requested: aborting %d request(s).", num_requests)
+            aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+            self._send_abort_outputs(aborted)
+            self.shutdown_state = EngineShutdownState.SHUTTING_DOWN
+        # One more step lets the worker drop the aborted requests; then exit.
+        return self.has_work()
+
+    def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        if request_type == EngineCoreRequestType.WAKEUP:
+            return
+        if request_type == EngineCoreRequestType.ADD:
+            if not self.is_running():
+                logger.info("Rejecting request %s: shutting down.", request.request_id)
+                self._send_finish_outputs([request.request_id], request.client_index, FinishReason.ABORT)
+                return
+            try:
+                self.add_request(request)
+            except ValueError:
+                # e.g. a duplicate id: fail this request, keep serving.
+                logger.exception("Could not add request %s", request.request_id)
+                self._send_finish_outputs([request.request_id], request.client_index, FinishReason.ERROR)
+        elif request_type == EngineCoreRequestType.ABORT:
+            self.abort_requests(request)
+        elif request_type == EngineCoreRequestType.UTILITY:
+            client_index, call_id, method_name, args = request
+            output = UtilityOutput(call_id)
+            try:
+                if method_name.startswith("_") or not callable(getattr(self, method_name, None)):
+                    raise AttributeError(f"EngineCore has no utility method {method_name!r}")
+                output.result = getattr(self, method_name)(*args)
+            except Exception as e:
+                logger.exception("Utility call %s failed", method_name)
+                output.failure_message = f"call to {method_name} failed: {e}"
+            self._put_output(client_index, EngineCoreOutputs(utility_output=output))
+        else:
+            logger.error("Unknown request type %r from the front end", request_type)
+
+    # -- outputs -------------------------------------------------------------------
+    def _put_output(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        if self.tracer.lifecycle: self.tracer.emit("output.sent", request_ids=[o.request_id for o in outputs.outputs])  # noqa: E701
+        self.output_queue.put_nowait((client_index, outputs))
+
+    def _send_finish_outputs(self, request_ids: list[str], client_index: int, reason: FinishReason) -> None:
+        outputs = [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=reason) for rid in request_ids]
+        self._put_output(client_index, EngineCoreOutputs(outputs=outputs, finished_requests=set(request_ids)))
+
+    def _send_abort_outputs(self, aborted: list[tuple[str, int]]) -> None:
+        by_client: dict[int, list[str]] = defaultdict(list)
+        for request_id, client_index in aborted:
+            by_client[client_index].append(request_id)
+        for client_index, request_ids in by_client.items():
+            self._send_finish_outputs(request_ids, client_index, FinishReason.ABORT)
+
+    def _send_engine_dead(self) -> None:
+        self.output_queue.put_nowait(EngineCoreProc.ENGINE_CORE_DEAD)
+        if self.output_thread is not None:
+            self.output_thread.join(timeout=5.0)
+            if self.output_thread.is_alive():
+                logger.critical("Could not tell the front end that EngineCore died.")
+
+    # -- IO threads ------------------------------------------------------------------
+    def process_input_sockets(self, input_address: str, identity: bytes, ready_event: threading.Event) -> None:
+        """Input thread: DEALER socket -> decode -> ``input_queue``."""
+        add_request_decoder = MsgpackDecoder(EngineCoreRequest)
+        generic_decoder = MsgpackDecoder()
+        tracer = self.tracer
+        with zmq.Context() as ctx, make_zmq_socket(
+            ctx, input_address, zmq.DEALER, identity=identity, bind=False, linger=0
+        ) as input_socket:
+            # The ROUTER can only address us once it has heard from us.
+            input_socket.send(
+                msgspec.msgpack.encode(
+                    EngineCoreReadyResponse(
+                        max_model_len=self.glassbox_config.model_config.max_model_len or 0,
+                        num_gpu_blocks=self.glassbox_config.cache_config.num_gpu_blocks or 0,
+                    )
+                )
+            )
+            ready_event.set()
+            del ready_event
+            while True:
+                type_frame, *data_frames = input_socket.recv_multipart(copy=False)
+                request_type = EngineCoreRequestType(bytes(type_frame.buffer))
+                request: Any
+                if request_type == EngineCoreRequestType.ADD:
+                    core_request: EngineCoreRequest = add_request_decoder.decode(data_frames)
+                    if tracer.lifecycle: tracer.emit("request.received", request_id=core_request.request_id, type="add")  # noqa: E701
+                    try:
+                        request = self.preprocess_add_request(core_request)
+                    except Exception:
+                        logger.exception("Could not pre-process request %s", core_request.request_id)
+                        self._send_finish_outputs(
+                            [core_request.request_id], core_request.client_index, FinishReason.ERROR
+                        )
+                        continue
+                else:
+                    request = generic_decoder.decode(data_frames)
+                    if request_type == EngineCoreRequestType.ABORT:
+                        if tracer.lifecycle: tracer.emit("request.received", request_ids=list(request), type="abort")  # noqa: E701
+                self.input_queue.put_nowait((request_type, request))
+
+    def process_output_sockets(self, output_address: str, engine_index: int) -> None:
+        """Output thread: ``output_queue`` -> encode -> PUSH socket."""
+        encoder = MsgpackEncoder()
+        # Linger so that the last outputs (or ENGINE_CORE_DEAD) still go out
+        # when the socket closes.
+        with zmq.Context() as ctx, make_zmq_socket(
+            ctx, output_address, zmq.PUSH, bind=False, linger=4000
+        ) as output_socket:
+            while True:
+                output = self.output_queue.get()
+                if output == EngineCoreProc.ENGINE_CORE_DEAD:
+                    output_socket.send(output)
+                    break
+                if output == EngineCoreProc._OUTPUT_THREAD_STOP:
+                    break
+                assert not isinstance(output, bytes)
+                _client_index, outputs = output
+                outputs.engine_index = engine_index
+                output_socket.send_multipart(encoder.encode(outputs), copy=False)
+
+    def shutdown(self) -> None:
+        # Flush what the output thread still holds before the process ends.
+        if self.output_thread is not None and self.output_thread.is_alive():
+            self.output_queue.put_nowait(EngineCoreProc._OUTPUT_THREAD_STOP)
+            self.output_thread.join(timeout=5.0)
+        super().shutdown()
+        self.tracer.close()

@@ -121,8 +121,15 @@ class InputProcessor:
         params = params.clone()
         max_model_len = self.model_config.max_model_len
         assert max_model_len is not None
+        room = max_model_len - len(token_ids)
         if params.max_tokens is None:
-            params.max_tokens = max_model_len - len(token_ids)
+            params.max_tokens = room
+        if params.min_tokens > room:
+            # The request could never reach min_tokens, so it could never stop.
+            raise ValueError(
+                f"min_tokens={params.min_tokens} is more than the {room} tokens left after the "
+                f"{len(token_ids)}-token prompt in max_model_len={max_model_len}"
+            )
         params.update_from_generation_config(self.generation_config, self.get_eos_token_id())
         if self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)

@@ -7,24 +7,34 @@ Read it for the front-end half of one step:
   ``step``: core client ``get_output()`` (one EngineCore step) ->
   ``OutputProcessor`` (text, stop strings, grouping) -> ``RequestOutput`` list,
   and aborts in the core any request a stop string ended.
+
+As in vLLM, EngineCore runs in its own process by default (``SyncMPClient``;
+``get_output()`` then waits for the next batch off the socket). Set
+``GLASSBOX_ENABLE_MULTIPROCESSING=0`` -- the twin of
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` -- to keep it in this process
+(``InprocClient``), where a debugger or a test can reach the scheduler
+directly. Both give the same outputs. In multi-process mode the executor
+class travels to the child by import path, so it must be a top-level class.
 Sessions: 01 (engine loop).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from engine.config import GlassboxConfig
 from engine.engine.arg_utils import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tracing import Tracer
+from engine.tracing import Tracer, merge_trace_parts, part_path
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine.core_client import EngineCoreClient
 from engine.v1.engine.input_processor import InputProcessor, PromptType
 from engine.v1.engine.output_processor import OutputProcessor
 from engine.v1.engine.parallel_sampling import ParentRequest
+from engine.v1.engine.utils import multiprocessing_enabled
 from engine.v1.executor.abstract import Executor
 from engine.v1.metrics.loggers import StatLogger
 from engine.v1.metrics.reader import Metric
@@ -38,36 +48,64 @@ class LLMEngine:
         glassbox_config: GlassboxConfig,
         executor_class: type[Executor],
         log_stats: bool = True,
+        multiprocess_mode: bool | None = None,
     ) -> None:
         self.glassbox_config = glassbox_config
         self.model_config = glassbox_config.model_config
         self.log_stats = log_stats
+        if multiprocess_mode is None:
+            multiprocess_mode = multiprocessing_enabled()
+        self.multiprocess_mode = multiprocess_mode
         model_config = glassbox_config.model_config
         self.tokenizer: Any | None = (
             None
             if model_config.skip_tokenizer_init
             else get_tokenizer(model_config.tokenizer or model_config.model)
         )
-        self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stat_logger = StatLogger(model_config.model) if log_stats else None
         obs = glassbox_config.observability_config
-        self.tracer = Tracer(obs.trace_path, obs.trace_level)
+        tracing = obs.trace_level != "off" and bool(obs.trace_path)
+        # Multi-process: each process writes its own part of the trace, and
+        # the parts are merged once the core has exited (see shutdown).
+        trace_file = part_path(obs.trace_path, "frontend") if tracing and multiprocess_mode else obs.trace_path
+        self.tracer = Tracer(trace_file, obs.trace_level)
+        self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
+        self.stat_logger = StatLogger(model_config.model) if log_stats else None
         try:
             self.engine_core = EngineCoreClient.make_client(
-                glassbox_config, executor_class, log_stats, self.tracer
+                glassbox_config,
+                executor_class,
+                log_stats,
+                self.tracer,
+                multiprocess_mode=multiprocess_mode,
             )
         except BaseException:
             self.tracer.close()
             raise
+        if self.stat_logger is not None:
+            self.stat_logger.log_engine_initialized(
+                glassbox_config.cache_config.block_size, glassbox_config.cache_config.num_gpu_blocks
+            )
+        # Runs on shutdown() or when the engine is garbage collected.
+        self._finalizer = weakref.finalize(
+            self,
+            _shutdown_engine,
+            self.engine_core,
+            self.tracer,
+            obs.trace_path if tracing and multiprocess_mode else None,
+        )
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+    def from_engine_args(
+        cls, engine_args: EngineArgs, enable_multiprocessing: bool | None = None
+    ) -> LLMEngine:
+        """``enable_multiprocessing=None`` follows GLASSBOX_ENABLE_MULTIPROCESSING."""
         config = engine_args.create_engine_config()
         return cls(
             config,
             executor_class=Executor.get_class(config),
             log_stats=not engine_args.disable_log_stats,
+            multiprocess_mode=enable_multiprocessing,
         )
 
     # -- requests --------------------------------------------------------------
@@ -91,6 +129,7 @@ class LLMEngine:
         n = request.sampling_params.n
         if n == 1:
             self.output_processor.add_request(request, prompt_text)
+            self._add_to_stats(request)
             self.engine_core.add_request(request)
             return
         parent = ParentRequest(request_id, request.sampling_params)
@@ -100,14 +139,26 @@ class LLMEngine:
             child.request_id = child_id
             child.sampling_params = child_params
             self.output_processor.add_request(child, prompt_text, parent, index)
+            self._add_to_stats(child)
             self.engine_core.add_request(child)
+
+    def _add_to_stats(self, request) -> None:
+        if self.stat_logger is not None:
+            self.stat_logger.add_request(request.request_id, request.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
         to_abort = self.output_processor.abort_requests(list(request_ids))
+        if self.stat_logger is not None:
+            self.stat_logger.forget_requests(to_abort)
         self.engine_core.abort_requests(to_abort)
 
     def step(self) -> list[RequestOutput]:
+        if self.multiprocess_mode and not self.has_unfinished_requests():
+            # In-process, a step with nothing to do is a no-op; over ZMQ it
+            # would wait for a batch that never comes.
+            return []
         outputs = self.engine_core.get_output()
+        if self.multiprocess_mode and self.tracer.lifecycle: self.tracer.emit("output.received", request_ids=[o.request_id for o in outputs.outputs])  # noqa: E701
         processed = self.output_processor.process_outputs(outputs.outputs)
         # A stop string ended these; EngineCore still thinks they are running.
         self.engine_core.abort_requests(processed.reqs_to_abort)
@@ -117,6 +168,7 @@ class LLMEngine:
             self.stat_logger.record_tokens(
                 processed.num_prompt_tokens, processed.num_generation_tokens
             )
+            self.stat_logger.record_iteration(outputs, processed.reqs_to_abort)
         return processed.request_outputs
 
     # -- state -------------------------------------------------------------------
@@ -140,5 +192,13 @@ class LLMEngine:
         return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
-        self.tracer.close()
+        """Stop EngineCore (its process, in multi-process mode) and close the
+        trace. Safe to call twice."""
+        self._finalizer()
+
+
+def _shutdown_engine(engine_core: EngineCoreClient, tracer: Tracer, merge_path: str | None) -> None:
+    engine_core.shutdown()  # in multi-process mode: returns once the core has exited
+    tracer.close()
+    if merge_path is not None:
+        merge_trace_parts(merge_path)

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible API server: FastAPI + uvicorn around one ``AsyncLLM``.
+
+vLLM twin: ``vllm/entrypoints/openai/api_server.py`` (``build_async_engine_client``,
+``build_app``, ``init_app_state``, ``run_server``) and the routers it mounts.
+Read it for the shape of a serving process: the ``AsyncLLM`` (and with it
+the EngineCore process) is built first, then the app, whose handlers only
+``await`` -- all model work happens in the other process, so one event loop
+serves every connection while the GPU loop never waits on HTTP.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /health`` (200, or 503 once the engine is dead),
+``GET /metrics`` (Prometheus text, the ``glassbox:`` metrics),
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+Sessions: 01.
+
+Differs from vLLM on engine death: vLLM shuts the server down (unless
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set); Glassbox keeps it up so ``/health``
+can report 503 and every request gets a 503 error body -- easier to watch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import engine
+from engine.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from engine.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from engine.entrypoints.openai.cli_args import api_keys, engine_args_from_cli
+from engine.entrypoints.openai.completion.protocol import CompletionRequest
+from engine.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from engine.entrypoints.openai.engine.serving import create_error_response
+from engine.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+from engine.entrypoints.openai.server_utils import (
+    AuthenticationMiddleware,
+    error_json,
+    exception_handler,
+    http_exception_handler,
+    validation_exception_handler,
+    with_cancellation,
+)
+from engine.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
+from engine.tracing import NULL_TRACER
+from engine.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+@asynccontextmanager
+async def build_async_engine_client(args: argparse.Namespace) -> AsyncIterator[AsyncLLM]:
+    """Start the engine (EngineCore in its own process); stop it on exit."""
+    engine_args = engine_args_from_cli(args)
+    engine_client = AsyncLLM.from_engine_args(engine_args, log_requests=args.enable_log_requests)
+    try:
+        yield engine_client
+    finally:
+        engine_client.shutdown()
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    model = args.model_tag or args.model
+    if model is None or model == "default":
+        from engine.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
+
+        return [DEFAULT_MODEL_NAME]
+    return [model]
+
+
+def _tracer(request: Request):
+    engine_client: AsyncLLM = request.app.state.engine_client
+    return getattr(engine_client, "tracer", NULL_TRACER)
+
+
+def _sse_stream(generator: AsyncIterator[str], request_id: str, request: Request) -> AsyncIterator[str]:
+    tracer = _tracer(request)
+
+    async def stream() -> AsyncIterator[str]:
+        async for chunk in generator:
+            if tracer.lifecycle: tracer.emit("api.chunk", request_id=request_id, num_bytes=len(chunk))  # noqa: E701
+            yield chunk
+
+    return stream()
+
+
+async def _generation_response(result: Any, request: Request, request_id: str) -> Response:
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(_sse_stream(result, request_id, request), media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+@router.post("/v1/completions")
+@with_cancellation
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
+    request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
+    request.request_id = request_id
+    tracer = _tracer(raw_request)
+    if tracer.lifecycle: tracer.emit("api.request", request_id=request_id, endpoint="/v1/completions", stream=bool(request.stream))  # noqa: E701
+    try:
+        result = await handler.create_completion(request)
+    except Exception as e:
+        return _error_response(e)
+    return await _generation_response(result, raw_request, request_id)
+
+
+@router.post("/v1/chat/completions")
+@with_cancellation
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
+    request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
+    request.request_id = request_id
+    tracer = _tracer(raw_request)
+    if tracer.lifecycle: tracer.emit("api.request", request_id=request_id, endpoint="/v1/chat/completions", stream=bool(request.stream))  # noqa: E701
+    try:
+        result = await handler.create_chat_completion(request)
+    except Exception as e:
+        return _error_response(e)
+    return await _generation_response(result, raw_request, request_id)
+
+
+def _error_response(e: Exception) -> JSONResponse:
+    error = create_error_response(e)
+    if error.error.code >= 500 and error.error.code != HTTPStatus.SERVICE_UNAVAILABLE:
+        logger.exception("request failed")
+    return error_json(error)
+
+
+@router.get("/v1/models")
+async def show_available_models(raw_request: Request) -> JSONResponse:
+    models = await raw_request.app.state.openai_serving_models.show_available_models()
+    return JSONResponse(models.model_dump())
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    engine_client: AsyncLLM = raw_request.app.state.engine_client
+    try:
+        await engine_client.check_health()
+    except Exception as e:
+        return error_json(create_error_response(e, "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE))
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    engine_client: AsyncLLM = raw_request.app.state.engine_client
+    if engine_client.stat_logger is None:
+        return error_json(
+            create_error_response(
+                "metrics are off: the server was started with --disable-log-stats",
+                "NotFoundError",
+                HTTPStatus.NOT_FOUND,
+            )
+        )
+    return PlainTextResponse(
+        engine_client.render_prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    try:
+        result = await raw_request.app.state.openai_serving_tokenization.create_tokenize(request)
+    except Exception as e:
+        return _error_response(e)
+    return JSONResponse(result.model_dump())
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    try:
+        result = await raw_request.app.state.openai_serving_tokenization.create_detokenize(request)
+    except Exception as e:
+        return _error_response(e)
+    return JSONResponse(result.model_dump())
+
+
+@router.get("/version")
+async def show_version() -> JSONResponse:
+    return JSONResponse({"version": engine.__version__})
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    app = FastAPI(title="Glassbox OpenAI-compatible server", version=engine.__version__)
+    app.include_router(router)
+    app.state.args = args
+    app.add_exception_handler(RequestValidationError, validation_exception_handler)
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
+    app.add_exception_handler(Exception, exception_handler)
+    if tokens := api_keys(args):
+        app.add_middleware(AuthenticationMiddleware, tokens=tokens)
+    return app
+
+
+async def init_app_state(engine_client: AsyncLLM, state: Any, args: argparse.Namespace) -> None:
+    model_path = engine_client.model_config.model
+    state.engine_client = engine_client
+    state.openai_serving_models = models = OpenAIServingModels(
+        [BaseModelPath(name, model_path) for name in served_model_names(args)],
+        engine_client.model_config.max_model_len,
+    )
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
+    state.openai_serving_chat = chat = OpenAIServingChat(
+        engine_client, models, response_role=args.response_role
+    )
+    state.openai_serving_tokenization = OpenAIServingTokenization(engine_client, models, chat=chat)
+
+
+def create_server_socket(host: str, port: int) -> socket.socket:
+    """Bind before the engine starts, so a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def build_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app, log_level=args.uvicorn_log_level, timeout_keep_alive=5, lifespan="off"
+    )
+    return uvicorn.Server(config)
+
+
+async def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """Serve until interrupted; the engine process is stopped on the way out."""
+    if sock is None:
+        sock = create_server_socket(args.host, args.port)
+    async with build_async_engine_client(args) as engine_client:
+        app = build_app(args)
+        await init_app_state(engine_client, app.state, args)
+        host, port = sock.getsockname()[:2]
+        logger.info("Glassbox API server on http://%s:%d (model %s)", host, port, served_model_names(args)[0])
+        await build_server(app, args).serve(sockets=[sock])

@@ -1,0 +1,282 @@
+"""``OpenAIServingChat``: ``POST /v1/chat/completions``.
+
+vLLM twin: ``vllm/entrypoints/openai/chat_completion/serving.py``.
+Read it for how a conversation becomes a prompt -- the tokenizer's chat
+template renders ``messages`` to text (``tokenize=False``) and the text is
+tokenized without adding special tokens again, the same way ``LLM.chat`` does
+-- and for the streaming shape: per choice a first chunk carrying only
+``role``, then content deltas, then the chunk with ``finish_reason``.
+Sessions: 01.
+
+Simpler than vLLM: no tool calls, reasoning parsers, harmony format, echo or
+response_format (setting one is a 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from engine.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+)
+from engine.entrypoints.openai.engine.protocol import DeltaMessage, UsageInfo
+from engine.entrypoints.openai.engine.serving import (
+    GlassboxValidationError,
+    OpenAIServing,
+    logprob_token,
+    merge_async_iterators,
+    top_logprobs_by_rank,
+)
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind
+
+
+class OpenAIServingChat(OpenAIServing):
+    request_id_prefix = "chatcmpl"
+
+    def __init__(self, *args: Any, response_role: str = "assistant", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.response_role = response_role
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request_id: str | None = None
+    ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        self._check_model(request)
+        if request.tools:
+            raise GlassboxValidationError("tools are not supported by Glassbox", "tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise GlassboxValidationError(
+                "response_format other than {'type': 'text'} is not supported by Glassbox",
+                "response_format",
+            )
+        if request.echo:
+            raise GlassboxValidationError("echo is not supported by Glassbox", "echo")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise GlassboxValidationError("top_logprobs needs logprobs=true", "top_logprobs")
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.top_logprobs is not None and request.top_logprobs < 0:
+            raise GlassboxValidationError(
+                f"top_logprobs must be in [0, 20], got {request.top_logprobs}", "top_logprobs"
+            )
+
+        prompt = self.render_chat(request)
+        request_id = self._base_request_id(request, raw_request_id)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        params = self.build_sampling_params(request, max_tokens, num_logprobs, kind)
+        rendered = self.render_prompt(request_id, prompt, params, request.priority, "messages")
+        result_generator = merge_async_iterators(
+            self.engine_client.generate(rendered, params, request_id, priority=request.priority)
+        )
+        model_name = self.models.model_name()
+        num_prompt_tokens = len(rendered["prompt_token_ids"])
+        if request.stream:
+            return self.chat_completion_stream_generator(
+                request, result_generator, request_id, model_name, num_prompt_tokens
+            )
+        final: RequestOutput | None = None
+        try:
+            async for _, res in result_generator:
+                final = res
+        finally:
+            await result_generator.aclose()
+        assert final is not None
+        return self.chat_completion_full_response(request, final, request_id, model_name)
+
+    def render_chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """messages -> chat template text -> token ids (as ``LLM.chat``)."""
+        tokenizer = self.engine_client.get_tokenizer()
+        if not request.messages:
+            raise GlassboxValidationError("messages must not be empty", "messages")
+        if request.add_generation_prompt and request.continue_final_message:
+            raise GlassboxValidationError(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                "continue_final_message",
+            )
+        conversation: list[dict[str, str]] = []
+        for message in request.messages:
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise GlassboxValidationError(
+                            f"message content parts must be of type 'text', got {part.type!r}",
+                            "messages",
+                        )
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            conversation.append({"role": message.role, "content": content or ""})
+        if request.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise GlassboxValidationError(
+                "the model's tokenizer has no chat template; pass one as chat_template",
+                "chat_template",
+            )
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=request.chat_template,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, bad template kwargs
+            raise GlassboxValidationError(f"the chat template failed: {e}", "messages") from e
+        # The template already wrote any BOS; don't let encode() add another.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    async def chat_completion_stream_generator(
+        self,
+        request: ChatCompletionRequest,
+        result_generator: AsyncIterator[tuple[int, RequestOutput]],
+        request_id: str,
+        model_name: str,
+        num_prompt_tokens: int,
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        num_choices = request.n
+        num_tokens = [0] * num_choices
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+
+        def chunk_json(choice: ChatCompletionResponseStreamChoice, completion_tokens: int) -> str:
+            chunk = ChatCompletionStreamResponse(
+                id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice]
+            )
+            if include_usage:
+                chunk.usage = (
+                    UsageInfo(
+                        prompt_tokens=num_prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        total_tokens=num_prompt_tokens + completion_tokens,
+                    )
+                    if continuous_usage
+                    else None
+                )
+            return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+        try:
+            first_iteration = True
+            async for _, res in result_generator:
+                if first_iteration:
+                    # The role goes out first, once per choice.
+                    for i in range(num_choices):
+                        yield chunk_json(
+                            ChatCompletionResponseStreamChoice(
+                                index=i,
+                                delta=DeltaMessage(role=self.response_role, content=""),
+                                logprobs=None,
+                                finish_reason=None,
+                            ),
+                            0,
+                        )
+                    first_iteration = False
+                for output in res.outputs:
+                    i = output.index
+                    num_tokens[i] += len(output.token_ids)
+                    if not output.text and not output.token_ids and output.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs and output.logprobs is not None:
+                        logprobs = self._create_chat_logprobs(output, request.top_logprobs or 0)
+                    yield chunk_json(
+                        ChatCompletionResponseStreamChoice(
+                            index=i,
+                            delta=DeltaMessage(content=output.text),
+                            logprobs=logprobs,
+                            finish_reason=output.finish_reason,
+                            stop_reason=output.stop_reason,
+                        ),
+                        num_tokens[i],
+                    )
+            if include_usage:
+                completion_tokens = sum(num_tokens)
+                usage_chunk = ChatCompletionStreamResponse(
+                    id=request_id,
+                    object="chat.completion.chunk",
+                    created=created,
+                    model=model_name,
+                    choices=[],
+                    usage=UsageInfo(
+                        prompt_tokens=num_prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        total_tokens=num_prompt_tokens + completion_tokens,
+                    ),
+                )
+                yield f"data: {usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+        except Exception as e:
+            yield f"data: {self.create_streaming_error_response(e)}\n\n"
+        finally:
+            aclose = getattr(result_generator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        yield "data: [DONE]\n\n"
+
+    def chat_completion_full_response(
+        self,
+        request: ChatCompletionRequest,
+        final_res: RequestOutput,
+        request_id: str,
+        model_name: str,
+    ) -> ChatCompletionResponse:
+        choices = []
+        for output in sorted(final_res.outputs, key=lambda o: o.index):
+            logprobs = None
+            if request.logprobs and output.logprobs is not None:
+                logprobs = self._create_chat_logprobs(output, request.top_logprobs or 0)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=output.index,
+                    message=ChatMessage(role=self.response_role, content=output.text),
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+        num_prompt_tokens = len(final_res.prompt_token_ids or [])
+        num_generated_tokens = sum(len(o.token_ids) for o in final_res.outputs)
+        return ChatCompletionResponse(
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=num_generated_tokens,
+                total_tokens=num_prompt_tokens + num_generated_tokens,
+            ),
+        )
+
+    @staticmethod
+    def _create_chat_logprobs(output: CompletionOutput, top_logprobs: int) -> ChatCompletionLogProbs:
+        content = []
+        for token_id, position in zip(output.token_ids, output.logprobs or []):
+            sampled = position.get(token_id)
+            token = logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=max(sampled.logprob, -9999.0) if sampled is not None else -9999.0,
+                    bytes=list(token.encode("utf-8")),
+                    top_logprobs=[
+                        ChatCompletionLogProb(
+                            token=(t := logprob_token(lp, tid)),
+                            logprob=max(lp.logprob, -9999.0),
+                            bytes=list(t.encode("utf-8")),
+                        )
+                        for tid, lp in top_logprobs_by_rank(position, top_logprobs)
+                    ],
+                )
+            )
+        return ChatCompletionLogProbs(content=content)

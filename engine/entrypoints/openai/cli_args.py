@@ -1,0 +1,125 @@
+"""Command-line arguments of ``glassbox serve``.
+
+vLLM twin: ``vllm/entrypoints/openai/cli_args.py`` (``make_arg_parser``,
+``FrontendArgs``) plus ``EngineArgs.add_cli_args`` from
+``vllm/engine/arg_utils.py``.
+Read it for the split: server options (``--host``, ``--port``, ``--api-key``,
+``--served-model-name``) and, generated from the ``EngineArgs`` dataclass, one
+``--kebab-case`` flag per engine argument (``--block-size``,
+``--max-num-seqs``, ``--num-gpu-blocks-override``, ...), so every keyword
+``LLM(...)`` takes is a flag here too.
+Sessions: 01.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import types
+import typing
+from typing import Any
+
+from engine.engine.arg_utils import EngineArgs
+
+API_KEY_ENV = "GLASSBOX_API_KEY"
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The argparse ``type`` for an EngineArgs field annotation."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if type in non_none or any(typing.get_origin(a) is type for a in non_none):
+            return str  # distributed_executor_backend: a name or a class path
+        return _flag_type(non_none[0])
+    if annotation is bool:
+        return bool
+    if annotation in (int, float, str):
+        return annotation
+    if typing.get_origin(annotation) is dict or annotation is dict:
+        return json.loads
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine arguments (the fields of EngineArgs)")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        if field.name == "model":
+            continue  # the positional MODEL (or --model below)
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(hints[field.name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            group.add_argument(flag, type=kind, default=field.default)
+    group.add_argument("--model", dest="model", default=None, help="the same as the positional MODEL")
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF checkpoint folder to serve (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) the model answers to in requests (default: MODEL)",
+    )
+    parser.add_argument("--response-role", default="assistant", help="role of chat replies")
+    parser.add_argument("--enable-log-requests", action="store_true", help="log every request")
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    add_engine_args(parser)
+    return parser
+
+
+def resolve_executor_backend(value: Any) -> Any:
+    """``module.Class`` (or ``module:Class``) -> the class; ``"uni"`` unchanged."""
+    if not isinstance(value, str) or value == "uni":
+        return value
+    module_name, sep, class_name = value.replace(":", ".").rpartition(".")
+    if not sep:
+        raise ValueError(
+            "distributed_executor_backend must be 'uni' or an importable class path "
+            f"such as 'my_pkg.my_module.MyExecutor', got {value!r}"
+        )
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"distributed_executor_backend {value!r} cannot be imported: {e}") from e
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"}
+    kwargs["distributed_executor_backend"] = resolve_executor_backend(kwargs["distributed_executor_backend"])
+    return EngineArgs(model=args.model_tag or args.model, **kwargs)
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return [key] if key else []
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")

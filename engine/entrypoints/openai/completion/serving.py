@@ -1,0 +1,234 @@
+"""``OpenAIServingCompletion``: ``POST /v1/completions``.
+
+vLLM twin: ``vllm/entrypoints/openai/completion/serving.py``.
+Read it for the path of one HTTP request: check the model, render (tokenize +
+validate) every prompt, build ``SamplingParams`` (DELTA outputs when
+streaming, FINAL_ONLY otherwise), call ``AsyncLLM.generate`` once per prompt
+and merge the streams. Choice ``index`` is ``prompt_index * n + sample_index``.
+Streaming writes one SSE ``data:`` line per chunk, an optional usage-only
+chunk, then ``data: [DONE]``.
+Sessions: 01.
+
+Simpler than vLLM: no echo, suffix, best_of, beam search or prompt logprobs
+(each is a 400 naming the field when set).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from engine.entrypoints.openai.completion.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from engine.entrypoints.openai.engine.protocol import UsageInfo
+from engine.entrypoints.openai.engine.serving import (
+    GlassboxValidationError,
+    OpenAIServing,
+    logprob_token,
+    merge_async_iterators,
+)
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    request_id_prefix = "cmpl"
+
+    async def create_completion(
+        self, request: CompletionRequest, raw_request_id: str | None = None
+    ) -> CompletionResponse | AsyncGenerator[str, None]:
+        """A response, or an SSE generator when ``stream`` is set. Bad input
+        raises (the API server turns it into an error response)."""
+        self._check_model(request)
+        for field, unsupported in (
+            ("echo", bool(request.echo)),
+            ("suffix", request.suffix is not None),
+            ("best_of", request.best_of is not None and request.best_of != request.n),
+            ("prompt_logprobs", request.prompt_logprobs is not None),
+        ):
+            if unsupported:
+                raise GlassboxValidationError(f"{field} is not supported by Glassbox", field)
+        prompts = _normalize_prompts(request.prompt)
+        request_id = self._base_request_id(request, raw_request_id)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        params = self.build_sampling_params(request, request.max_tokens, request.logprobs, kind)
+        rendered = [
+            self.render_prompt(f"{request_id}-{i}", prompt, params, request.priority, "prompt")
+            for i, prompt in enumerate(prompts)
+        ]
+        generators = [
+            self.engine_client.generate(prompt, params, f"{request_id}-{i}", priority=request.priority)
+            for i, prompt in enumerate(rendered)
+        ]
+        result_generator = merge_async_iterators(*generators)
+        model_name = self.models.model_name()
+        num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in rendered)
+        if request.stream:
+            return self.completion_stream_generator(
+                request, result_generator, request_id, model_name, len(prompts), num_prompt_tokens
+            )
+        final: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, res in result_generator:
+                final[i] = res
+        finally:
+            await result_generator.aclose()
+        return self.request_output_to_completion_response(
+            [r for r in final if r is not None], request, request_id, model_name
+        )
+
+    async def completion_stream_generator(
+        self,
+        request: CompletionRequest,
+        result_generator: AsyncIterator[tuple[int, RequestOutput]],
+        request_id: str,
+        model_name: str,
+        num_prompts: int,
+        num_prompt_tokens: int,
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        n = request.n
+        num_tokens = [0] * (num_prompts * n)
+        text_offsets = [0] * (num_prompts * n)
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        try:
+            async for prompt_index, res in result_generator:
+                for output in res.outputs:
+                    i = prompt_index * n + output.index
+                    num_tokens[i] += len(output.token_ids)
+                    logprobs = None
+                    if request.logprobs is not None and output.logprobs is not None:
+                        logprobs = self._create_completion_logprobs(output, text_offsets[i])
+                    text_offsets[i] += len(output.text)
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        object="text_completion",
+                        created=created,
+                        model=model_name,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=i,
+                                text=output.text,
+                                logprobs=logprobs,
+                                finish_reason=output.finish_reason,
+                                stop_reason=output.stop_reason,
+                            )
+                        ],
+                    )
+                    if include_usage:
+                        completion_tokens = num_tokens[i]
+                        chunk.usage = (
+                            UsageInfo(
+                                prompt_tokens=num_prompt_tokens,
+                                completion_tokens=completion_tokens,
+                                total_tokens=num_prompt_tokens + completion_tokens,
+                            )
+                            if continuous_usage
+                            else None
+                        )
+                    yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+            if include_usage:
+                completion_tokens = sum(num_tokens)
+                usage_chunk = CompletionStreamResponse(
+                    id=request_id,
+                    object="text_completion",
+                    created=created,
+                    model=model_name,
+                    choices=[],
+                    usage=UsageInfo(
+                        prompt_tokens=num_prompt_tokens,
+                        completion_tokens=completion_tokens,
+                        total_tokens=num_prompt_tokens + completion_tokens,
+                    ),
+                )
+                yield f"data: {usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+        except Exception as e:
+            # Headers are gone already: the error travels as the next event.
+            yield f"data: {self.create_streaming_error_response(e)}\n\n"
+        finally:
+            await _aclose(result_generator)
+        yield "data: [DONE]\n\n"
+
+    def request_output_to_completion_response(
+        self,
+        final_res_batch: list[RequestOutput],
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+    ) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        num_prompt_tokens = num_generated_tokens = 0
+        for prompt_index, res in enumerate(final_res_batch):
+            num_prompt_tokens += len(res.prompt_token_ids or [])
+            for output in sorted(res.outputs, key=lambda o: o.index):
+                num_generated_tokens += len(output.token_ids)
+                logprobs = None
+                if request.logprobs is not None and output.logprobs is not None:
+                    logprobs = self._create_completion_logprobs(output, 0)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=prompt_index * request.n + output.index,
+                        text=output.text,
+                        logprobs=logprobs,
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
+                    )
+                )
+        usage = UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_generated_tokens,
+            total_tokens=num_prompt_tokens + num_generated_tokens,
+        )
+        return CompletionResponse(
+            id=request_id, model=model_name, choices=choices, usage=usage
+        )
+
+    @staticmethod
+    def _create_completion_logprobs(output: CompletionOutput, initial_text_offset: int) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs: per token its text, logprob, the top
+        alternatives and where it starts in the choice's text."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        offset = initial_text_offset
+        for token_id, position in zip(output.token_ids, output.logprobs or []):
+            sampled = position.get(token_id)
+            token = logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
+            tokens.append(token)
+            token_logprobs.append(sampled.logprob if sampled is not None else None)
+            top_logprobs.append({logprob_token(lp, tid): max(lp.logprob, -9999.0) for tid, lp in position.items()})
+            text_offset.append(offset)
+            offset += len(token)
+        # Passed explicitly: streamed chunks are dumped with exclude_unset.
+        return CompletionLogProbs(
+            text_offset=text_offset, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top_logprobs
+        )
+
+
+def _normalize_prompts(prompt: Any) -> list[Any]:
+    """str | [str] | [int] | [[int]] -> a list of prompts ``generate`` takes."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise GlassboxValidationError("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [{"prompt_token_ids": list(p)} for p in prompt]
+
+
+async def _aclose(generator: Any) -> None:
+    aclose = getattr(generator, "aclose", None)
+    if aclose is not None:
+        await aclose()

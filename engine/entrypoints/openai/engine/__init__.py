@@ -1,0 +1,1 @@
+"""Protocol types and the base class shared by every OpenAI endpoint."""

@@ -1,0 +1,229 @@
+"""``OpenAIServing``: what every OpenAI endpoint shares.
+
+vLLM twin: ``vllm/entrypoints/openai/engine/serving.py`` (``OpenAIServing``)
+and ``create_error_response`` from ``vllm/entrypoints/utils.py``.
+Read it for: the model check (unknown model -> 404), the mapping from Python
+errors to HTTP errors (a bad parameter -> 400 naming it, a dead engine ->
+503), and how a request body becomes ``SamplingParams`` -- ``None`` fields take
+the model's ``generation_config.json`` defaults, exactly as ``LLM`` does.
+Sessions: 01.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from engine.entrypoints.llm import _GENERATION_DEFAULT_KEYS
+from engine.entrypoints.openai.engine.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+    random_uuid,
+)
+from engine.entrypoints.openai.models.serving import OpenAIServingModels
+from engine.logprobs import Logprob
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.v1.engine.async_llm import AsyncLLM
+from engine.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+from engine.v1.engine.input_processor import load_generation_config
+
+# Top logprobs a request may ask for (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
+
+T = TypeVar("T")
+
+
+class GlassboxValidationError(ValueError):
+    """A bad request value, with the request field it came from
+    (vLLM twin: ``VLLMValidationError``)."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
+class ModelNotFoundError(Exception):
+    """The request named a model this server does not serve."""
+
+
+def create_error_response(
+    message: str | BaseException,
+    err_type: str = "BadRequestError",
+    status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    param: str | None = None,
+) -> ErrorResponse:
+    if isinstance(message, BaseException):
+        exc = message
+        if isinstance(exc, GlassboxValidationError):
+            err_type, status_code, param = "BadRequestError", HTTPStatus.BAD_REQUEST, exc.parameter
+        elif isinstance(exc, ModelNotFoundError):
+            err_type, status_code, param = "NotFoundError", HTTPStatus.NOT_FOUND, "model"
+        elif isinstance(exc, EngineDeadError):
+            err_type, status_code = "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE
+        elif isinstance(exc, EngineGenerateError):
+            err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
+        elif isinstance(exc, (ValueError, TypeError, OverflowError)) or any(
+            cls.__name__ == "TemplateError" for cls in type(exc).__mro__
+        ):
+            err_type, status_code = "BadRequestError", HTTPStatus.BAD_REQUEST
+        else:
+            err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
+        message = str(exc) or type(exc).__name__
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=err_type, param=param, code=int(status_code))
+    )
+
+
+def param_from_message(message: str, field_names: set[str]) -> str | None:
+    """Glassbox's validation messages start with the field's name
+    ("temperature must be non-negative ..."): recover it for ``param``."""
+    match = re.match(r"([A-Za-z_][A-Za-z0-9_]*)", message)
+    return match.group(1) if match and match.group(1) in field_names else None
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[tuple[int, T], None]:
+    """Yield ``(iterator index, item)`` from several async iterators as items
+    arrive (one prompt of a multi-prompt completion per iterator)."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            # Closing a generate() that has not finished aborts its request.
+            aclose = getattr(iterators[0], "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
+
+    async def drain(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as e:  # noqa: BLE001 -- forwarded to the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # Let each generator run its cleanup (the abort) before we return.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServing:
+    request_id_prefix = "req"
+
+    def __init__(self, engine_client: AsyncLLM, models: OpenAIServingModels) -> None:
+        self.engine_client = engine_client
+        self.models = models
+        self.model_config = engine_client.model_config
+        self.max_model_len = engine_client.model_config.max_model_len
+        config = load_generation_config(engine_client.model_config.model)
+        # generation_config.json values used where the request says nothing.
+        self.default_sampling_params = {
+            ours: config[theirs]
+            for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
+            if config.get(theirs) is not None and ours != "max_tokens"
+        }
+
+    # -- errors ------------------------------------------------------------------
+    @staticmethod
+    def create_error_response(
+        message: str | BaseException,
+        err_type: str = "BadRequestError",
+        status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+    ) -> ErrorResponse:
+        return create_error_response(message, err_type, status_code, param)
+
+    @staticmethod
+    def create_streaming_error_response(error: BaseException | str) -> str:
+        return json.dumps(create_error_response(error).model_dump())
+
+    def _check_model(self, request: SamplingFields) -> None:
+        if request.model is None or self.models.is_base_model(request.model):
+            return
+        raise ModelNotFoundError(f"The model `{request.model}` does not exist.")
+
+    def _base_request_id(self, request: SamplingFields, raw_request_id: str | None) -> str:
+        return request.request_id or raw_request_id or f"{self.request_id_prefix}-{random_uuid()}"
+
+    def render_prompt(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int,
+        prompt_field: str,
+    ) -> dict[str, Any]:
+        """Tokenize and validate one prompt before anything is sent, so a bad
+        prompt is a 400 even for a streaming request (vLLM: the render step).
+        Returns the tokenized prompt ``generate()`` takes."""
+        try:
+            prompt_text, core_request = self.engine_client.input_processor.process_inputs(
+                request_id, prompt, params, priority=priority
+            )
+        except ValueError as e:
+            param = "priority" if "priority" in str(e) else prompt_field
+            raise GlassboxValidationError(str(e), param) from e
+        rendered: dict[str, Any] = {"prompt_token_ids": core_request.prompt_token_ids}
+        if prompt_text is not None:
+            rendered["prompt"] = prompt_text
+        return rendered
+
+    # -- request -> SamplingParams ----------------------------------------------------
+    def build_sampling_params(
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        output_kind: RequestOutputKind,
+    ) -> SamplingParams:
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise GlassboxValidationError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs"
+            )
+        kwargs = request.sampling_kwargs()
+        for key, value in self.default_sampling_params.items():
+            if kwargs.get(key) is None:
+                kwargs[key] = value
+        for key in ("top_k", "min_p"):
+            if kwargs.get(key) is None:
+                kwargs[key] = 0 if key == "top_k" else 0.0
+        try:
+            return SamplingParams.from_optional(
+                **kwargs, max_tokens=max_tokens, logprobs=logprobs, output_kind=output_kind
+            )
+        except ValueError as e:
+            raise GlassboxValidationError(
+                str(e), param_from_message(str(e), set(type(request).model_fields))
+            ) from e
+
+
+def logprob_token(logprob: Logprob, token_id: int) -> str:
+    """The text of one token as OpenAI reports it (its id when it has no text)."""
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def top_logprobs_by_rank(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely tokens at one position, most likely first."""
+    return sorted(position.items(), key=lambda item: item[1].rank or 0)[:k]
+

@@ -1,0 +1,1 @@
+"""``GET /v1/models`` (vLLM twin: ``vllm/entrypoints/openai/models/``)."""

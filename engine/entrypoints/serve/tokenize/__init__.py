@@ -1,0 +1,1 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM twin: ``vllm/entrypoints/serve/tokenize/``)."""

@@ -1,0 +1,28 @@
+"""The two errors a front end sees when generation fails.
+
+vLLM twin: ``vllm/v1/engine/exceptions.py``.
+Read it for the split the API server relies on: ``EngineGenerateError`` is one
+request going wrong (the engine keeps serving others); ``EngineDeadError``
+means the EngineCore process is gone, every pending and future request fails
+with it, and ``/health`` turns unhealthy.
+Sessions: 01 (engine loop across two processes).
+"""
+
+from __future__ import annotations
+
+
+class EngineGenerateError(Exception):
+    """``AsyncLLM.generate()`` failed for this request only; recoverable."""
+
+
+class EngineDeadError(Exception):
+    """The EngineCore process died or shut down; not recoverable."""
+
+    def __init__(self, *args: object, suppress_context: bool = False) -> None:
+        message = (
+            "EngineCore is dead: the engine process exited or crashed, so this "
+            "request cannot be served. Check the log above for its root cause."
+        )
+        super().__init__(message, *args)
+        # Hide the low-level socket error the death was detected through.
+        self.__suppress_context__ = suppress_context

@@ -1,0 +1,369 @@
+"""Starting, watching and stopping the EngineCore process.
+
+vLLM twin: ``vllm/v1/engine/utils.py`` (``CoreEngineProcManager``,
+``launch_core_engines``, ``wait_for_engine_startup``, ``SignalCallback``) and
+the ZMQ helpers of ``vllm/utils/network_utils.py`` (``make_zmq_socket``,
+``get_open_zmq_ipc_path``).
+Read it for the start-up handshake, in order:
+
+  1. the front end binds its input ROUTER and output PULL sockets and a
+     handshake ROUTER, then starts the process;
+  2. EngineCore connects a DEALER to the handshake socket and says HELLO;
+  3. the front end answers with the input/output addresses
+     (``EngineHandshakeMetadata``);
+  4. EngineCore loads the model, sizes the KV cache, starts its IO threads
+     (the input thread's first message tells the front end the block count)
+     and says READY on the handshake socket.
+
+If start-up fails in the child, it sends FAILED with the error's type and
+message and the front end raises the same built-in exception type (vLLM only
+says "initialization failed, see above"); if the process dies without a word,
+start-up fails at once with its exit code instead of waiting out a timeout.
+Sessions: 01 (engine loop across two processes).
+
+Simpler than vLLM: one engine (no data parallelism, coordinator or Ray), IPC
+addresses only, and always the ``spawn`` start method: the child imports
+Glassbox afresh, so a forked copy of the parent's torch thread pools and ZMQ
+contexts can never deadlock it (vLLM picks spawn too once CUDA is
+initialised). The parent-death pipe is the trick vLLM's multiproc executor
+uses for its workers, applied here to EngineCore itself.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+if TYPE_CHECKING:
+    from engine.config import GlassboxConfig
+    from engine.v1.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+# How long the front end waits for EngineCore to load the model and say READY.
+ENGINE_READY_TIMEOUT_S_ENV = "GLASSBOX_ENGINE_READY_TIMEOUT_S"
+DEFAULT_ENGINE_READY_TIMEOUT_S = 600
+# The twin of VLLM_ENABLE_V1_MULTIPROCESSING.
+ENABLE_MULTIPROCESSING_ENV = "GLASSBOX_ENABLE_MULTIPROCESSING"
+STARTUP_POLL_PERIOD_MS = 10_000
+# How long EngineCore gets to exit after SIGTERM before it is SIGKILLed.
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def multiprocessing_enabled() -> bool:
+    """Whether ``LLM``/``LLMEngine`` run EngineCore in its own process
+    (``GLASSBOX_ENABLE_MULTIPROCESSING``, default on as in vLLM)."""
+    raw = os.environ.get(ENABLE_MULTIPROCESSING_ENV, "1").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENABLE_MULTIPROCESSING_ENV} must be 0 or 1, got {raw!r}")
+
+
+def engine_ready_timeout_s() -> float:
+    raw = os.environ.get(ENGINE_READY_TIMEOUT_S_ENV, str(DEFAULT_ENGINE_READY_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{ENGINE_READY_TIMEOUT_S_ENV} must be a positive number, got {raw!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# ZMQ helpers
+# ---------------------------------------------------------------------------
+def get_open_zmq_ipc_path() -> str:
+    return f"ipc://{tempfile.gettempdir()}/glassbox-{uuid.uuid4().hex[:16]}"
+
+
+def make_zmq_socket(
+    ctx: zmq.Context | zmq.asyncio.Context,  # type: ignore[name-defined]
+    path: str,
+    socket_type: int,
+    bind: bool | None = None,
+    identity: bytes | None = None,
+    linger: int | None = None,
+) -> zmq.Socket:
+    """A socket bound or connected to ``path``. By default the front end's
+    sockets (ROUTER, PULL) bind and EngineCore's (DEALER, PUSH) connect."""
+    socket = ctx.socket(socket_type)
+    if bind is None:
+        bind = socket_type not in (zmq.PUSH, zmq.SUB, zmq.XSUB, zmq.DEALER)
+    # No high-water mark: outputs must never be dropped or block the loop.
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    if identity is not None:
+        socket.setsockopt(zmq.IDENTITY, identity)
+    if linger is not None:
+        socket.setsockopt(zmq.LINGER, linger)
+    if bind:
+        socket.bind(path)
+    else:
+        socket.connect(path)
+    return socket
+
+
+@contextlib.contextmanager
+def zmq_socket_ctx(path: str, socket_type: int, bind: bool | None = None) -> Iterator[zmq.Socket]:
+    """A throw-away context and socket (the handshake socket), closed on exit."""
+    ctx = zmq.Context()
+    try:
+        socket = make_zmq_socket(ctx, path, socket_type, bind=bind, linger=0)
+        with socket:
+            yield socket
+    finally:
+        ctx.destroy(linger=0)
+
+
+def close_sockets(sockets) -> None:
+    for socket in sockets:
+        if socket is not None:
+            socket.close(linger=0)
+
+
+# ---------------------------------------------------------------------------
+# Handshake messages
+# ---------------------------------------------------------------------------
+class EngineZmqAddresses(msgspec.Struct):
+    # Front end's input ROUTER address(es), EngineCore connects DEALERs there.
+    inputs: list[str]
+    # Front end's output PULL address(es), EngineCore connects PUSHes there.
+    outputs: list[str]
+
+
+class EngineHandshakeMetadata(msgspec.Struct):
+    """The front end's answer to HELLO: where to connect for real traffic."""
+
+    addresses: EngineZmqAddresses
+
+
+def get_engine_zmq_addresses() -> EngineZmqAddresses:
+    return EngineZmqAddresses(inputs=[get_open_zmq_ipc_path()], outputs=[get_open_zmq_ipc_path()])
+
+
+# ---------------------------------------------------------------------------
+# The process
+# ---------------------------------------------------------------------------
+def get_mp_context():
+    return multiprocessing.get_context("spawn")
+
+
+class CoreEngineProcManager:
+    """Starts the EngineCore process and stops it (SIGTERM, then SIGKILL)."""
+
+    def __init__(
+        self,
+        glassbox_config: GlassboxConfig,
+        executor_class: type[Executor],
+        log_stats: bool,
+        handshake_address: str,
+        engine_index: int = 0,
+    ) -> None:
+        from engine.v1.engine.core import EngineCoreProc
+
+        context = get_mp_context()
+        # The child holds the read end; this process holds the only write
+        # end. When this process dies -- even by SIGKILL -- the OS closes the
+        # write end and the child's read fails with EOF: its cue to exit.
+        death_reader, self.death_writer = context.Pipe(duplex=False)
+        self.processes: list[BaseProcess] = [
+            context.Process(
+                target=EngineCoreProc.run_engine_core,
+                name="EngineCore",
+                kwargs={
+                    "glassbox_config": glassbox_config,
+                    "executor_class": executor_class,
+                    "log_stats": log_stats,
+                    "handshake_address": handshake_address,
+                    "death_pipe": death_reader,
+                    "engine_index": engine_index,
+                },
+                daemon=False,
+            )
+        ]
+        self._finalizer = weakref.finalize(self, shutdown, self.processes, self.death_writer)
+        self.manager_stopped = threading.Event()
+        self.failed_proc_name: str | None = None
+        try:
+            for proc in self.processes:
+                try:
+                    proc.start()
+                except (pickle.PicklingError, AttributeError, TypeError) as e:
+                    # spawn pickles the config and the executor class (by name).
+                    raise TypeError(
+                        "the engine configuration cannot be sent to the EngineCore process: "
+                        f"{e}. distributed_executor_backend must be a top-level class that "
+                        "can be imported by its module path (not one defined inside a "
+                        "function); or set GLASSBOX_ENABLE_MULTIPROCESSING=0 to run "
+                        "EngineCore in this process"
+                    ) from e
+        finally:
+            death_reader.close()
+            if self.finished_procs():
+                self.shutdown()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.manager_stopped.set()
+        if self._finalizer.detach() is not None:
+            shutdown(self.processes, self.death_writer, timeout=timeout)
+
+    def monitor_engine_liveness(self) -> None:
+        """Block until a process exits (or ``shutdown`` is called)."""
+        sentinel_to_proc = {proc.sentinel: proc for proc in self.processes}
+        while sentinel_to_proc and not self.manager_stopped.is_set():
+            died = connection.wait(list(sentinel_to_proc), timeout=1)
+            for sentinel in died:
+                proc = sentinel_to_proc.pop(sentinel)
+                if proc.exitcode != 0 and not self.manager_stopped.is_set():
+                    self.failed_proc_name = proc.name
+            if died:
+                break
+        self.shutdown()
+
+    def sentinels(self) -> list[int]:
+        return [proc.sentinel for proc in self.processes]
+
+    def finished_procs(self) -> dict[str, int]:
+        return {p.name: p.exitcode for p in self.processes if p.exitcode is not None}
+
+
+def shutdown(procs: list[BaseProcess], death_writer: Any = None, timeout: float | None = None) -> None:
+    """SIGTERM (the engine aborts what is left and exits), then SIGKILL."""
+    procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if timeout is None else timeout)
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            logger.warning("EngineCore (pid %s) did not exit after SIGTERM; killing it", proc.pid)
+            proc.kill()
+            proc.join(timeout=5)
+    if death_writer is not None:
+        death_writer.close()
+
+
+@contextlib.contextmanager
+def launch_core_engines(
+    glassbox_config: GlassboxConfig,
+    executor_class: type[Executor],
+    log_stats: bool,
+    addresses: EngineZmqAddresses,
+) -> Iterator[CoreEngineProcManager]:
+    """Start EngineCore; after the caller's block, wait until it is READY."""
+    handshake_address = get_open_zmq_ipc_path()
+    with zmq_socket_ctx(handshake_address, zmq.ROUTER, bind=True) as handshake_socket:
+        manager = CoreEngineProcManager(glassbox_config, executor_class, log_stats, handshake_address)
+        try:
+            yield manager
+            wait_for_engine_startup(handshake_socket, addresses, manager)
+        except BaseException:
+            manager.shutdown()
+            raise
+
+
+def wait_for_engine_startup(
+    handshake_socket: zmq.Socket,
+    addresses: EngineZmqAddresses,
+    proc_manager: CoreEngineProcManager,
+) -> None:
+    poller = zmq.Poller()
+    poller.register(handshake_socket, zmq.POLLIN)
+    for sentinel in proc_manager.sentinels():
+        poller.register(sentinel, zmq.POLLIN)
+    timeout_s = engine_ready_timeout_s()
+    waited_ms = 0
+    state = "NEW"
+    while state != "READY":
+        events = poller.poll(STARTUP_POLL_PERIOD_MS)
+        if not events:
+            waited_ms += STARTUP_POLL_PERIOD_MS
+            if waited_ms >= timeout_s * 1000:
+                raise TimeoutError(
+                    f"EngineCore did not become ready within {timeout_s:.0f}s; raise "
+                    f"{ENGINE_READY_TIMEOUT_S_ENV} if the model is slow to load"
+                )
+            logger.debug("Waiting for EngineCore to %s.", "connect" if state == "NEW" else "start")
+            continue
+        if any(sock is not handshake_socket for sock, _ in events):
+            for proc in proc_manager.processes:
+                proc.join(timeout=5)  # the sentinel fires a moment before the exit code is known
+            raise RuntimeError(
+                "EngineCore initialization failed; see the error above. Exited "
+                f"process(es) and exit codes: {proc_manager.finished_procs()}. (The "
+                "process is started with 'spawn': a script that builds an engine "
+                "at import time needs an `if __name__ == \"__main__\":` guard.)"
+            )
+        _identity, payload = handshake_socket.recv_multipart()
+        message = msgspec.msgpack.decode(payload)
+        status = message["status"]
+        if status == "FAILED":
+            raise startup_error(message["error_type"], message["message"])
+        if status == "HELLO" and state == "NEW":
+            handshake_socket.send_multipart(
+                (_identity, msgspec.msgpack.encode(EngineHandshakeMetadata(addresses)))
+            )
+            state = "CONNECTED"
+        elif status == "READY" and state == "CONNECTED":
+            state = "READY"
+        else:
+            raise RuntimeError(f"unexpected {status} message from EngineCore in state {state}")
+
+
+def startup_error(error_type: str, message: str) -> Exception:
+    """Rebuild the error EngineCore failed to start with: a built-in exception
+    type (ValueError, FileNotFoundError, ...) keeps its type and message."""
+    cls = getattr(builtins, error_type, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:
+            pass
+    return RuntimeError(f"EngineCore failed to start: {error_type}: {message}")
+
+
+class SignalCallback:
+    """Runs ``callback`` on a helper thread when ``trigger()`` is called.
+
+    A signal handler may interrupt the main thread while it holds the input
+    queue's lock, so the handler itself must not touch the queue; it only sets
+    an event, and this thread does the queue work."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._event = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="SignalCallback")
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._event.wait()
+        if not self._stopped:
+            self._callback()
+
+    def trigger(self) -> None:
+        self._event.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._event.set()

@@ -1,0 +1,205 @@
+"""The tracer app driven by Textual's Pilot, checked against the replay model.
+
+Every panel must show the step the scrubber shows, for the followed request,
+and agree with ``engine.tracing.TraceReplay`` (a fresh replay, not the app's
+cached views): the scheduler's queues, each request's status, the followed
+request's block table, the runner's batch rows, the sampler's chosen token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.tracing import TraceReplay
+from tests.tui.pilot_helpers import assert_panels_match_replay, wait_ready
+from tui.app import PANEL_IDS, TraceApp
+from tui.widgets.help import HelpScreen, help_text
+from tui.widgets.kv_blocks import KVBlocksPanel
+from tui.widgets.lifecycle import LifecyclePanel
+from tui.widgets.requests import RequestList
+from tui.widgets.runner import RunnerPanel
+
+pytestmark = pytest.mark.asyncio
+
+SIZE = (120, 40)
+
+
+def interesting_steps(replay: TraceReplay) -> list[int]:
+    kinds = ("sched.preempted", "sched.admitted", "sched.finished", "kv.evicted")
+    return sorted({replay.step_of(e) for e in replay.events if e["kind"] in kinds})
+
+
+async def test_stepping_moves_every_panel_consistently_with_the_replay(fresh_session):
+    replay = TraceReplay(fresh_session.events)
+    app = TraceApp(fresh_session)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        # It opens where the followed request arrives (step 1 at the earliest).
+        assert app.follow == fresh_session.info.followed_request_id
+        assert app.step == max(1, fresh_session.timelines[app.follow].queued_step)
+        await pilot.press("home")
+        assert app.step == 0
+        assert_panels_match_replay(app, replay, fresh_session)
+        for _ in range(min(16, replay.last_step)):
+            before = app.step
+            await pilot.press("right")
+            assert app.step == before + 1
+            assert_panels_match_replay(app, replay, fresh_session)
+        await pilot.press("left")
+        assert_panels_match_replay(app, replay, fresh_session)
+        for _ in range(3):
+            await pilot.press("shift+right")
+            assert_panels_match_replay(app, replay, fresh_session)
+        await pilot.press("end")
+        assert app.step == replay.last_step
+        assert_panels_match_replay(app, replay, fresh_session)
+        # Every step where the scheduler preempted, admitted or finished a
+        # request, following each request it touched.
+        for step in interesting_steps(replay):
+            for rid in {e["request_id"] for e in replay.events_at(step)
+                        if e["kind"] in ("sched.preempted", "sched.admitted", "sched.finished")}:
+                app.follow = rid
+                app.go_to_step(step)
+                await pilot.pause()
+                assert_panels_match_replay(app, replay, fresh_session)
+        await pilot.press("right")  # past the end: stays
+        assert app.step == replay.last_step
+
+
+async def test_events_play_and_the_palette_move_the_step(fresh_session):
+    app = TraceApp(fresh_session, step=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        # n / p: the followed request's next / previous lifecycle event.
+        steps = fresh_session.timelines[app.follow].event_steps()
+        visited = []
+        for _ in steps:
+            before = app.step
+            await pilot.press("n")
+            if app.step == before:
+                break
+            visited.append(app.step)
+        assert visited == [s for s in steps if s > 0]
+        await pilot.press("p")
+        assert app.step == ([s for s in steps if s < visited[-1]] or [0])[-1]
+        # space plays (at 16 steps/s after two +), space again pauses.
+        await pilot.press("home", "plus", "plus")
+        assert app.speed == 16
+        await pilot.press("space")
+        assert app.playing
+        await pilot.pause(0.5)
+        await pilot.press("space")
+        assert not app.playing
+        reached = app.step
+        assert reached >= 2
+        await pilot.pause(0.2)
+        assert app.step == reached  # paused means paused
+        await pilot.press("minus")
+        assert app.speed == 8
+        # ctrl+p, a number, Enter: go to that step.
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.2)
+        await pilot.press("1", "2")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert app.step == 12
+
+
+async def test_switching_the_followed_request(fresh_session):
+    replay = TraceReplay(fresh_session.events)
+    ids = fresh_session.request_ids
+    assert len(ids) >= 3
+    app = TraceApp(fresh_session, step=replay.last_step // 2)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        first = app.follow
+        await pilot.press("f")
+        assert app.follow == ids[(ids.index(first) + 1) % len(ids)]
+        assert_panels_match_replay(app, replay, fresh_session)
+        await pilot.press("F")
+        assert app.follow == first
+        # Pick one in the request list: focus it, move down twice, Enter.
+        await pilot.press("1")
+        assert app.focused is app.query_one(RequestList)
+        await pilot.press("down", "down", "enter")
+        target = ids[(ids.index(first) + 2) % len(ids)]
+        assert app.follow == target
+        assert app.query_one(LifecyclePanel).border_title == f"Lifecycle of {target}"
+        assert_panels_match_replay(app, replay, fresh_session)
+        # The command palette can follow a request too.
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.2)
+        await pilot.press(*f"follow request {first}")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert app.follow == first
+
+
+async def test_help_zoom_theme_resize_and_quit(fresh_session):
+    app = TraceApp(fresh_session)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ready(app, pilot)
+        # Readable at 100x30: every panel gets a usable area...
+        for panel_id in ("lifecycle", "scheduler", "kv", "runner", "sampler", "requests"):
+            region = app.query_one(f"#{panel_id}").region
+            assert region.width >= 30 and region.height >= 8, (panel_id, region)
+        # ...and lines are laid out for the panel's width, not cut by the screen.
+        runner = app.query_one(RunnerPanel)
+        narrow = runner.content_width()
+        assert all(len(line.rstrip()) <= narrow for line in runner.plain_text().splitlines())
+        # It scales up: a bigger terminal gives the panels more room.
+        await pilot.resize_terminal(160, 50)
+        await pilot.pause()
+        assert runner.content_width() > narrow + 10
+        assert runner.shown_step == app.step
+        # ? opens the help; it is modal, so the step keys do nothing under it.
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = help_text()
+        assert "KV blocks" in text and "quit" in text
+        assert app.screen.query_one("#help-text").size.height > 10
+        step = app.step
+        await pilot.press("right")
+        assert app.step == step
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        # z zooms the focused panel (4 = KV blocks) and back.
+        await pilot.press(str(PANEL_IDS.index("kv") + 1))
+        await pilot.press("z")
+        kv = app.query_one(KVBlocksPanel)
+        assert app.screen.maximized is kv
+        await pilot.pause()
+        assert kv.content_width() > 140
+        await pilot.press("z")
+        assert app.screen.maximized is None
+        # t: light theme and back.
+        await pilot.press("t")
+        assert app.theme == "textual-light"
+        await pilot.press("t")
+        assert app.theme == "textual-dark"
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 0
+    assert not app.is_running
+
+
+async def test_the_app_reports_a_bad_trace_instead_of_crashing(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    app = TraceApp(str(missing))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ready(app, pilot)
+        assert app.error is not None and "no trace file" in app.error
+        shown = str(app.query_one("#error").render())
+        assert "Cannot open the trace" in shown and "no trace file" in shown
+        await pilot.press("right", "n", "f", "space")  # nothing to step: no crash
+        await pilot.press("q")
+    assert app.return_code == 0
+
+    truncated = tmp_path / "truncated.jsonl"
+    truncated.write_text('{"ts": 1, "pid": 1, "seq": 1, "kind": "kv.init", "num_blo')
+    app = TraceApp(str(truncated))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ready(app, pilot)
+        assert app.error is not None and "truncated" in app.error

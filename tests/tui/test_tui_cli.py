@@ -1,0 +1,120 @@
+"""``glassbox tui`` and ``glassbox trace``: arguments, bad input, the plan of
+a traced run. (Running ``glassbox trace`` on the real model is
+``test_tui_e2e.py``.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.entrypoints.cli import trace as trace_cli
+from engine.entrypoints.cli.main import COMMANDS, build_parser, main
+
+
+def test_commands_are_registered():
+    assert {"trace", "tui"} <= set(COMMANDS)
+    args = build_parser().parse_args(["trace", "Hi", "--headless", "--concurrent", "2"])
+    assert (args.prompt, args.headless, args.concurrent) == ("Hi", True, 2)
+    assert args.trace_level == "full" and args.max_num_batched_tokens == 64
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no trace file at"),
+        ("", "is empty"),
+        ('{"ts": 1, "pid": 1, "kind": "kv.init", "num_bl', "is truncated"),
+        ('{"ts": 0, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 99}\n',
+         "trace format version 99"),
+        ('{"a": 1}\n', "not a Glassbox trace"),
+    ],
+    ids=["missing", "empty", "truncated", "other-version", "not-a-trace"],
+)
+def test_tui_reports_bad_traces_in_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "t.jsonl"
+    if content is not None:
+        path.write_text(content)
+    # --summary opens the trace here (the app itself shows the same message).
+    args = ["tui", str(path), "--summary"] if content else ["tui", str(path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glassbox tui: ") and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_tui_summary_of_the_small_trace(capsys, small_trace_path):
+    assert main(["tui", small_trace_path, "--summary", "--follow", "bg-5"]) == 0
+    out = capsys.readouterr().out
+    assert "Request bg-5" in out and "preempted" in out and "resumed" in out
+    assert main(["tui", small_trace_path, "--summary", "--follow", "nope"]) == 2
+    assert "--follow must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trace", "  "], "PROMPT must not be empty"),
+        (["trace", "Hi", "--concurrent", "-1"], "--concurrent must be >= 0"),
+        (["trace", "Hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["trace", "Hi", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+    ],
+)
+def test_trace_rejects_bad_arguments(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def _args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    trace_cli.add_arguments(parser)
+    return parser.parse_args(["What is the capital of France?", *kw.pop("extra", [])])
+
+
+def test_the_plan_puts_your_prompt_last_among_the_first_arrivals():
+    planned = trace_cli.plan_requests(_args())
+    ids = [r.request_id for r in planned]
+    assert len(planned) == trace_cli.DEFAULT_CONCURRENT + 1
+    first = [r.request_id for r in planned if r.arrival_step == 0]
+    assert first[-1] == "prompt" and ids.index("prompt") == len(first) - 1
+    # One background request repeats your prompt (a prefix hit on all of it).
+    assert sum(r.text == "What is the capital of France?" for r in planned) == 2
+    # --max-tokens caps every request; arrivals are in order.
+    assert all(r.max_tokens <= 48 for r in planned)
+    steps = [r.arrival_step for r in planned]
+    assert steps == sorted(steps)
+    none = trace_cli.plan_requests(_args(extra=["--concurrent", "0", "--max-tokens", "5"]))
+    assert [(r.request_id, r.max_tokens) for r in none] == [("prompt", 5)]
+    many = trace_cli.plan_requests(_args(extra=["--concurrent", "9"]))
+    assert len({r.request_id for r in many}) == 10
+
+
+def test_pool_size_is_small_but_holds_one_full_sequence():
+    planned = trace_cli.plan_requests(_args())
+    for r in planned:
+        r.prompt_token_ids = [0] * 60
+    total = sum(-(-(60 + r.max_tokens) // 16) for r in planned)
+    size = trace_cli._pool_size(planned, 16, max_model_len=112)
+    assert size == max(112 // 16 + 3, int(trace_cli.POOL_FRACTION * total) + 1)
+    assert size < total  # small enough that requests must wait or be preempted
+    assert trace_cli._pool_size(planned, 16, max_model_len=1024) == 1024 // 16 + 3
+
+
+def test_token_texts_cover_every_id_in_the_trace(tmp_path):
+    events = [
+        {"ts": 1, "pid": 1, "seq": 1, "kind": "request.added", "prompt_token_ids": [5, 6]},
+        {"ts": 2, "pid": 1, "seq": 2, "kind": "sched.update", "new_token_ids": {"a": [7]}},
+        {"ts": 3, "pid": 1, "seq": 3, "kind": "sampler.sampled", "token_id": 7,
+         "stages": [{"stage": "raw", "token_ids": [7, 8], "probs": [0.6, 0.4]}]},
+        {"ts": 4, "pid": 1, "seq": 4, "kind": "runner.inputs",
+         "input_ids": {"head": [9], "tail": [10]}},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    class Tok:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+
+    assert trace_cli._token_texts(str(path), Tok()) == {str(i): f"<{i}>" for i in range(5, 11)}

@@ -1,0 +1,87 @@
+"""End to end: ``glassbox trace --headless`` records a real run of the
+embedded default model (SmolLM2-135M-Instruct, CPU), prints the lifecycle
+summary, and the recorded trace replays in the app, every panel agreeing with
+the replay model.
+
+The model folder is the user's converted default model when it is already
+there (``glassbox trace`` / ``make run`` converted it; it is only read), else
+``tests.helpers.hf_checkpoints.default_model_path`` (converted once per test
+process, into ``$GLASSBOX_CACHE`` when set, else a temp dir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from engine.entrypoints.cli.main import main
+from engine.tracing import TraceReplay
+from tests.helpers.hf_checkpoints import default_model_path
+from tests.tui.pilot_helpers import assert_panels_match_replay, wait_ready
+from tui.app import TraceApp
+from tui.session import open_session
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    from engine.model_executor.model_loader.default_model import (
+        default_model_dir,
+        is_conversion_complete,
+    )
+
+    converted = default_model_dir()
+    if is_conversion_complete(converted):
+        return str(converted)
+    return default_model_path(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def recorded(model_path, tmp_path_factory) -> tuple[str, str]:
+    trace = str(tmp_path_factory.mktemp("e2e") / "run.jsonl")
+    argv = [
+        "trace", "What is the capital of France?", "--headless", "--model", model_path,
+        "--device", "cpu", "--trace-level", "lifecycle", "--concurrent", "2",
+        # Short raw prompts and 4 tokens each keep the CPU run to a few seconds.
+        "--raw-prompt", "--max-tokens", "4", "--max-num-batched-tokens", "16",
+        "--trace-path", trace,
+    ]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return trace, out.getvalue()
+
+
+def test_headless_trace_prints_the_prompts_lifecycle(recorded):
+    trace, out = recorded
+    assert "Request prompt (followed)" in out
+    for piece in ("queued:", "admitted", "prefill", "first output token", "finished:",
+                  "Other requests:", f"glassbox tui {trace}"):
+        assert piece in out, piece
+    session = open_session(trace)
+    assert session.info.followed_request_id == "prompt"
+    assert session.info.trace_level == "lifecycle"
+    assert set(session.request_ids) == {"prompt", "bg-1", "bg-2"}
+    # Token texts were added, so the output reads as text.
+    tl = session.timelines["prompt"]
+    assert len(tl.output_tokens) >= 1
+    assert all(session.token_text(t) is not None for _, t in tl.output_tokens)
+
+
+@pytest.mark.asyncio
+async def test_the_recorded_trace_replays_in_the_app(recorded):
+    trace, _ = recorded
+    session = open_session(trace)
+    replay = TraceReplay(session.events)
+    app = TraceApp(trace)  # opened by the app itself, in its worker
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_ready(app, pilot)
+        assert app.error is None and app.follow == "prompt"
+        await pilot.press("home")
+        for _ in range(replay.last_step + 1):
+            assert_panels_match_replay(app, replay, app.session)
+            await pilot.press("right")
+        assert app.step == replay.last_step

@@ -1,0 +1,184 @@
+"""``tui.session``: lifecycles agree with the replay model step by step; bad
+traces become one clear ``TraceLoadError`` message; the headless summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.tracing import TraceReplay, load_trace
+from tui.session import (
+    DECODE,
+    FINISHED,
+    NOT_ARRIVED,
+    PREEMPTED,
+    PREFILL,
+    RECOMPUTE,
+    STALLED,
+    WAITING,
+    TraceLoadError,
+    TraceSession,
+    open_session,
+    session_from_events,
+)
+from tui.summary import compress_phases, request_summary
+
+
+def test_the_committed_trace_shows_what_it_should(small_session: TraceSession):
+    # The run the TUI is demonstrated on: chunked prefill, prefix hits,
+    # preemption, several requests sharing steps, full-level sampler stages.
+    kinds = {e["kind"] for e in small_session.events}
+    assert {"sched.preempted", "kv.touched", "sampler.sampled", "runner.batch"} <= kinds
+    assert small_session.info.trace_level == "full"
+    assert small_session.info.followed_request_id == "prompt"
+    assert len(small_session.request_ids) >= 5
+    assert any(e.kind == "prefill" and "chunk" in e.text
+               for tl in small_session.timelines.values() for e in tl.events)
+    assert small_session.token_texts, "glassbox trace adds token texts"
+
+
+def test_phases_agree_with_the_replay_at_every_step(small_session: TraceSession):
+    replay = TraceReplay(small_session.events, snapshot_interval=1)
+    for step, state in zip(replay.steps, replay.iter_states()):
+        sched = next((e for e in replay.events_at(step) if e["kind"] == "sched.step"), None)
+        scheduled = sched["num_scheduled_tokens"] if sched else {}
+        preempted = {e["request_id"] for e in replay.events_at(step)
+                     if e["kind"] == "sched.preempted"}
+        for rid, tl in small_session.timelines.items():
+            phase = tl.phase_at(step)
+            req = state.requests.get(rid)
+            where = f"{rid} at step {step}: {phase!r}"
+            if req is None:
+                assert phase == NOT_ARRIVED, where
+            elif req.is_finished:
+                assert phase == FINISHED, where
+                assert tl.finished_step is not None and tl.finished_step <= step
+            elif rid in preempted:
+                assert phase == PREEMPTED and rid in state.waiting, where
+            elif rid in scheduled:
+                assert phase in (PREFILL, RECOMPUTE, DECODE), where
+                # A decode computes the one token not yet in the cache (after
+                # the step the sampled one is that token again).
+                decode = (scheduled[rid] == 1
+                          and req.num_computed_tokens - 1 >= req.num_prompt_tokens
+                          and req.num_computed_tokens == req.num_tokens - 1)
+                assert (phase == DECODE) == decode, where
+            elif rid in state.running:
+                assert phase == STALLED, where
+            else:
+                assert rid in state.waiting and phase == WAITING, where
+
+
+def test_outputs_and_counts_match_the_trace(small_session: TraceSession):
+    final = small_session.replay.final_state
+    for rid, tl in small_session.timelines.items():
+        req = final.requests[rid]
+        assert len(tl.output_tokens) == req.num_output_tokens
+        assert tl.num_preemptions == req.num_preemptions
+        assert tl.finished_step == req.finished_step
+        assert [t for _, t in tl.output_tokens] == [
+            t for e in small_session.events if e["kind"] == "sched.update"
+            for t in e["new_token_ids"].get(rid, [])
+        ]
+        # "Next event" walks the lifecycle lines' start steps in order.
+        steps = tl.event_steps()
+        assert steps == sorted(set(steps)) and steps[0] == tl.queued_step
+        assert small_session.next_event_step(rid, steps[0]) == (steps[1:] or [None])[0]
+
+
+def test_view_cache_returns_the_same_view_and_evicts_lru(small_trace_path):
+    session = open_session(small_trace_path, view_cache_size=4)
+    calls = []
+    real = session.replay.view
+    session.replay.view = lambda step: calls.append(step) or real(step)
+    for step in (1, 2, 3, 1, 2, 3, 4, 5):
+        session.view(step)
+    assert calls == [1, 2, 3, 4, 5]  # the second 1, 2, 3 were cache hits
+    assert session.view(3) is session.view(3)
+    assert calls == [1, 2, 3, 4, 5]
+    session.view(1)  # 5 pushed out the least recently used view, step 1's
+    assert calls == [1, 2, 3, 4, 5, 1]
+
+
+def test_summary_tells_the_followed_request_story(small_session: TraceSession):
+    text = request_summary(small_session)
+    assert text.splitlines()[0].startswith("Trace ")
+    assert "Request prompt (followed)" in text
+    assert "queued:" in text and "admitted" in text and "finished:" in text
+    assert "prefix-cache hit" in text
+    assert "output (" in text and "tokens: " in text
+    with pytest.raises(ValueError, match="request_id must be one of"):
+        request_summary(small_session, "nope")
+    assert compress_phases("w" * 3 + "p" + "d" * 100 + "f") == "w3 p d100 f"
+    assert compress_phases("wpddf") == "wpddf"
+
+
+# ---------------------------------------------------------------------------
+# Bad input: one clear sentence, never a traceback
+# ---------------------------------------------------------------------------
+def _write(path: Path, lines: list) -> str:
+    path.write_text("".join((json.dumps(x) if not isinstance(x, str) else x) + "\n"
+                            for x in lines))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def small_events(small_trace_path) -> list[dict]:
+    return load_trace(small_trace_path)
+
+
+def test_missing_directory_and_empty_files(tmp_path):
+    with pytest.raises(TraceLoadError, match=r"no trace file at .*glassbox trace"):
+        open_session(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(TraceLoadError, match="is a directory"):
+        open_session(str(tmp_path))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(TraceLoadError, match="is empty"):
+        open_session(str(tmp_path / "empty.jsonl"))
+
+
+def test_truncated_and_corrupt_files(tmp_path, small_trace_path):
+    text = Path(small_trace_path).read_text()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(text[: len(text) // 2])  # ends in the middle of a line
+    with pytest.raises(TraceLoadError, match=r"is truncated: its last line \(line \d+\)"):
+        open_session(str(cut))
+    lines = text.splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:5]) + "{oops\n" + "".join(lines[5:]))
+    with pytest.raises(TraceLoadError, match="is corrupt at line 6"):
+        open_session(str(bad))
+
+
+def test_json_that_is_not_a_trace(tmp_path):
+    with pytest.raises(TraceLoadError, match="not a Glassbox trace"):
+        open_session(_write(tmp_path / "a.jsonl", [{"hello": 1}, {"world": 2}]))
+    with pytest.raises(TraceLoadError, match="not a Glassbox trace"):
+        open_session(_write(tmp_path / "b.jsonl", [[1, 2, 3]]))
+    # A lifecycle-less trace (only front-end events): nothing to replay.
+    with pytest.raises(TraceLoadError, match="cannot be replayed: .*kv.init"):
+        open_session(_write(tmp_path / "c.jsonl",
+                            [{"ts": 1, "pid": 1, "seq": 1, "kind": "request.added"}]))
+
+
+def test_traces_from_another_version(tmp_path, small_events):
+    # Announces a format this version does not read.
+    header = {"ts": 0, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 99}
+    with pytest.raises(TraceLoadError, match="trace format version 99; this Glassbox reads"):
+        session_from_events([header, *small_events], path="old.jsonl")
+    # Written by a version whose events carried other field names.
+    renamed = [
+        {("prompt_len" if k == "num_prompt_tokens" else k): v for k, v in e.items()}
+        if e["kind"] == "sched.queued" else e
+        for e in small_events
+    ]
+    with pytest.raises(TraceLoadError, match="another version of Glassbox.*num_prompt_tokens"):
+        session_from_events(renamed, path="old.jsonl")
+    # Or whose block pool worked differently: the replay's own checks catch it.
+    shuffled = [dict(e, block_ids=e["block_ids"][::-1]) if e["kind"] == "kv.allocated"
+                and len(e["block_ids"]) > 1 else e for e in small_events]
+    with pytest.raises(TraceLoadError, match="cannot be replayed: .*another version"):
+        session_from_events(shuffled, path="odd.jsonl")

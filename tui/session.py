@@ -1,0 +1,642 @@
+"""One recorded run, opened for the TUI and the headless summary.
+
+vLLM twin: none (vLLM has no trace viewer). Read it for how a viewer turns a
+Glassbox trace into what a person wants to see: the replay model
+(``engine.tracing.TraceReplay``) gives the engine's state after any step; this
+module adds what a viewer needs on top -- a per-request lifecycle (when it
+waited, ran prefill chunks, decoded, stalled, was preempted, finished), token
+texts, colours, and a cache of step views so scrubbing back and forth never
+replays the same step twice.
+
+The TUI reads runs only through ``engine.tracing`` (``load_trace`` and
+``TraceReplay``); everything here is derived from the events.
+Sessions: all (the tracer TUI follows one request through every subsystem).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tracing import ReplayError, StepView, TraceReplay, load_trace
+
+# Events that ``glassbox trace`` adds to the trace it records (through the
+# engine's own tracer): which request the user typed, and the text of every
+# token id the run mentions (the engine records ids only).
+CLI_EVENT_KIND = "trace.cli"
+TOKEN_TEXTS_EVENT_KIND = "trace.token_texts"
+
+# Fields every Glassbox trace event has (see docs/trace_format.md).
+REQUIRED_EVENT_FIELDS = ("ts", "pid", "kind")
+
+# Request colours: the "tab10" palette, mid-luminance, so every one reads on
+# a dark and on a light background.
+REQUEST_COLOURS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#9467bd",
+    "#17becf",
+    "#e377c2",
+    "#8c564b",
+    "#bcbd22",
+    "#7f7f7f",
+    "#d62728",  # last: red also marks preemptions
+)
+
+# Phase of a request in one step (one character per step on the timeline).
+NOT_ARRIVED = " "
+WAITING = "w"
+PREFILL = "p"
+RECOMPUTE = "r"
+DECODE = "d"
+STALLED = "s"  # running, but the step gave it no tokens
+PREEMPTED = "x"
+FINISHED = "f"
+PHASE_NAMES = {
+    NOT_ARRIVED: "not arrived",
+    WAITING: "waiting",
+    PREFILL: "prefill chunk",
+    RECOMPUTE: "recompute chunk",
+    DECODE: "decode",
+    STALLED: "running, not scheduled",
+    PREEMPTED: "preempted",
+    FINISHED: "finished",
+}
+
+
+class TraceLoadError(Exception):
+    """A trace that cannot be shown; the message says why, in one sentence or two."""
+
+
+@dataclass
+class LifecycleEvent:
+    """One line of a request's lifecycle: something that happened at a step
+    (or over a run of steps, for decoding)."""
+
+    step: int
+    kind: str  # queued, admitted, resumed, prefill, recompute, first_token, decode,
+    #            stalled, blocked, preempted, finished
+    text: str
+    end_step: int | None = None  # last step of a range (decode/stalled/blocked runs)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int:
+        return self.step if self.end_step is None else self.end_step
+
+    def covers(self, step: int) -> bool:
+        return self.step <= step <= self.last_step
+
+
+@dataclass
+class RequestTimeline:
+    """Everything one request went through, indexed by step."""
+
+    request_id: str
+    index: int  # arrival order in the trace
+    colour: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    num_prompt_tokens: int
+    max_tokens: int
+    sampling_params: dict[str, Any]
+    queued_step: int
+    # phases[i] is the phase at step queued_step + i.
+    phases: list[str] = field(default_factory=list)
+    events: list[LifecycleEvent] = field(default_factory=list)
+    # (step, token id) for every output token, in order.
+    output_tokens: list[tuple[int, int]] = field(default_factory=list)
+    # (step, text) from the front end's detokenizer (``request.output``).
+    text_deltas: list[tuple[int, str]] = field(default_factory=list)
+    finished_step: int | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+
+    def phase_at(self, step: int) -> str:
+        """The phase at ``step``: NOT_ARRIVED before it is queued, FINISHED
+        from its last step on."""
+        i = step - self.queued_step
+        if i < 0:
+            return NOT_ARRIVED
+        if i >= len(self.phases):
+            return FINISHED if self.finished_step is not None else self.phases[-1]
+        return self.phases[i]
+
+    @property
+    def last_step(self) -> int:
+        return self.queued_step + len(self.phases) - 1
+
+    def event_steps(self) -> list[int]:
+        """Steps where a lifecycle line starts (for 'jump to next event')."""
+        return sorted({e.step for e in self.events})
+
+    def event_index_at(self, step: int) -> int | None:
+        """The lifecycle line that covers ``step`` (the latest one starting at or before it)."""
+        best = None
+        for i, e in enumerate(self.events):
+            if e.step <= step:
+                best = i
+        return best
+
+    def output_ids_until(self, step: int) -> list[int]:
+        return [t for s, t in self.output_tokens if s <= step]
+
+
+@dataclass
+class RunInfo:
+    """Settings of the run, from ``engine.config`` / ``runner.init`` / ``trace.cli``."""
+
+    model: str | None
+    device: str | None
+    attn_backend: str | None
+    dtype: str | None
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int | None
+    max_num_seqs: int | None
+    enable_prefix_caching: bool | None
+    policy: str
+    followed_request_id: str | None
+    trace_level: str  # "full" when sampler stages / runner inputs are present
+
+
+class TraceSession:
+    """A trace opened for viewing: replay + lifecycles + token texts + a view cache."""
+
+    def __init__(
+        self,
+        events: list[dict[str, Any]],
+        path: str | None = None,
+        view_cache_size: int = 512,
+        snapshot_interval: int | None = None,
+    ) -> None:
+        self.path = path
+        if snapshot_interval is None:
+            # Fewer snapshots for long runs: building is a copy per snapshot,
+            # a view is a copy plus at most snapshot_interval steps of events.
+            last = max((e.get("step") or 0 for e in events), default=0)
+            snapshot_interval = max(16, min(64, last // 40))
+        self.replay = TraceReplay(events, snapshot_interval=snapshot_interval)
+        self.events = self.replay.events
+        self._views: OrderedDict[int, StepView] = OrderedDict()
+        self._view_cache_size = view_cache_size
+        self.token_texts: dict[int, str] = {}
+        cli: dict[str, Any] = {}
+        runner_init: dict[str, Any] = {}
+        has_stages = False
+        for e in self.events:
+            kind = e["kind"]
+            if kind == TOKEN_TEXTS_EVENT_KIND:
+                self.token_texts.update({int(k): v for k, v in e.get("token_texts", {}).items()})
+            elif kind == CLI_EVENT_KIND:
+                cli = e
+            elif kind == "runner.init":
+                runner_init = e
+            elif kind == "sampler.sampled" and "stages" in e:
+                has_stages = True
+        config = next((e for e in self.events if e["kind"] == "engine.config"), {})
+        kv_init = next(e for e in self.events if e["kind"] == "kv.init")
+        self.timelines: dict[str, RequestTimeline] = _build_timelines(self.replay, self.token_texts)
+        self.request_ids: list[str] = sorted(self.timelines, key=lambda r: self.timelines[r].index)
+        followed = cli.get("follow_request_id")
+        if followed not in self.timelines:
+            followed = self.request_ids[0] if self.request_ids else None
+        self.info = RunInfo(
+            model=runner_init.get("model") or cli.get("model"),
+            device=runner_init.get("device"),
+            attn_backend=runner_init.get("attn_backend"),
+            dtype=runner_init.get("dtype"),
+            block_size=kv_init["block_size"],
+            num_blocks=kv_init["num_blocks"],
+            max_num_batched_tokens=config.get("max_num_batched_tokens"),
+            max_num_seqs=config.get("max_num_seqs"),
+            enable_prefix_caching=config.get("enable_prefix_caching"),
+            policy=config.get("policy", "fcfs"),
+            followed_request_id=followed,
+            trace_level="full" if has_stages else "lifecycle",
+        )
+
+    # -- steps -------------------------------------------------------------------
+    @property
+    def last_step(self) -> int:
+        return self.replay.last_step
+
+    @property
+    def num_steps(self) -> int:
+        return self.replay.last_step + 1
+
+    def view(self, step: int) -> StepView:
+        """The replay model's view of ``step`` (cached; least recently used evicted)."""
+        view = self._views.get(step)
+        if view is not None:
+            self._views.move_to_end(step)
+            return view
+        view = self.replay.view(step)
+        self._views[step] = view
+        if len(self._views) > self._view_cache_size:
+            self._views.popitem(last=False)
+        return view
+
+    def is_cached(self, step: int) -> bool:
+        return step in self._views
+
+    # -- tokens ------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str | None:
+        return self.token_texts.get(token_id)
+
+    def output_pieces(self, request_id: str, step: int) -> list[str]:
+        """The output so far, one string per token (or per detokenizer delta
+        when the trace has no token texts)."""
+        tl = self.timelines[request_id]
+        ids = tl.output_ids_until(step)
+        if ids and all(t in self.token_texts for t in ids):
+            return [self.token_texts[t] for t in ids]
+        if tl.text_deltas:
+            return [text for s, text in tl.text_deltas if s <= step and text]
+        return [f"#{t} " for t in ids]
+
+    def request_colour(self, request_id: str) -> str:
+        tl = self.timelines.get(request_id)
+        return tl.colour if tl is not None else REQUEST_COLOURS[-1]
+
+    def next_event_step(self, request_id: str, step: int) -> int | None:
+        later = [s for s in self.timelines[request_id].event_steps() if s > step]
+        return later[0] if later else None
+
+    def previous_event_step(self, request_id: str, step: int) -> int | None:
+        earlier = [s for s in self.timelines[request_id].event_steps() if s < step]
+        return earlier[-1] if earlier else None
+
+
+def visible_whitespace(text: str) -> str:
+    return text.replace("\n", "↵").replace("\t", "⇥")
+
+
+def check_trace_file(path: str) -> None:
+    """Cheap checks before a trace is opened: the file exists, is a file, is
+    not empty. Raises ``TraceLoadError`` with a message a user can act on."""
+    if not os.path.exists(path):
+        raise TraceLoadError(
+            f"no trace file at {path}. Record one with: glassbox trace \"Your prompt\" "
+            "--trace-path " + path
+        )
+    if os.path.isdir(path):
+        raise TraceLoadError(f"{path} is a directory, not a trace file (.jsonl)")
+    if os.path.getsize(path) == 0:
+        raise TraceLoadError(
+            f"{path} is empty (was the run traced with trace_level 'off', or killed at once?)"
+        )
+
+
+def open_session(path: str, **kwargs: Any) -> TraceSession:
+    """Load and check a trace file; every problem becomes a ``TraceLoadError``
+    whose message a user can act on (never a traceback)."""
+    check_trace_file(path)
+    try:
+        events = load_trace(path)
+    except ValueError as e:
+        raise TraceLoadError(_describe_bad_json(path, e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceLoadError(f"cannot read {path}: {e}") from None
+    except (KeyError, TypeError):
+        raise TraceLoadError(
+            f"{path} is not a Glassbox trace: its lines are JSON but lack the ts/pid/kind "
+            "fields every trace event has"
+        ) from None
+    return session_from_events(events, path=path, **kwargs)
+
+
+def session_from_events(
+    events: list[dict[str, Any]], path: str | None = None, **kwargs: Any
+) -> TraceSession:
+    where = path or "the trace"
+    if not events:
+        raise TraceLoadError(f"{where} holds no events (was the run traced with trace_level 'off'?)")
+    for i, e in enumerate(events):
+        if not isinstance(e, dict) or any(k not in e for k in REQUIRED_EVENT_FIELDS):
+            raise TraceLoadError(
+                f"{where} is not a Glassbox trace: event {i + 1} lacks the ts/pid/kind fields"
+            )
+    _check_version(events, where)
+    try:
+        return TraceSession(events, path=path, **kwargs)
+    except ReplayError as e:
+        raise TraceLoadError(
+            f"{where} cannot be replayed: {e}. It may be incomplete, or written by another "
+            "version of Glassbox"
+        ) from None
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise TraceLoadError(
+            f"{where} looks like a trace from another version of Glassbox: an event lacks or "
+            f"mistypes a field this version needs ({type(e).__name__}: {e}). Record it again "
+            "with this version (glassbox trace ...)"
+        ) from None
+
+
+# Trace-format versions this viewer reads. Today's traces carry no version
+# (they are version 1); a trace that announces another one in a
+# ``trace_format_version`` field (e.g. on a header event a later format adds)
+# is refused with a clear message instead of being shown wrongly. Older or
+# newer traces without it are caught by the field and replay checks below.
+SUPPORTED_TRACE_FORMAT_VERSIONS = (1,)
+
+
+def _check_version(events: list[dict[str, Any]], where: str) -> None:
+    for e in events:
+        version = e.get("trace_format_version", e.get("format_version"))
+        if version is None:
+            continue
+        if version not in SUPPORTED_TRACE_FORMAT_VERSIONS:
+            supported = ", ".join(str(v) for v in SUPPORTED_TRACE_FORMAT_VERSIONS)
+            raise TraceLoadError(
+                f"{where} uses trace format version {version!r}; this Glassbox reads version "
+                f"{supported}. Record it again with this version (glassbox trace ...)"
+            )
+        return
+
+
+def _describe_bad_json(path: str, error: ValueError) -> str:
+    message = str(error)
+    # load_trace says "<path>:<line>: not a JSON trace event (...)".
+    line_no = None
+    head = message[len(path) + 1 :] if message.startswith(path + ":") else ""
+    if head.split(":", 1)[0].isdigit():
+        line_no = int(head.split(":", 1)[0])
+    if line_no is None:
+        return f"{path} is not a Glassbox trace ({message})"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        num_lines = sum(1 for line in f if line.strip())
+    if line_no >= num_lines:
+        return (
+            f"{path} is truncated: its last line (line {line_no}) is not a complete JSON event. "
+            "The run was probably interrupted while writing; record it again"
+        )
+    return f"{path} is corrupt at line {line_no}: it is not a JSON trace event"
+
+
+# ---------------------------------------------------------------------------
+# Lifecycles
+# ---------------------------------------------------------------------------
+@dataclass
+class _Live:
+    """Running counters of one request while the events are walked."""
+
+    tl: RequestTimeline
+    cursor: int = 0
+    num_output: int = 0
+    status: str = "WAITING"
+    ever_preempted: bool = False
+    pending_hit: dict[str, Any] | None = None
+    allocated: dict[int, list[int]] = field(default_factory=dict)  # step -> new block ids
+    decode_open: LifecycleEvent | None = None
+    range_open: LifecycleEvent | None = None  # stalled / blocked run
+
+
+def _fmt_blocks(ids: list[int]) -> str:
+    return " ".join(str(b) for b in ids)
+
+
+def _finish_text(status: str, reason: str | None) -> str:
+    if status == "FINISHED_ABORTED" or reason == "abort":
+        return "aborted"
+    if status == "FINISHED_LENGTH_CAPPED" or reason == "length":
+        return "length (max_tokens or max_model_len reached)"
+    if reason == "stop":
+        return "stop (EOS, stop token or stop string)"
+    return f"{status.lower()} ({reason})"
+
+
+# When two things happen to a request in one step, the timeline shows the weightier.
+_PHASE_PRIORITY = {WAITING: 0, STALLED: 1, DECODE: 2, PREFILL: 3, RECOMPUTE: 3, FINISHED: 4, PREEMPTED: 5}
+
+
+def _build_timelines(
+    replay: TraceReplay, token_texts: dict[int, str] | None = None
+) -> dict[str, RequestTimeline]:
+    """Walk the scheduler process's events once and build every request's lifecycle."""
+    core = sorted(
+        (e for e in replay.events if e["pid"] == replay.engine_pid), key=lambda e: e.get("seq", 0)
+    )
+    added = {
+        e["request_id"]: e for e in replay.events if e["kind"] == "request.added" and "request_id" in e
+    }
+    live: dict[str, _Live] = {}
+    running: set[str] = set()  # admitted and neither preempted nor finished since
+    timelines: dict[str, RequestTimeline] = {}
+    last_step = replay.last_step
+
+    def set_phase(lv: _Live, step: int, phase: str) -> None:
+        phases = lv.tl.phases
+        i = step - lv.tl.queued_step
+        while len(phases) <= i:
+            # A step with no news for the request continues its last phase.
+            prev = phases[-1] if phases else WAITING
+            phases.append(WAITING if prev in (WAITING, PREEMPTED) else STALLED)
+        if _PHASE_PRIORITY[phase] >= _PHASE_PRIORITY[phases[i]]:
+            phases[i] = phase
+
+    def close_ranges(lv: _Live) -> None:
+        lv.decode_open = None
+        lv.range_open = None
+
+    for e in core:
+        kind = e["kind"]
+        step = replay.step_of(e)
+        rid = e.get("request_id")
+        if kind == "sched.queued":
+            a = added.get(rid, {})
+            index = len(timelines)
+            tl = RequestTimeline(
+                request_id=rid,
+                index=index,
+                colour=REQUEST_COLOURS[index % len(REQUEST_COLOURS)],
+                prompt=a.get("prompt"),
+                prompt_token_ids=a.get("prompt_token_ids"),
+                num_prompt_tokens=e["num_prompt_tokens"],
+                max_tokens=e.get("max_tokens", 0),
+                sampling_params=a.get("sampling_params", {}),
+                queued_step=step,
+            )
+            timelines[rid] = tl
+            lv = live[rid] = _Live(tl)
+            set_phase(lv, step, WAITING)
+            hashes = e.get("num_block_hashes")
+            extra = f", {hashes} full blocks hashed" if hashes is not None else ""
+            tl.events.append(
+                LifecycleEvent(
+                    step,
+                    "queued",
+                    f"queued: {tl.num_prompt_tokens}-token prompt, up to {tl.max_tokens} new "
+                    f"tokens{extra}",
+                )
+            )
+            continue
+        lv = live.get(rid) if rid is not None else None
+        if kind == "kv.cache_hit" and lv is not None:
+            lv.pending_hit = e
+        elif kind == "kv.allocated" and lv is not None:
+            lv.allocated.setdefault(step, []).extend(e["block_ids"])
+        elif kind == "kv.allocation_failed" and lv is not None:
+            text = (
+                f"blocked: needs {e.get('num_blocks_needed', '?')} blocks, "
+                f"{e.get('num_free_blocks', '?')} free"
+            )
+            if lv.range_open is not None and lv.range_open.kind == "blocked" and (
+                lv.range_open.last_step >= step - 1
+            ):
+                lv.range_open.end_step = step
+            else:
+                ev = LifecycleEvent(step, "blocked", text)
+                lv.tl.events.append(ev)
+                close_ranges(lv)
+                lv.range_open = ev
+        elif kind == "sched.admitted" and lv is not None:
+            tl = lv.tl
+            resumed = bool(e.get("resumed")) or lv.ever_preempted
+            lv.cursor = e["num_computed_tokens"]
+            lv.status = "RUNNING"
+            running.add(rid)
+            hit = lv.pending_hit
+            lv.pending_hit = None
+            hit_blocks = hit.get("block_ids", []) if hit else []
+            if resumed:
+                text = f"resumed: recompute from token {lv.cursor}"
+            else:
+                tl.num_cached_tokens = lv.cursor
+                text = "admitted"
+            if lv.cursor:
+                text += (
+                    f" (prefix-cache hit: {lv.cursor} of {tl.num_prompt_tokens + lv.num_output} "
+                    f"tokens, blocks {_fmt_blocks(hit_blocks)})"
+                )
+            else:
+                text += " (no prefix-cache hit)"
+            close_ranges(lv)
+            tl.events.append(LifecycleEvent(step, "resumed" if resumed else "admitted", text))
+        elif kind == "sched.preempted" and lv is not None:
+            tl = lv.tl
+            lv.status = "PREEMPTED"
+            running.discard(rid)
+            lv.ever_preempted = True
+            tl.num_preemptions += 1
+            lv.cursor = 0
+            set_phase(lv, step, PREEMPTED)
+            close_ranges(lv)
+            by = e.get("for_request_id")
+            tl.events.append(
+                LifecycleEvent(
+                    step,
+                    "preempted",
+                    f"preempted{' to make room for ' + by if by else ''}: blocks freed, "
+                    f"back to the waiting queue ({e.get('num_tokens', '?')} tokens to recompute)",
+                )
+            )
+        elif kind == "sched.step":
+            scheduled = e.get("num_scheduled_tokens", {})
+            for r in running - scheduled.keys():
+                lvr = live[r]
+                set_phase(lvr, step, STALLED)
+                if lvr.range_open is not None and lvr.range_open.kind == "stalled" and (
+                    lvr.range_open.last_step == step - 1
+                ):
+                    lvr.range_open.end_step = step
+                else:
+                    ev = LifecycleEvent(step, "stalled", "running, but no tokens this step "
+                                        "(token budget spent by requests ahead)")
+                    lvr.tl.events.append(ev)
+                    lvr.decode_open = None
+                    lvr.range_open = ev
+            for r, n in scheduled.items():
+                lvr = live.get(r)
+                if lvr is None:
+                    continue
+                tl = lvr.tl
+                num_tokens = tl.num_prompt_tokens + lvr.num_output
+                start = lvr.cursor
+                lvr.cursor += n
+                new_blocks = lvr.allocated.pop(step, [])
+                blocks = f"; new blocks {_fmt_blocks(new_blocks)}" if new_blocks else ""
+                if n == 1 and start == num_tokens - 1 and start >= tl.num_prompt_tokens:
+                    set_phase(lvr, step, DECODE)
+                    if lvr.decode_open is not None and lvr.decode_open.last_step == step - 1:
+                        lvr.decode_open.end_step = step
+                        if new_blocks:
+                            lvr.decode_open.notes.append(
+                                f"new block {_fmt_blocks(new_blocks)} at step {step}"
+                            )
+                    else:
+                        ev = LifecycleEvent(step, "decode", "decoding")
+                        if new_blocks:
+                            ev.notes.append(f"new block {_fmt_blocks(new_blocks)} at step {step}")
+                        tl.events.append(ev)
+                        close_ranges(lvr)
+                        lvr.decode_open = ev
+                    continue
+                close_ranges(lvr)
+                phase = RECOMPUTE if lvr.ever_preempted else PREFILL
+                set_phase(lvr, step, phase)
+                label = "recompute" if phase == RECOMPUTE else "prefill"
+                part = "" if lvr.cursor >= num_tokens and start == 0 else " chunk"
+                tl.events.append(
+                    LifecycleEvent(
+                        step,
+                        label,
+                        f"{label}{part}: tokens {start}-{lvr.cursor - 1} ({n} of {num_tokens})"
+                        f"{blocks}",
+                    )
+                )
+        elif kind == "sched.update":
+            for r, tokens in e.get("new_token_ids", {}).items():
+                lvr = live.get(r)
+                if lvr is None or not tokens:
+                    continue
+                if not lvr.tl.output_tokens:
+                    text = (token_texts or {}).get(tokens[0])
+                    shown = f" {visible_whitespace(text)!r}" if text is not None else f" #{tokens[0]}"
+                    lvr.tl.events.append(
+                        LifecycleEvent(step, "first_token", f"first output token:{shown}")
+                    )
+                    lvr.decode_open = None
+                lvr.num_output += len(tokens)
+                lvr.tl.output_tokens.extend((step, t) for t in tokens)
+        elif kind == "sched.finished" and lv is not None:
+            tl = lv.tl
+            lv.status = e.get("status", "FINISHED")
+            running.discard(rid)
+            tl.finished_step = step
+            tl.finish_reason = e.get("finish_reason")
+            set_phase(lv, step, FINISHED)
+            close_ranges(lv)
+            num_output = e.get("num_output_tokens", lv.num_output)
+            tl.events.append(
+                LifecycleEvent(
+                    step,
+                    "finished",
+                    f"finished: {_finish_text(lv.status, tl.finish_reason)} after {num_output} "
+                    f"output token{'s' if num_output != 1 else ''}; its blocks go back to the pool",
+                )
+            )
+    # The front end's detokenized text (its own process in multi-process runs).
+    for e in replay.events:
+        if e["kind"] == "request.output" and e.get("text_delta") and e.get("request_id") in live:
+            live[e["request_id"]].tl.text_deltas.append((replay.step_of(e), e["text_delta"]))
+    for lv in live.values():
+        tl = lv.tl
+        if tl.finished_step is None:
+            # Still alive when the trace ends: its phase runs on to the last step.
+            set_phase(lv, last_step, WAITING)
+        else:
+            del tl.phases[tl.finished_step - tl.queued_step + 1 :]
+        for ev in tl.events:
+            n = ev.last_step - ev.step + 1
+            if ev.kind == "decode":
+                ev.text = f"decoding: {n} token{'s' if n != 1 else ''}, one per step"
+            elif ev.kind in ("stalled", "blocked") and n > 1:
+                ev.text += f" (x{n} steps)"
+            if ev.notes:
+                ev.text += "; " + "; ".join(ev.notes)
+    return timelines

@@ -1,0 +1,105 @@
+"""The help screen (``?``): keys, what each panel shows, how to read the colours.
+
+vLLM twin: none.
+Sessions: all.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS: list[tuple[str, str]] = [
+    ("← →", "previous / next step"),
+    ("shift+← shift+→", "10 steps back / forward (also pgup pgdn)"),
+    ("home end", "first / last step"),
+    ("space", "play / pause;  + - play faster / slower"),
+    ("n p", "next / previous event of the followed request"),
+    ("f F", "follow the next / previous request (or pick one in Requests, ⏎)"),
+    ("1 … 6", "focus a panel;  z zooms the focused panel (z again: back)"),
+    ("t", "light / dark theme"),
+    ("ctrl+p", "command palette: follow a request, go to step N (type the number), …"),
+    ("?  esc", "this help / close it"),
+    ("q", "quit"),
+]
+
+PANELS: list[tuple[str, str]] = [
+    ("Step", "the step shown, of how many; the bar is the whole run: ● now, ━ the followed "
+     "request's life, ┃ its events. Click the bar to jump."),
+    ("Requests", "every request and its status after this step (✕n: preempted n times)."),
+    ("Lifecycle", "the followed request, one cell per step: ─ waiting, █ prefill chunk, "
+     "▓ recompute after a preemption, ▄ decode, ▁ running but not scheduled, ✕ preempted, "
+     "■ finished. Below, its events; highlighted lines happen at this step."),
+    ("Scheduler", "the token budget (max_num_batched_tokens) and how it was spent: one "
+     "segment per request, █ prefill, ▄ decode. Then the running and waiting queues, "
+     "admissions with their prefix-cache hit, preemptions, requests short of blocks."),
+    ("KV blocks", "the block pool. A cell is a block id: coloured = in use (its owner's "
+     "colour; underlined = shared by several requests), grey italic = free but still "
+     "holding a cached prefix (hittable until evicted), plain = free, ∅ = the null block. "
+     "Then what the KV manager did this step, the followed request's block table (logical "
+     "→ physical block, hash, tokens filled, ref count, the text it holds) and the free "
+     "queue (its head is handed out, and evicted, first)."),
+    ("Runner batch", "the flat batch the model ran: per request its query length, "
+     "positions, KV slots (block:offset+count) and whether its sampled token is kept (a "
+     "prefill chunk short of the prompt's end drops it); query_start_loc; on CUDA, the "
+     "CUDA-graph padding."),
+    ("Sampler", "the followed request's chosen token and, in full traces, the top "
+     "candidates after each stage: raw, after logits processors (proc), after "
+     "temperature (temp), min-p, top-k/top-p. Below, the output so far, alternating "
+     "colours at token boundaries."),
+]
+
+
+def help_renderable() -> Group:
+    intro = Text.assemble(
+        ("You are replaying a recorded run one ", ""),
+        ("engine step", "bold"),
+        (" at a time (one EngineCore.step(): schedule → run the model → sample → update). "
+         "Every panel shows the engine right after the chosen step.", ""),
+    )
+    keys = Table.grid(padding=(0, 2))
+    keys.add_column(style="bold", no_wrap=True)
+    keys.add_column()
+    for key, what in KEYS:
+        keys.add_row(key, what)
+    panels = Table.grid(padding=(0, 2))
+    panels.add_column(style="bold", no_wrap=True)
+    panels.add_column()
+    for name, what in PANELS:
+        panels.add_row(name, what)
+    colours = Text("Colours are mid-tones that read on dark and light themes; t switches.",
+                   style="dim")
+    return Group(intro, Text(""), Text("Keys", style="bold underline"), keys, Text(""),
+                 Text("Panels", style="bold underline"), panels, Text(""), colours)
+
+
+def help_text() -> str:
+    """The help as plain text (for tests and ``--help``-like uses)."""
+    lines = [f"{k}: {w}" for k, w in KEYS] + [f"{n}: {w}" for n, w in PANELS]
+    return "\n".join(lines)
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [
+        Binding("escape", "dismiss", "Close"),
+        Binding("question_mark", "dismiss", "Close", show=False),
+        Binding("q", "dismiss", "Close", show=False),
+    ]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll {
+        width: 90%; max-width: 110; height: 90%;
+        border: round $accent; background: $surface; padding: 0 1;
+    }
+    """
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-body") as body:
+            body.border_title = "Glassbox tracer · help · esc closes"
+            yield Static(help_renderable(), id="help-text")

@@ -1,0 +1,110 @@
+"""The batch the model runner built for this step.
+
+vLLM twin: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``,
+``execute_model``). Read it for the flattened batch: all scheduled tokens of
+all requests in one row of ``num_tokens`` (query lengths add up to it), each
+token's position (its index in its request), and its KV slot (``block *
+block_size + offset``, shown here as runs ``block:offset+count``). A prefill
+chunk that does not reach the end of the prompt is computed but its sampled
+token is thrown away. On CUDA, the batch is padded up to a captured CUDA
+graph size. Fields come from the ``runner.batch`` event (or, without one,
+from the scheduler's decision and the block tables).
+Sessions: 04 (worker), 05 (attention).
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+from tui.widgets.common import DIM, Panel, StepContext, request_chip
+
+
+class RunnerPanel(Panel):
+    TITLE = "Runner batch"
+
+    def update_titles(self, ctx: StepContext) -> None:
+        forward = next((e for e in ctx.view.events if e["kind"] == "runner.forward"), None)
+        self.border_subtitle = (
+            f"forward {forward['duration_ns'] / 1e6:.1f} ms" if forward is not None else ""
+        )
+
+    def render_step(self, ctx: StepContext, width: int) -> RenderableType:
+        return render_runner(ctx, width)
+
+
+def _slots(runs: list[list[int]]) -> str:
+    return " ".join(f"{b}:{o}+{n}" if n > 1 else f"{b}:{o}" for b, o, n in runs)
+
+
+def render_runner(ctx: StepContext, width: int) -> RenderableType:
+    view = ctx.view
+    if not view.batch:
+        return Text(
+            "No batch ran at this step." if ctx.step else "Step 0: nothing has run yet.",
+            style=DIM,
+        )
+    rb = view.runner_batch or {}
+    num_tokens = rb.get("num_tokens", sum(s.query_len for s in view.batch))
+    padded = rb.get("num_tokens_padded", num_tokens)
+    head = Text()
+    head.append(f"{len(view.batch)} requests, {num_tokens} tokens", style=Style(bold=True))
+    backend = rb.get("attn_backend") or ctx.session.info.attn_backend
+    if backend:
+        head.append(f" · {backend}", style=DIM)
+    mode = rb.get("cudagraph_mode")
+    graph = Text()
+    if mode and mode != "NONE":
+        graph.append(f"CUDA graph {mode}: {num_tokens} tokens padded to {padded}")
+        if padded > num_tokens:
+            graph.append(f" (+{padded - num_tokens} padding)", style=DIM)
+    elif mode == "NONE":
+        graph.append("eager (no CUDA graph)", style=DIM)
+        if padded > num_tokens:
+            graph.append(f", padded to {padded}", style=DIM)
+    if view.batch_source != "runner":
+        graph.append(
+            "  (layout derived from the scheduler; no runner.batch event)", style=DIM
+        )
+    rows = []
+    for slot in view.batch:
+        first, last = slot.num_computed_tokens, slot.seq_len - 1
+        positions = str(first) if first == last else f"{first}-{last}"
+        sample = Text("✓") if slot.sampled else Text("✗", style=DIM)
+        rows.append((request_chip(ctx, slot.request_id), str(slot.query_len), positions,
+                     _slots(slot.slot_mapping), sample))
+    # Fixed column widths: ids, counts and positions never truncate; the slot
+    # runs take what is left (and end in "…" when a long prefill has many).
+    req_w = min(10, max(3, max(len(r[0]) for r in rows)))
+    q_w = max(1, max(len(r[1]) for r in rows))
+    pos_w = max(3, max(len(r[2]) for r in rows))
+    slots_w = max(5, width - req_w - q_w - pos_w - 1 - 4)
+    table = Table(box=None, padding=(0, 1, 0, 0), show_edge=False, header_style=DIM,
+                  expand=False, collapse_padding=True)
+    table.add_column("req", no_wrap=True, width=req_w, overflow="ellipsis")
+    table.add_column("q", justify="right", no_wrap=True, width=q_w)
+    table.add_column("pos", no_wrap=True, width=pos_w)
+    table.add_column("slots", overflow="ellipsis", no_wrap=True, width=slots_w)
+    table.add_column("✓", no_wrap=True, width=1)
+    for row in rows:
+        table.add_row(*row)
+    parts: list[RenderableType] = [head]
+    if graph:
+        parts.append(graph)
+    parts.append(table)
+    offsets = Text()
+    # query_start_loc: where each request's tokens start in the flat batch.
+    loc, starts = 0, []
+    for slot in view.batch:
+        starts.append(loc)
+        loc += slot.query_len
+    starts.append(loc)
+    offsets.append("query_start_loc ", style=DIM)
+    offsets.append(str(starts))
+    parts.append(offsets)
+    parts.append(Text("q: tokens computed this step · pos: their positions · slots: where "
+                      "their K/V go (block:offset+count) · ✓: sampled token kept, ✗ dropped",
+                      style=DIM))
+    return Group(*parts)

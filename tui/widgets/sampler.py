@@ -1,0 +1,192 @@
+"""The sampler's view of the followed request at this step.
+
+vLLM twin: ``vllm/v1/sample/sampler.py`` (``Sampler.forward``) and
+``vllm/v1/sample/ops/topk_topp_sampler.py``. Read it for the order of the
+stages: raw logits -> logits processors and penalties -> greedy argmax, or
+temperature -> min-p -> top-k / top-p -> a random draw. ``full`` traces keep
+the top candidates (with probabilities) after each stage, so you can watch
+temperature sharpen or flatten the distribution and top-k/top-p cut its
+tail; ``lifecycle`` traces keep only the chosen token and its logprob.
+Below: the output so far, one colour per token so token boundaries show.
+Sessions: 05 (sampling).
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+from tui.session import (
+    FINISHED,
+    NOT_ARRIVED,
+    PREEMPTED,
+    STALLED,
+    WAITING,
+    visible_whitespace,
+)
+from tui.widgets.common import DIM, Panel, StepContext
+
+STAGE_LABELS = {
+    "raw": "raw",
+    "processed": "proc",
+    "temperature": "temp",
+    "min_p": "min-p",
+    "top_k_top_p": "top-k/p",
+}
+TOKEN_COLUMN = 12
+MIN_SHOWN_PROB = 5e-5
+
+
+class SamplerPanel(Panel):
+    TITLE = "Sampler"
+
+    def update_titles(self, ctx: StepContext) -> None:
+        self.border_title = f"Sampler · {ctx.follow}" if ctx.follow else "Sampler"
+
+    def render_step(self, ctx: StepContext, width: int) -> RenderableType:
+        return render_sampler(ctx, width)
+
+
+def followed_sample(ctx: StepContext) -> dict | None:
+    return next((e for e in ctx.view.sampler if e.get("request_id") == ctx.follow), None)
+
+
+def _token(ctx: StepContext, token_id: int, limit: int = TOKEN_COLUMN) -> str:
+    text = ctx.session.token_text(token_id)
+    label = repr(visible_whitespace(text)) if text is not None else f"#{token_id}"
+    return label if len(label) <= limit else label[: limit - 1] + "…"
+
+
+def why_not_sampled(ctx: StepContext) -> str:
+    rid = ctx.follow
+    tl = ctx.session.timelines[rid]
+    phase = tl.phase_at(ctx.step)
+    slot = next((s for s in ctx.view.batch if s.request_id == rid), None)
+    if slot is not None and not slot.sampled:
+        return (f"{rid} ran a prefill chunk (tokens {slot.num_computed_tokens}-{slot.seq_len - 1}) "
+                "that stops short of the prompt's end: its sampled token is dropped.")
+    if phase == NOT_ARRIVED:
+        return f"{rid} has not arrived yet (queued at step {tl.queued_step})."
+    if phase == FINISHED:
+        return f"{rid} finished at step {tl.finished_step}; nothing more is sampled."
+    if phase == WAITING:
+        return f"{rid} is waiting in the queue: it is not in this step's batch."
+    if phase == PREEMPTED:
+        return f"{rid} was preempted at this step: its KV blocks are freed, nothing is sampled."
+    if phase == STALLED:
+        return f"{rid} is running but got no tokens this step (the budget was spent)."
+    if not ctx.view.sampler:
+        return "The trace holds no sampler events for this step."
+    return f"No sample for {rid} at this step."
+
+
+def stage_table(ctx: StepContext, sample: dict, width: int) -> Table:
+    stages = sample["stages"]
+    # Columns that fit: always the first and the last stage, then the others.
+    col = 7
+    fit = max(2, (width - TOKEN_COLUMN - 1) // col)
+    chosen = list(range(len(stages)))
+    if len(chosen) > fit:
+        chosen = [0] + chosen[1:-1][: fit - 2] + [len(stages) - 1]
+    shown = [stages[i] for i in chosen]
+    # Candidates a stage masked out (probability 0) are not candidates.
+    probs = [
+        {t: p for t, p in zip(s["token_ids"], s["probs"]) if p >= MIN_SHOWN_PROB} for s in shown
+    ]
+    # Rows: the last stage's candidates first (what the draw saw), then any
+    # other stage's candidates not yet listed.
+    order: list[int] = []
+    for p in [probs[-1]] + probs[:-1]:
+        for t in p:
+            if t not in order:
+                order.append(t)
+    order = order[:7]
+    table = Table(box=None, padding=(0, 1), show_edge=False, header_style=DIM)
+    table.add_column("token", no_wrap=True, min_width=6, max_width=TOKEN_COLUMN)
+    for s in shown:
+        table.add_column(STAGE_LABELS.get(s["stage"], s["stage"]), justify="right", no_wrap=True)
+    for t in order:
+        is_chosen = t == sample["token_id"]
+        cells = [Text(_token(ctx, t), style=Style(bold=is_chosen, underline=is_chosen))]
+        for p in probs:
+            if t in p:
+                cells.append(Text(format_prob(p[t]), style=Style(bold=is_chosen)))
+            else:
+                cells.append(Text("·", style=DIM))
+        if is_chosen:
+            cells[0].append(" ✓", style=Style(color="#2ca02c", bold=True))
+        table.add_row(*cells)
+    return table
+
+
+def format_prob(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.0e}"
+
+
+def output_text(ctx: StepContext) -> Text:
+    """The output so far, alternating two colours per token; this step's
+    tokens bold and underlined."""
+    rid = ctx.follow
+    tl = ctx.session.timelines[rid]
+    pieces = ctx.session.output_pieces(rid, ctx.step)
+    new_here = len(ctx.view.new_token_ids.get(rid, []))
+    out = Text()
+    n = len(tl.output_ids_until(ctx.step))
+    out.append(f"output ({n} token{'' if n == 1 else 's'}): ", style=DIM)
+    if not pieces:
+        out.append("nothing yet", style=DIM)
+        return out
+    colour = tl.colour
+    for i, piece in enumerate(pieces):
+        newest = i >= len(pieces) - new_here
+        style = Style(color=colour if i % 2 == 0 else None, bold=newest, underline=newest)
+        out.append(visible_whitespace(piece), style=style)
+    return out
+
+
+def render_sampler(ctx: StepContext, width: int) -> RenderableType:
+    if ctx.follow is None:
+        return Text("No request to follow.", style=DIM)
+    tl = ctx.session.timelines[ctx.follow]
+    parts: list[RenderableType] = []
+    sample = followed_sample(ctx)
+    if sample is None:
+        parts.append(Text(why_not_sampled(ctx), style=DIM))
+    else:
+        head = Text()
+        head.append("chose ", style=DIM)
+        head.append(_token(ctx, sample["token_id"], 24), style=Style(bold=True, underline=True))
+        if ctx.session.token_text(sample["token_id"]) is not None:
+            head.append(f" (id {sample['token_id']})", style=DIM)
+        head.append(f" · logprob {sample['logprob']:.3f}", style=DIM)
+        if "rank" in sample:
+            head.append(f" · rank {sample['rank']}", style=DIM)
+        parts.append(head)
+        parts.append(Text(_params_text(tl.sampling_params, sample), style=DIM))
+        if sample.get("stages"):
+            parts.append(stage_table(ctx, sample, width))
+        else:
+            parts.append(
+                Text(
+                    "Per-stage candidates need a full trace (--trace-level full).", style=DIM
+                )
+            )
+    parts.append(output_text(ctx))
+    return Group(*parts)
+
+
+def _params_text(params: dict, sample: dict) -> str:
+    if sample.get("greedy"):
+        return "greedy: the argmax after logits processors"
+    bits = []
+    if params:
+        bits.append(f"T={params.get('temperature')}")
+        if params.get("top_k") not in (None, 0, -1):
+            bits.append(f"top_k={params['top_k']}")
+        if params.get("top_p") not in (None, 1.0):
+            bits.append(f"top_p={params['top_p']}")
+        if params.get("min_p"):
+            bits.append(f"min_p={params['min_p']}")
+    return "random draw" + (" with " + " ".join(bits) if bits else "")

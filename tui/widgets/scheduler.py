@@ -1,0 +1,171 @@
+"""The scheduler's decision at this step: the token budget and who got it.
+
+vLLM twin: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``).
+Read it next to that method: running requests are served first (one decode
+token each, or their next prefill chunk), then waiting ones are admitted
+while the budget (``max_num_batched_tokens``) and the KV pool allow; when a
+running request cannot get a block, the newest running request is
+preempted. Fields come from the ``sched.step`` event and the replay state.
+Sessions: 02 (scheduler).
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+from tui.session import DECODE, PREFILL, RECOMPUTE
+from tui.widgets.common import DIM, Panel, StepContext, id_list, request_chip
+
+_KIND_OF_PHASE = {DECODE: "decode", PREFILL: "prefill", RECOMPUTE: "recompute"}
+
+
+class SchedulerPanel(Panel):
+    TITLE = "Scheduler"
+
+    def update_titles(self, ctx: StepContext) -> None:
+        sched = ctx.view.sched_step
+        self.border_title = "Scheduler"
+        if sched:
+            used = sched.get("total_num_scheduled_tokens", 0)
+            self.border_title = f"Scheduler · {used}/{sched.get('token_budget', '?')} tokens"
+        self.border_subtitle = (
+            f"{sched.get('duration_ns', 0) / 1e6:.2f} ms" if sched and "duration_ns" in sched else ""
+        )
+
+    def render_step(self, ctx: StepContext, width: int) -> RenderableType:
+        return render_scheduler(ctx, width)
+
+
+def scheduled_rows(ctx: StepContext) -> list[tuple[str, str, int, int, int]]:
+    """(request id, kind, first token index, last token index, tokens) per
+    scheduled request, in the scheduler's order."""
+    sched = ctx.view.sched_step
+    if not sched:
+        return []
+    rows = []
+    for rid, n in sched.get("num_scheduled_tokens", {}).items():
+        req = ctx.view.state.requests.get(rid)
+        end = req.num_computed_tokens if req is not None else n
+        tl = ctx.session.timelines.get(rid)
+        phase = tl.phase_at(ctx.step) if tl is not None else ""
+        kind = _KIND_OF_PHASE.get(phase)
+        if kind is None:  # finished this step: its last decode, or a last chunk
+            prompt = req.num_prompt_tokens if req is not None else 0
+            kind = "decode" if n == 1 and end - 1 >= prompt else "prefill"
+        rows.append((rid, kind, end - n, end - 1, n))
+    return rows
+
+
+def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
+    view = ctx.view
+    sched = view.sched_step
+    parts: list[RenderableType] = []
+    if sched is None:
+        parts.append(
+            Text(
+                "Step 0: before the first schedule(). Requests added so far wait in the queue."
+                if ctx.step == 0
+                else f"No scheduler step was recorded at step {ctx.step}.",
+                style=DIM,
+            )
+        )
+    else:
+        budget = int(sched.get("token_budget", 0))
+        used = int(sched.get("total_num_scheduled_tokens", budget - sched.get("token_budget_left", 0)))
+        rows = scheduled_rows(ctx)
+        head = Text()
+        decode = sum(n for _, k, _, _, n in rows if k == "decode")
+        head.append(f"{decode}", style=Style(bold=True))
+        head.append(" decode + ", style=DIM)
+        head.append(f"{used - decode}", style=Style(bold=True))
+        head.append(f" prefill of {budget}", style=DIM)
+        parts.append(head)
+        parts.append(budget_bar(ctx, rows, budget, width))
+        table = Table.grid(padding=(0, 1))
+        table.add_column(no_wrap=True)
+        table.add_column(no_wrap=True)
+        table.add_column(no_wrap=True, justify="right")
+        table.add_column(no_wrap=True, style=DIM)
+        for rid, kind, first, last, n in rows:
+            span = f"tok {first}" if first == last else f"tok {first}-{last}"
+            table.add_row(request_chip(ctx, rid), kind, str(n), span)
+        if rows:
+            parts.append(table)
+    state = view.state
+    queues = Table.grid(padding=(0, 1))
+    queues.add_column(no_wrap=True, style=DIM)
+    queues.add_column()
+    queues.add_row(f"running {len(state.running)}", id_list(ctx, state.running))
+    queues.add_row(f"waiting {len(state.waiting)}", id_list(ctx, state.waiting))
+    parts.append(queues)
+    changes = Table.grid(padding=(0, 1))
+    changes.add_column(no_wrap=True, style=DIM)
+    changes.add_column()
+    admitted = [e for e in view.events if e["kind"] == "sched.admitted"]
+    preempted = [e for e in view.events if e["kind"] == "sched.preempted"]
+    finished = [e for e in view.events if e["kind"] == "sched.finished"]
+    queued = [e for e in view.events if e["kind"] == "sched.queued"]
+    if admitted:
+        text = Text()
+        for i, e in enumerate(admitted):
+            if i:
+                text.append(", ")
+            text.append_text(request_chip(ctx, e["request_id"]))
+            hit = e.get("num_computed_tokens", 0)
+            extra = "resumed" if e.get("resumed") else ""
+            if hit:
+                extra = (extra + ", " if extra else "") + f"hit {hit}"
+            if extra:
+                text.append(f" ({extra})", style=DIM)
+        changes.add_row("admitted", text)
+    if preempted:
+        text = Text()
+        for i, e in enumerate(preempted):
+            if i:
+                text.append(", ")
+            text.append_text(request_chip(ctx, e["request_id"]))
+            if e.get("for_request_id"):
+                text.append(" for ", style=DIM)
+                text.append_text(request_chip(ctx, e["for_request_id"]))
+        changes.add_row(Text("preempted", style=Style(color="#d62728", bold=True)), text)
+    if finished:
+        changes.add_row("finished", id_list(ctx, [e["request_id"] for e in finished]))
+    if queued:
+        changes.add_row("arrived", id_list(ctx, [e["request_id"] for e in queued]))
+    failed = [e for e in view.events if e["kind"] == "kv.allocation_failed"]
+    if failed:
+        e = failed[0]
+        changes.add_row(
+            Text("no blocks", style=Style(color="#d62728")),
+            Text(
+                f"{e.get('request_id')} needed {e.get('num_blocks_needed', '?')}, "
+                f"{e.get('num_free_blocks', '?')} free",
+            ),
+        )
+    if changes.row_count:
+        parts.append(changes)
+    return Group(*parts)
+
+
+def budget_bar(ctx: StepContext, rows: list[tuple[str, str, int, int, int]], budget: int,
+               width: int) -> Text:
+    """The budget as a bar: one coloured segment per scheduled request."""
+    bar = Text()
+    if budget <= 0:
+        return bar
+    cells = max(10, width)
+    used_cells = 0
+    for rid, kind, _, _, n in rows:
+        k = max(1, round(n * cells / budget))
+        k = min(k, cells - used_cells)
+        if k <= 0:
+            break
+        colour = ctx.session.request_colour(rid)
+        glyph = "▄" if kind == "decode" else "█"
+        bar.append(glyph * k, style=Style(color=colour))
+        used_cells += k
+    bar.append("─" * (cells - used_cells), style=DIM)
+    return bar
