@@ -6,8 +6,8 @@ configuration -- q/k/v projections always carry a bias (``o_proj`` doesn't),
 the RoPE base defaults to 1e6, ``head_dim`` is ``hidden_size / num_heads``,
 and a tied LM head *is* the embedding module (vLLM assigns
 ``lm_head = model.embed_tokens`` here, where Llama ties a ``ParallelLMHead``).
-``Qwen2Attention`` also takes ``qk_norm`` so Qwen3 can reuse the MLP and
-``Qwen2Model``.
+Qwen3 reuses the MLP, the decoder layer (through ``make_attention``), the
+model body and the causal-LM wrapper (through ``model_cls``), as vLLM does.
 Sessions: 04.
 
 Simpler than vLLM: no pipeline parallelism, quantization, LoRA, dual-chunk
@@ -85,8 +85,6 @@ class Qwen2Attention(nn.Module):
         glassbox_config: GlassboxConfig,
         max_position: int = 4096 * 32,
         prefix: str = "",
-        qk_norm: bool = False,
-        rms_norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
@@ -98,7 +96,6 @@ class Qwen2Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
-        self.qk_norm = qk_norm
 
         self.qkv_proj = QKVParallelLinear(
             hidden_size,
@@ -111,9 +108,6 @@ class Qwen2Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim, hidden_size, bias=False, prefix=f"{prefix}.o_proj"
         )
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
         self.rotary_emb = get_rope(
             self.head_dim, max_position=max_position, rope_parameters=rope_parameters
         )
@@ -129,15 +123,6 @@ class Qwen2Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + 2 * H_kv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            # Normalise each head vector on its own: [T, H, D], then flatten back.
-            num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).view(
-                num_tokens, self.q_size
-            )
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).view(
-                num_tokens, self.kv_size
-            )
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)  # [T, H * D]
         output, _ = self.o_proj(attn_output)
@@ -151,17 +136,7 @@ class Qwen2DecoderLayer(nn.Module):
         super().__init__()
         self.hidden_size = config["hidden_size"]
         eps = config.get("rms_norm_eps", 1e-6)
-        self.self_attn = Qwen2Attention(
-            hidden_size=self.hidden_size,
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            rope_parameters=get_rope_parameters(config, default_theta=QWEN_DEFAULT_ROPE_THETA),
-            glassbox_config=glassbox_config,
-            max_position=config.get("max_position_embeddings", 4096 * 32),
-            prefix=f"{prefix}.self_attn",
-            qk_norm=bool(config.get("qk_norm", False)),
-            rms_norm_eps=eps,
-        )
+        self.self_attn = self.make_attention(config, glassbox_config, f"{prefix}.self_attn")
         self.mlp = Qwen2MLP(
             self.hidden_size,
             config["intermediate_size"],
@@ -170,6 +145,21 @@ class Qwen2DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(self.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(self.hidden_size, eps=eps)
+
+    @staticmethod
+    def make_attention(
+        config: dict[str, Any], glassbox_config: GlassboxConfig, prefix: str
+    ) -> nn.Module:
+        """The one piece a Qwen variant swaps (Qwen3: q/k norm, explicit head_dim)."""
+        return Qwen2Attention(
+            hidden_size=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            rope_parameters=get_rope_parameters(config, default_theta=QWEN_DEFAULT_ROPE_THETA),
+            glassbox_config=glassbox_config,
+            max_position=config.get("max_position_embeddings", 4096 * 32),
+            prefix=prefix,
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -245,12 +235,14 @@ class Qwen2ForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    # The model body; Qwen3ForCausalLM swaps in Qwen3Model.
+    model_cls: type[nn.Module] = Qwen2Model
 
     def __init__(self, *, glassbox_config: GlassboxConfig, prefix: str = "") -> None:
         super().__init__()
         config = glassbox_config.model_config.hf_config
         self.config = config
-        self.model = Qwen2Model(
+        self.model = self.model_cls(
             glassbox_config=glassbox_config, prefix=maybe_prefix(prefix, "model")
         )
         if config.get("tie_word_embeddings", False):

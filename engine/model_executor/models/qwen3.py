@@ -11,7 +11,6 @@ Sessions: 04.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,12 +19,14 @@ from torch import nn
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.layernorm import RMSNorm
 from engine.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from engine.model_executor.layers.logits_processor import LogitsProcessor
 from engine.model_executor.layers.rotary_embedding import get_rope
-from engine.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from engine.model_executor.models.qwen2 import QWEN_DEFAULT_ROPE_THETA, Qwen2Model
-from engine.model_executor.models.qwen2 import Qwen2MLP as Qwen3MLP
-from engine.model_executor.models.utils import AutoWeightsLoader, get_rope_parameters, maybe_prefix
+from engine.model_executor.models.qwen2 import (
+    QWEN_DEFAULT_ROPE_THETA,
+    Qwen2DecoderLayer,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
+from engine.model_executor.models.utils import get_rope_parameters
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
@@ -97,46 +98,25 @@ class Qwen3Attention(nn.Module):
         return output
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(
-        self, config: dict[str, Any], glassbox_config: GlassboxConfig, prefix: str = ""
-    ) -> None:
-        super().__init__()
-        self.hidden_size = config["hidden_size"]
-        eps = config.get("rms_norm_eps", 1e-6)
-        self.self_attn = Qwen3Attention(
-            hidden_size=self.hidden_size,
+class Qwen3DecoderLayer(Qwen2DecoderLayer):
+    """Qwen2's decoder layer with Qwen3's attention."""
+
+    @staticmethod
+    def make_attention(
+        config: dict[str, Any], glassbox_config: GlassboxConfig, prefix: str
+    ) -> nn.Module:
+        return Qwen3Attention(
+            hidden_size=config["hidden_size"],
             num_heads=config["num_attention_heads"],
             num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             rope_parameters=get_rope_parameters(config, default_theta=QWEN_DEFAULT_ROPE_THETA),
             glassbox_config=glassbox_config,
             max_position=config.get("max_position_embeddings", 4096 * 32),
             head_dim=config.get("head_dim"),
-            rms_norm_eps=eps,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             qkv_bias=bool(config.get("attention_bias", False)),
-            prefix=f"{prefix}.self_attn",
+            prefix=prefix,
         )
-        self.mlp = Qwen3MLP(
-            self.hidden_size,
-            config["intermediate_size"],
-            config.get("hidden_act", "silu"),
-            prefix=f"{prefix}.mlp",
-        )
-        self.input_layernorm = RMSNorm(self.hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(self.hidden_size, eps=eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
-        return hidden_states, residual
 
 
 class Qwen3Model(Qwen2Model):
@@ -146,44 +126,5 @@ class Qwen3Model(Qwen2Model):
         )
 
 
-class Qwen3ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-
-    def __init__(self, *, glassbox_config: GlassboxConfig, prefix: str = "") -> None:
-        super().__init__()
-        config = glassbox_config.model_config.hf_config
-        self.config = config
-        self.model = Qwen3Model(
-            glassbox_config=glassbox_config, prefix=maybe_prefix(prefix, "model")
-        )
-        if config.get("tie_word_embeddings", False):
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(
-                config["vocab_size"], config["hidden_size"], prefix=maybe_prefix(prefix, "lm_head")
-            )
-        self.logits_processor = LogitsProcessor(config["vocab_size"])
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head, hidden_states)  # [N, vocab]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(
-            self,
-            skip_prefixes=["lm_head."] if self.config.get("tie_word_embeddings", False) else None,
-        )
-        return loader.load_weights(weights)
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    model_cls = Qwen3Model
