@@ -5,9 +5,13 @@
 #   make test-gpu  GPU tests + GPU benchmarks, on a CUDA machine (results under $$OUT)
 
 PYTHON := .venv/bin/python
-# Session notebooks, run by nbval only when at least one exists.
+# Session notebooks, run top to bottom by nbval (only when at least one exists).
+# --nbval-lax: only cells marked `# NBVAL_CHECK_OUTPUT` have their outputs
+# compared; every other cell must merely run without error. The sanitize file
+# blanks memory addresses, pids, temp paths and durations before comparing.
+# See sessions/README.md.
 NOTEBOOKS := $(shell find sessions -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort)
-NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env $(NOTEBOOKS))
+NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg $(NOTEBOOKS))
 
 .PHONY: setup test run test-gpu
 

@@ -1,0 +1,794 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Session 02 — The scheduler
+#
+# **Goal.** Understand `Scheduler.schedule()` well enough to predict, for any
+# step, which requests get how many tokens, which wait, and — when the KV cache
+# runs out — which request is thrown out and what that costs. Continuous
+# batching, chunked prefill and preemption are all decided in this one method.
+#
+# This notebook
+#
+# 1. lists the files to read (vLLM at `52a31cc` beside the Glassbox twin, line
+#    numbers computed from data) and walks through `schedule()`'s decision order;
+# 2. runs the engine **in-process** with tracing on, on three small workloads:
+#    a long prompt arriving while a short one decodes (chunked prefill under a
+#    32-token budget), and the same three requests on a KV cache too small for
+#    them, once with FCFS and once with priority scheduling;
+# 3. rebuilds every step from the trace (`TraceReplay`) as a table: the token
+#    budget, what each request got (decode, prefill chunk, recompute), the
+#    running and waiting queues;
+# 4. answers the session's exercise — *where is preemption decided, and what
+#    did it cost?* — with numbers from the trace;
+# 5. ends with self-checks you can edit and re-run.
+#
+# Why in-process: with `enable_multiprocessing=False` the front end and the
+# core step in lock-step, so requests join at exactly the step we choose and
+# every scheduling decision below is the same on every run. Every request also
+# sets `ignore_eos=True` with a fixed `max_tokens`, so how long it runs does
+# not depend on which tokens the model picks. CUDA is used when present, else
+# the CPU — the schedule is the same either way.
+
+# %% [markdown]
+# ## 1. What to read
+#
+# | vLLM file | read it for |
+# |---|---|
+# | `vllm/v1/core/sched/scheduler.py` | `schedule()`: one token budget shared by running and waiting requests; `_preempt_request`; `update_from_output` |
+# | `vllm/v1/core/sched/output.py` | `SchedulerOutput`, what one step hands the executor: new requests in full, running ones as deltas (`CachedRequestData`), tokens per request |
+# | `vllm/v1/request.py` | `Request` (its `num_computed_tokens` cursor is the whole state machine) and `RequestStatus` |
+# | `vllm/v1/core/sched/request_queue.py` | the waiting queue: a deque for FCFS, a heap on `(priority, arrival_time)` for priority |
+# | `vllm/config/scheduler.py` | the knobs: `max_num_batched_tokens`, `max_num_seqs`, `policy`, `enable_chunked_prefill`, `long_prefill_token_threshold` |
+
+# %%
+import ast
+import json
+from pathlib import Path
+
+from IPython.display import Markdown, display
+
+import engine
+
+REPO = Path(engine.__file__).resolve().parent.parent
+VLLM_SYMBOLS = json.loads((REPO / "docs/data/vllm_twins_52a31cc.json").read_text())
+
+
+def vllm_line(path: str, dotted: str) -> int | None:
+    """Line of ``Class.method`` in vLLM at 52a31cc, from the committed symbol index."""
+    entry = VLLM_SYMBOLS[path]
+    if "qualified" in entry:  # the index lists qualified names directly
+        return entry["qualified"].get(dotted)
+    # Older index: bare names -> every line that defines them; a method is the
+    # first definition after its class's line and before the next class.
+    symbols = entry["symbols"]
+    parts = dotted.split(".")
+    if parts[0] not in symbols:
+        return None
+    line = min(symbols[parts[0]])
+    class_starts = sorted(min(v) for k, v in symbols.items() if k[:1].isupper())
+    end = next((s for s in class_starts if s > line), 10**9)
+    for part in parts[1:]:
+        after = [n for n in symbols.get(part, []) if line < n < end]
+        if not after:
+            return None
+        line = min(after)
+    return line
+
+
+def our_line(path: str, dotted: str) -> int | None:
+    """Line of ``Class.method`` (nested functions too) in our source."""
+    node: ast.AST = ast.parse((REPO / path).read_text())
+    for part in dotted.split("."):
+        node = next(
+            (
+                n
+                for n in ast.walk(node)
+                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.name == part
+                and n is not node
+            ),
+            None,
+        )
+        if node is None:
+            return None
+    return node.lineno
+
+
+def reading_table(files: dict[str, list[str]]) -> str:
+    rows = ["| vLLM file | symbol | vLLM line | Glassbox twin | our line |", "|---|---|--:|---|--:|"]
+    for vpath, names in files.items():
+        gpath = "engine/" + vpath.removeprefix("vllm/")
+        for name in names:
+            v, g = vllm_line(vpath, name), our_line(gpath, name)
+            rows.append(
+                f"| `{vpath}` | `{name}` | {v if v else '—'} | `{gpath}` | {g if g else '—'} |"
+            )
+    return "\n".join(rows)
+
+
+SESSION_FILES = {
+    "vllm/v1/core/sched/scheduler.py": [
+        "Scheduler",
+        "Scheduler.schedule",
+        "Scheduler._preempt_request",
+        "Scheduler._update_after_schedule",
+        "Scheduler.update_from_output",
+        "Scheduler.add_request",
+        "Scheduler.finish_requests",
+    ],
+    "vllm/v1/core/sched/output.py": ["NewRequestData", "CachedRequestData", "SchedulerOutput"],
+    "vllm/v1/request.py": ["Request", "RequestStatus"],
+    "vllm/v1/core/sched/request_queue.py": [
+        "FCFSRequestQueue",
+        "PriorityRequestQueue",
+        "create_request_queue",
+    ],
+    "vllm/config/scheduler.py": ["SchedulerConfig"],
+}
+display(Markdown(reading_table(SESSION_FILES)))
+
+# %% [markdown]
+# ### Where the reading plan is out of date
+#
+# * **`_try_schedule_new_request` does not exist** at `52a31cc`. Admitting
+#   waiting requests is written inline in `schedule()`; preemption goes
+#   through `_preempt_request` (line 929), and only the *running* loop calls it.
+# * **`schedule` is not at "~361–438"**: it runs from line 329 to 922.
+# * **`RequestStatus` has twelve members, not four**: `WAITING`, three
+#   `WAITING_FOR_*` states (structured-output grammar, remote KV, streaming
+#   input), `RUNNING`, `PREEMPTED`, and six `FINISHED_*` states. Glassbox keeps
+#   the ones it can reach.
+# * **There is a third queue**, `skipped_waiting`, for requests that cannot be
+#   scheduled yet for a reason other than space (blocked on a grammar or on
+#   remote KV). Glassbox has neither feature, so it has no such queue.
+# * **"If HBM is full: preempt" applies to running requests only.** A waiting
+#   request that does not fit ends admission for that step; nobody is preempted
+#   on its behalf. And a step that preempted anyone admits no waiting request.
+#
+# ### `schedule()` in order
+#
+# Line numbers: vLLM's are at `52a31cc`; ours are found in our source now.
+
+# %%
+SCHED = REPO / "engine/v1/core/sched/scheduler.py"
+SCHED_LINES = SCHED.read_text().splitlines()
+
+
+def our_line_of(text: str, after: int = 0) -> int:
+    """First line (1-based) after ``after`` in our scheduler that contains ``text``."""
+    for i, line in enumerate(SCHED_LINES[after:], after + 1):
+        if text in line:
+            return i
+    raise LookupError(f"{text!r} not found in {SCHED.name} after line {after}")
+
+
+waiting_loop = our_line_of("if not preempted_reqs:")
+ORDER = [
+    ("the budget: `token_budget = max_num_scheduled_tokens` (`max_num_batched_tokens`)", 348,
+     our_line_of("token_budget = self.max_num_scheduled_tokens")),
+    ("**running requests first**, in admission order, while budget is left", 366,
+     our_line_of("while req_index < len(self.running) and token_budget > 0")),
+    ("each wants `num_tokens_with_spec - num_computed_tokens` (1 when decoding) ...", 385,
+     our_line_of("num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens")),
+    ("... clamped to the budget that is left", 392,
+     our_line_of("num_new_tokens = min(num_new_tokens, token_budget)")),
+    ("`allocate_slots`; if it returns `None`, pick a victim and retry", 443,
+     our_line_of("new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)")),
+    ("PRIORITY victim: the worst `(priority, arrival_time)` in `running`", 457, our_line_of("victim = max(")),
+    ("FCFS victim: the tail of `running`, the most recently admitted", 481,
+     our_line_of("victim = self.running.pop()")),
+    ("`_preempt_request`: free its blocks, `PREEMPTED`, cursor to 0, front of `waiting`", 483,
+     our_line_of("self._preempt_request(victim")),
+    ("the victim was the request itself: stop scheduling running requests", 485,
+     our_line_of("if victim is request:")),
+    ("**waiting requests second**, only if nothing was preempted this step", 545, waiting_loop),
+    ("fresh or preempted: look the prompt up in the prefix cache", 594,
+     our_line_of("self.kv_cache_manager.get_computed_blocks(request)", waiting_loop)),
+    ("**chunked prefill**: take as many prompt tokens as the budget allows", 669,
+     our_line_of("num_new_tokens = min(num_new_tokens, token_budget)", waiting_loop)),
+    ("`allocate_slots` for the waiter; `None` ends admission (no preemption)", 733,
+     our_line_of("if new_blocks is None:", waiting_loop)),
+    ("admitted: appended to `running`, budget charged, status `RUNNING`", 784,
+     our_line_of("self.running.append(request)", waiting_loop)),
+    ("`_update_after_schedule`: cursors advance *before* the model runs", 921,
+     our_line_of("self._update_after_schedule(scheduler_output)")),
+]
+rows = ["| # | what `schedule()` does | vLLM `scheduler.py` | ours |", "|--:|---|--:|--:|"]
+rows += [f"| {i} | {what} | {v} | {g} |" for i, (what, v, g) in enumerate(ORDER, 1)]
+display(Markdown("\n".join(rows)))
+
+# %% [markdown]
+# There is no prefill phase and no decode phase: every request just wants its
+# `num_computed_tokens` cursor to reach `num_tokens`. A fresh prompt is
+# hundreds of tokens behind, a decoding request one. The running loop serves
+# those who are already in — mostly decodes, one token each — so an incoming
+# prompt only gets what is left of the budget, in chunks.
+
+# %% [markdown]
+# ## 2. Tools: run a workload, read it back step by step
+#
+# `run_workload` builds an in-process `LLMEngine` (vLLM's synchronous engine;
+# `LLM.generate` is a loop over it) with tracing on, adds each request right
+# before the step we name, and steps until everything has finished. The trace
+# goes to a temporary folder; `TraceReplay` rebuilds the scheduler's state at
+# any step from it.
+
+# %%
+import tempfile
+
+from engine.engine.arg_utils import EngineArgs
+from engine.sampling_params import SamplingParams
+from engine.tracing import TraceReplay
+from engine.v1.engine.llm_engine import LLMEngine
+
+TRACE_DIR = Path(tempfile.mkdtemp(prefix="glassbox-session02-"))
+
+
+def run_workload(name, arrivals, **engine_kwargs):
+    """``arrivals``: {k: [(request_id, prompt, max_tokens, priority), ...]} -- added
+    after k engine steps, so step k + 1 is the first that can schedule them."""
+    path = TRACE_DIR / f"{name}.jsonl"
+    args = EngineArgs(trace_path=str(path), trace_level="lifecycle", disable_log_stats=True, **engine_kwargs)
+    llm_engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+    by_priority = llm_engine.glassbox_config.scheduler_config.policy == "priority"
+    outputs, k = {}, 0
+    try:
+        while k <= max(arrivals) or llm_engine.has_unfinished_requests():
+            for rid, prompt, max_tokens, priority in arrivals.get(k, []):
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                # FCFS rejects a priority other than 0, as vLLM does.
+                llm_engine.add_request(rid, prompt, params, priority=priority if by_priority else 0)
+            for out in llm_engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+            k += 1
+    finally:
+        llm_engine.shutdown()
+    return TraceReplay(str(path)), outputs
+
+
+def preemptions(replay):
+    return [e for e in replay.events if e["kind"] == "sched.preempted"]
+
+
+def row_kind(replay, step, slot):
+    """'d' decode, 'p' prompt prefill, 'r' recompute after a preemption."""
+    req = replay.state_at(step).requests[slot.request_id]
+    lost = [e["num_tokens"] for e in preemptions(replay) if e["request_id"] == slot.request_id and e["step"] < step]
+    if lost and slot.num_computed_tokens < lost[-1]:
+        return "r"
+    return "p" if slot.num_computed_tokens < req.num_prompt_tokens else "d"
+
+
+def step_rows(replay, request_ids):
+    """One dict per step: budget, each request's tokens, queues, what happened."""
+    rows = []
+    for step in replay.steps[1:]:
+        view = replay.view(step)
+        sched = view.sched_step
+        if sched is None:
+            continue
+        cells = {rid: "" for rid in request_ids}
+        for slot in view.batch:
+            mark = "" if slot.sampled else "*"  # *: a prompt chunk whose sample is thrown away
+            cells[slot.request_id] = f"{row_kind(replay, step, slot)}{slot.query_len}{mark}"
+        happened = []
+        for e in view.events:
+            if e["kind"] == "sched.admitted":
+                happened.append(f"{'resumed' if e['resumed'] else 'admitted'} {e['request_id']}")
+            elif e["kind"] == "sched.preempted":
+                happened.append(f"preempted {e['request_id']} (for {e['for_request_id']})")
+            elif e["kind"] == "sched.finished":
+                happened.append(f"finished {e['request_id']}")
+        rows.append({
+            "step": str(step),
+            "used/budget": f"{sched['total_num_scheduled_tokens']}/{sched['token_budget']}",
+            **cells,
+            "running": " ".join(view.running) or "-",
+            "waiting": " ".join(view.waiting) or "-",
+            "what happened": ", ".join(happened),
+        })
+    return rows
+
+
+def compress(rows, request_ids):
+    """Merge runs of steps where nothing happened and every request did the same kind of work."""
+    out = []
+    for row in rows:
+        shape = tuple(row[r] for r in request_ids) + (row["running"], row["waiting"], row["used/budget"])
+        prev = out[-1] if out else None
+        if prev and not row["what happened"] and not prev[0]["what happened"] and prev[1] == shape:
+            prev[0]["step"] = f"{prev[0]['step'].split('-')[0]}-{row['step']}"
+            continue
+        out.append([dict(row), shape])
+    return [r for r, _ in out]
+
+
+def text_table(rows):
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(width[c]) for c in cols), "  ".join("-" * width[c] for c in cols)]
+    lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def show_frame(rows):
+    """The same rows as a DataFrame when pandas is installed (it is optional)."""
+    try:
+        import pandas as pd
+    except ImportError:
+        print("(pandas is not installed; the plain table above holds the same rows)")
+        return
+    display(pd.DataFrame(rows).set_index("step"))
+
+# %% [markdown]
+# ## 3. Decode first, then chunked prefill
+#
+# Budget: `max_num_batched_tokens=32`. A short request starts alone; after two
+# steps a 75-token prompt arrives. Watch the short request keep its one token
+# per step while the long prompt is fed in chunks of whatever budget is left.
+
+# %%
+SHORT = "Name three primary colors."
+LONG = (
+    "Here is a long question for a small model. A train leaves the city at nine in the morning "
+    "and travels east at sixty miles per hour. A second train leaves the same station two hours "
+    "later, going the same way at eighty miles per hour. At what time does the second train catch "
+    "the first, and how far from the city are they then? Explain each step."
+)
+chunked, chunked_out = run_workload(
+    "chunked",
+    {0: [("short", SHORT, 10, 0)], 2: [("long", LONG, 3, 0)]},
+    max_num_batched_tokens=32,
+)
+runner_init = next(e for e in chunked.events if e["kind"] == "runner.init")
+print(f"ran on {runner_init['device']} ({runner_init['dtype']}), {chunked.last_step} steps")
+
+# %% [markdown]
+# The table. Per request: `d1` a decode, `pN` N prompt tokens, `rN` N tokens
+# recomputed after a preemption; a trailing `*` means the row was a prompt
+# chunk, so the token the sampler produced for it was thrown away.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+queued = {e["request_id"]: e for e in chunked.events if e["kind"] == "sched.queued"}
+for rid, e in queued.items():
+    print(f"{rid}: {e['num_prompt_tokens']} prompt tokens, max_tokens {e['max_tokens']}")
+print()
+chunked_rows = step_rows(chunked, ["short", "long"])
+print(text_table(chunked_rows))
+
+# %%
+show_frame(chunked_rows)
+
+# %% [markdown]
+# Read it with the decision order above:
+#
+# * Step 1: `short` is the only request; its 5 prompt tokens are one prefill.
+# * Steps 3–5: the running loop goes first, so `short` gets its decode token,
+#   and `long` gets the rest of the budget: 31, 31, then the last 13.
+#   Only the last chunk is sampled — that is `long`'s first output token.
+# * A chunked prompt stays in `running` between chunks; the running loop
+#   continues it the next step. Admission (the waiting loop) happens once.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+long_chunks = [(s, v.sched_step["num_scheduled_tokens"]["long"])
+               for s in chunked.steps[1:]
+               for v in [chunked.view(s)]
+               if v.sched_step and "long" in v.sched_step["num_scheduled_tokens"]]
+prompt_chunks = [(s, n) for s, n in long_chunks if n > 1]
+print("long's prompt went in as chunks (step, tokens):", prompt_chunks)
+print("sum of the chunks == prompt length:", sum(n for _, n in prompt_chunks) == queued["long"]["num_prompt_tokens"])
+decode_first = all(
+    list(v.sched_step["num_scheduled_tokens"])[0] == "short"
+    for s in chunked.steps[1:]
+    for v in [chunked.view(s)]
+    if v.sched_step and len(v.sched_step["num_scheduled_tokens"]) == 2
+)
+print("in every shared step, short's decode was scheduled before long's chunk:", decode_first)
+print("budget never exceeded:", all(
+    chunked.view(s).sched_step["total_num_scheduled_tokens"] <= 32
+    for s in chunked.steps[1:] if chunked.view(s).sched_step))
+
+# %% [markdown]
+# ## 4. Preemption under memory pressure
+#
+# Three requests of 11–13 prompt tokens and 16 new tokens each: 27–29 tokens,
+# two 16-token blocks apiece — six blocks in all. The pool gets
+# `num_gpu_blocks_override=6`: block 0 is the null block, so five are usable.
+# `low` starts alone; `a` and `b` arrive after step 2. Somewhere around the
+# 17th token, someone needs a second block that is not there.
+#
+# The same workload runs three times:
+#
+# * **FCFS** (`scheduling_policy="fcfs"`, the default);
+# * **priority** (`scheduling_policy="priority"`): `low` has priority 1, `a`
+#   and `b` priority 0 (lower value = more important, as in vLLM);
+# * a **baseline** with the default, roomy pool — to know when each request
+#   *would* have finished.
+
+# %%
+PROMPTS = {
+    "low": "Write a short poem about the quiet sea at night.",
+    "a": "List some facts about the planet Mars for a child.",
+    "b": "Describe how bread is made, step by step, at home.",
+}
+PRIORITY = {"low": 1, "a": 0, "b": 0}
+WORKLOAD = {
+    0: [("low", PROMPTS["low"], 16, PRIORITY["low"])],
+    2: [("a", PROMPTS["a"], 16, PRIORITY["a"]), ("b", PROMPTS["b"], 16, PRIORITY["b"])],
+}
+TIGHT = dict(num_gpu_blocks_override=6, max_model_len=64, block_size=16)
+
+fcfs, fcfs_out = run_workload("fcfs", WORKLOAD, scheduling_policy="fcfs", **TIGHT)
+prio, prio_out = run_workload("priority", WORKLOAD, scheduling_policy="priority", **TIGHT)
+roomy, roomy_out = run_workload("baseline", WORKLOAD, scheduling_policy="fcfs", max_model_len=64)
+print("finished:", sorted(fcfs_out), sorted(prio_out), sorted(roomy_out))
+print(f"traces in {TRACE_DIR}; e.g. glassbox tui {TRACE_DIR / 'fcfs.jsonl'} --follow b")
+
+# %% [markdown]
+# ### FCFS, step by step
+#
+# Steps where nothing happened and every request kept doing the same kind of
+# work are merged into one row.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+RIDS = ["low", "a", "b"]
+print(text_table(compress(step_rows(fcfs, RIDS), RIDS)))
+
+# %% [markdown]
+# ### The moment of preemption
+#
+# Every event of the step that preempted, in the engine's own order. This is
+# the running loop of `schedule()` at work: `allocate_slots` fails for a
+# running request, a victim is chosen and freed, and the allocation is retried.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def preemption_story(replay):
+    p = preemptions(replay)[0]
+    lines = []
+    for e in replay.events_at(p["step"]):
+        if e["pid"] != replay.engine_pid:
+            continue
+        k = e["kind"]
+        if k == "kv.allocation_failed":
+            lines.append(f"{k:21} {e['request_id']} needs {e['num_blocks_needed']} block(s), "
+                         f"{e['num_free_blocks']} free")
+        elif k == "kv.freed":
+            lines.append(f"{k:21} {e['request_id']} gives back blocks {e['block_ids']} "
+                         f"(to the free queue: {e['to_free_queue']})")
+        elif k == "sched.preempted":
+            lines.append(f"{k:21} victim {e['request_id']} (for {e['for_request_id']}), "
+                         f"had {e['num_tokens']} tokens, {e['num_output_tokens']} of them generated")
+        elif k == "kv.allocated":
+            lines.append(f"{k:21} {e['request_id']} gets block(s) {e['block_ids']}")
+        elif k == "sched.step":
+            lines.append(f"{k:21} scheduled {e['num_scheduled_tokens']}, preempted {e['preempted_req_ids']}, "
+                         f"admitted {e['new_req_ids'] + e['resumed_req_ids']}")
+    return p["step"], lines
+
+
+step_f, story_f = preemption_story(fcfs)
+print(f"FCFS, step {step_f}, running before it: {fcfs.state_at(step_f - 1).running}")
+print("\n".join("  " + s for s in story_f))
+
+# %% [markdown]
+# `running` was `[low, a, b]` — admission order. `a` needed its second block;
+# none was free. Under FCFS the victim is simply `running.pop()`: the request
+# admitted last, `b`. Its two blocks went to the *tail* of the free queue,
+# and `a` took one at once.
+#
+# Which one? A request's blocks are freed in reverse order (`kv.freed` lists
+# them tail first), so `b`'s half-filled last block reached the queue first
+# and was handed to `a`, while its full first block — whose hash stays in the
+# prefix cache until the block is reused — waited behind it. That is why `b`
+# finds 16 of its tokens still cached when it comes back.
+#
+# ### Priority, the same workload
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(text_table(compress(step_rows(prio, RIDS), RIDS)))
+print()
+step_p, story_p = preemption_story(prio)
+print(f"priority, step {step_p}, running before it: {prio.state_at(step_p - 1).running}")
+print("\n".join("  " + s for s in story_p))
+
+# %% [markdown]
+# Same step, same requester, different victim. With `policy="priority"` the
+# victim is `max(running, key=(priority, arrival_time))` — the largest
+# priority *value* (least important), latest arrival among ties. `low`
+# (priority 1) loses, even though it arrived first and is furthest along.
+# FCFS would have taken `b`, and preempts in reverse admission order whatever
+# the priorities.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def victim_by_rule(replay, step, policy):
+    """Apply vLLM's victim rule to the replayed running list before ``step``."""
+    before = replay.state_at(step - 1)
+    if policy == "fcfs":
+        return before.running[-1]
+    arrival = {e["request_id"]: e["arrival_time"] for e in replay.events if e["kind"] == "sched.queued"}
+    priority = {e["request_id"]: e["priority"] for e in replay.events if e["kind"] == "sched.queued"}
+    return max(before.running, key=lambda r: (priority[r], arrival[r], r))
+
+
+for name, replay, policy in (("FCFS", fcfs, "fcfs"), ("priority", prio, "priority")):
+    p = preemptions(replay)
+    first = p[0]
+    print(f"{name:8}: {len(p)} preemption(s); first at step {first['step']}: victim {first['request_id']} "
+          f"for {first['for_request_id']}; the rule predicts {victim_by_rule(replay, first['step'], policy)}")
+
+# %% [markdown]
+# ### A picture of both runs
+#
+# Each request's state at every step, rebuilt by the replay: waiting,
+# prefill, decode, recompute, preempted (waiting again), finished.
+
+# %%
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+STATE_COLORS = {
+    "waiting": "#d9d9d9", "prefill": "tab:blue", "decode": "tab:green",
+    "recompute": "tab:orange", "preempted": "tab:red",
+}
+
+
+def state_grid(replay, rids):
+    """rid -> [state per step], from the views (what ran) and states (who waits)."""
+    grid = {rid: [] for rid in rids}
+    for step in replay.steps[1:]:
+        view = replay.view(step)
+        ran = {slot.request_id: row_kind(replay, step, slot) for slot in view.batch}
+        for rid in rids:
+            req = view.state.requests.get(rid)
+            if rid in ran:
+                grid[rid].append({"p": "prefill", "d": "decode", "r": "recompute"}[ran[rid]])
+            elif req is None or req.is_finished:
+                grid[rid].append(None)
+            elif req.status == "PREEMPTED":
+                grid[rid].append("preempted")
+            else:
+                grid[rid].append("waiting")
+    return grid
+
+
+fig, axes = plt.subplots(3, 1, figsize=(11, 5.5), sharex=True)
+for ax, (title, replay) in zip(axes, [("FCFS, 5 usable blocks", fcfs), ("priority, 5 usable blocks", prio),
+                                      ("baseline, roomy pool", roomy)]):
+    grid = state_grid(replay, RIDS)
+    for y, rid in enumerate(reversed(RIDS)):
+        for x, state in enumerate(grid[rid], 1):
+            if state:
+                ax.barh(y, 1, left=x - 0.5, color=STATE_COLORS[state], edgecolor="white", linewidth=0.5)
+    labels = [f"{r} (prio {PRIORITY[r]})" if replay is prio else r for r in reversed(RIDS)]
+    ax.set_yticks(range(len(RIDS)), labels)
+    for p in preemptions(replay):
+        ax.axvline(p["step"], color="k", linestyle=":", linewidth=1)
+    ax.set_title(title, fontsize=10, loc="left")
+axes[-1].set_xlabel("engine step")
+fig.legend(handles=[Patch(color=c, label=s) for s, c in STATE_COLORS.items()], ncol=5, loc="upper center")
+fig.tight_layout(rect=(0, 0, 1, 0.93))
+plt.show()
+
+# %% [markdown]
+# ### The KV blocks around the preemption
+#
+# The pool after the step before the preemption and after the preemption
+# step, drawn from the replayed state: who owns each block, its reference
+# count, and the free queue (its head is handed out first).
+
+# %%
+import graphviz
+from IPython.display import SVG
+
+OWNER_COLORS = {"low": "#fdd0a2", "a": "#c6dbef", "b": "#c7e9c0"}
+
+
+def block_cluster(g, name, state, label, changed=frozenset()):
+    with g.subgraph(name=f"cluster_{name}") as c:
+        c.attr(label=label, fontsize="11")
+        nodes = []
+        for block in state.blocks:
+            owner = ",".join(block.owners)
+            if block.is_null:
+                text, color = f"#{block.block_id}\nnull", "#eeeeee"
+            elif block.owners:
+                text, color = f"#{block.block_id}\n{owner}\nref {block.ref_cnt}", OWNER_COLORS.get(owner, "white")
+            else:
+                cached = "cached" if block.block_hash else "empty"
+                text, color = f"#{block.block_id}\nfree, {cached}\nqueue pos {block.free_queue_position}", "white"
+            node = f"{name}_{block.block_id}"
+            width = "2.5" if block.block_id in changed else "1"
+            c.node(node, text, shape="box", style="filled", fillcolor=color, fontsize="10", penwidth=width)
+            nodes.append(node)
+        queue = " → ".join(f"#{b}" for b in state.free_queue) or "(empty)"
+        c.node(f"{name}_fq", f"free queue (head first): {queue}", shape="plaintext", fontsize="10")
+        nodes.append(f"{name}_fq")
+        with c.subgraph() as row:
+            row.attr(rank="same")
+            for n in nodes:
+                row.node(n)
+        for left, right in zip(nodes, nodes[1:]):
+            c.edge(left, right, style="invis")
+        return nodes[0]
+
+
+def block_diagram(replay, title):
+    """The pool after the step before the first preemption and after it; thick: changed blocks."""
+    step = preemptions(replay)[0]["step"]
+    before, after = replay.state_at(step - 1), replay.state_at(step)
+    changed = {b.block_id for b, c in zip(before.blocks, after.blocks) if (b.owners, b.ref_cnt) != (c.owners, c.ref_cnt)}
+    g = graphviz.Digraph(graph_attr={"rankdir": "TB", "label": title, "labelloc": "t", "fontsize": "12"})
+    top = block_cluster(g, "before", before, f"after step {step - 1}")
+    bottom = block_cluster(g, "after", after, f"after step {step} (the preemption step)", changed)
+    g.edge(top, bottom, style="invis")
+    return SVG(g.pipe(format="svg"))
+
+
+display(block_diagram(fcfs, "FCFS: b is preempted for a"))
+display(block_diagram(prio, "priority: low is preempted for a"))
+
+# %% [markdown]
+# ## 5. Exercise: where is preemption decided, and what did it cost?
+#
+# **Where.** In the *running* loop of `Scheduler.schedule()` (vLLM
+# `scheduler.py` lines 442–487, ours in the table of §1): when
+# `kv_cache_manager.allocate_slots()` returns `None` for a running request.
+# The strategy is **recompute**: `_preempt_request` (929) frees all the
+# victim's blocks, sets its cursor `num_computed_tokens` back to 0 and puts it
+# at the front of the waiting queue; when it is admitted again its prompt *and*
+# the tokens it had generated are fed through the model again. (V1 has no
+# swapping to CPU memory.) The victim rule is the policy's; a waiting request
+# that does not fit never preempts anybody — it waits (line 733).
+#
+# **What it cost**, from the traces. The prefix cache softens the blow: the
+# victim's freed blocks keep their hashes until someone reuses them, so when
+# it comes back its first full block may still be cached. To see the cost
+# without that help, the FCFS run is repeated with `enable_prefix_caching=False`.
+
+# %%
+nocache, nocache_out = run_workload("fcfs-nocache", WORKLOAD, scheduling_policy="fcfs",
+                                    enable_prefix_caching=False, **TIGHT)
+
+
+def preemption_cost(replay, baseline):
+    """Per preemption: what the victim lost, waited, recomputed, and how late it finished."""
+    finished = {e["request_id"]: e["step"] for e in replay.events if e["kind"] == "sched.finished"}
+    finished_base = {e["request_id"]: e["step"] for e in baseline.events if e["kind"] == "sched.finished"}
+    costs = []
+    for p in preemptions(replay):
+        rid = p["request_id"]
+        resumed = next(e for e in replay.events if e["kind"] == "sched.admitted"
+                       and e["request_id"] == rid and e["resumed"] and e["step"] > p["step"])
+        # Tokens run through the model again: from the cache hit at resumption
+        # up to where it had been when preempted.
+        recomputed = p["num_tokens"] - resumed["num_computed_tokens"]
+        costs.append({
+            "victim": rid,
+            "for": p["for_request_id"],
+            "preempted at": p["step"],
+            "tokens lost": p["num_tokens"],
+            "resumed at": resumed["step"],
+            "steps waiting": resumed["step"] - p["step"],
+            "prefix hit": resumed["num_computed_tokens"],
+            "recomputed": recomputed,
+            "finished at": finished[rid],
+            "baseline": finished_base[rid],
+            "extra steps": finished[rid] - finished_base[rid],
+        })
+    return costs
+
+# %%
+# NBVAL_CHECK_OUTPUT
+cost_rows = []
+for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache", nocache)):
+    for c in preemption_cost(replay, roomy):
+        cost_rows.append({"run": name, **{k: str(v) for k, v in c.items()}})
+print(text_table(cost_rows))
+
+# %% [markdown]
+# And in time, from the same traces (measured, so it changes run to run):
+# the forward passes of the steps that carried the recompute, and the
+# whole run against the baseline.
+
+# %%
+def recompute_time(replay):
+    """Forward time of the steps in which a resumed request recomputed tokens."""
+    total = 0
+    for p in preemptions(replay):
+        for step in range(p["step"] + 1, replay.last_step + 1):
+            view = replay.view(step)
+            if any(slot.request_id == p["request_id"] and row_kind(replay, step, slot) == "r" for slot in view.batch):
+                total += next(e["duration_ns"] for e in view.events if e["kind"] == "runner.forward")
+    return total
+
+
+def forward_total(replay):
+    return sum(e["duration_ns"] for e in replay.events if e["kind"] == "runner.forward")
+
+
+for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache", nocache), ("baseline", roomy)):
+    print(f"{name:22} {replay.last_step:3d} steps, forward passes {forward_total(replay) / 1e6:7.1f} ms, "
+          f"of which steps carrying recompute {recompute_time(replay) / 1e6:6.1f} ms")
+
+# %% [markdown]
+# What the numbers say:
+#
+# * With a 5-block pool the three requests cannot all hold two blocks; one of
+#   them is preempted the first time a running request needs a block that is
+#   not there, and the others finish on time.
+# * The victim waits until enough blocks are free for all its tokens — here,
+#   until another request finishes — and then finishes as many steps late as
+#   it waited: its recompute fits the budget, so it costs one step, the rest
+#   is queueing.
+# * With the prefix cache on, the victim's first (full) block was still
+#   cached when it came back, so only the tokens past it were recomputed.
+#   Without the cache, every token it had — prompt and generated ones — went
+#   through the model again.
+# * Priority scheduling chose the request the user said mattered least, even
+#   though it had done the most work; FCFS chose the newest. Neither looks at
+#   how much work the victim would lose.
+
+# %% [markdown]
+# ## 6. Self-checks
+#
+# Each cell asserts something this session claims. Change the workload or the
+# engine arguments above and re-run to see which claims still hold.
+
+# %%
+# The budget is a hard cap, every step, in every run.
+for replay, budget in ((chunked, 32), (fcfs, None), (prio, None)):
+    for step in replay.steps[1:]:
+        sched = replay.view(step).sched_step
+        if sched:
+            assert sched["total_num_scheduled_tokens"] <= sched["token_budget"]
+            assert budget is None or sched["token_budget"] == budget
+
+# %%
+# A step that preempts admits nobody from the waiting queue.
+for replay in (fcfs, prio, nocache):
+    for p in preemptions(replay):
+        sched = replay.view(p["step"]).sched_step
+        assert not sched["new_req_ids"] and not sched["resumed_req_ids"], p
+
+# %%
+# FCFS preempts the most recently admitted running request; priority the
+# worst (priority, arrival_time).
+assert preemptions(fcfs)[0]["request_id"] == victim_by_rule(fcfs, preemptions(fcfs)[0]["step"], "fcfs") == "b"
+assert preemptions(prio)[0]["request_id"] == victim_by_rule(prio, preemptions(prio)[0]["step"], "priority") == "low"
+
+# %%
+# A preempted request comes back with its cursor at a block boundary (the
+# prefix-cache hit) and recomputes the rest; with no cache, all of it.
+for c in preemption_cost(fcfs, roomy) + preemption_cost(nocache, roomy):
+    assert c["prefix hit"] % 16 == 0
+    assert c["recomputed"] == c["tokens lost"] - c["prefix hit"]
+assert all(c["prefix hit"] == 0 for c in preemption_cost(nocache, roomy))
+
+# %%
+# Preemption changes *when* tokens come, never *which*: greedy outputs match
+# the baseline run token for token.
+for out in (fcfs_out, prio_out, nocache_out):
+    for rid in RIDS:
+        assert out[rid].outputs[0].token_ids == roomy_out[rid].outputs[0].token_ids, rid
+print("all self-checks passed")
