@@ -1,0 +1,760 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Session 04 — The worker
+#
+# **Goal.** Follow one `SchedulerOutput` into the worker and out again as a
+# `ModelRunnerOutput`: how `GPUModelRunner` keeps a persistent batch, how
+# `_prepare_inputs` flattens a step that mixes decodes and a chunk of prefill
+# into one token list (positions, slot mapping, `query_start_loc`,
+# `seq_lens`, block tables), and how CUDA graphs fit in: captured for a fixed
+# set of batch sizes, with a runtime batch padded up to the next one.
+#
+# The lab:
+#
+# 1. the files to read — vLLM at `52a31cc` beside the Glassbox twin, lines
+#    computed from data;
+# 2. one engine, in-process, tracing at `full`, with a small token budget so
+#    that a long prompt is chunked and shares steps with two decodes;
+# 3. the mixed step taken apart, from the trace's `runner.batch` event and from
+#    the live runner's own tensors (the notebook wraps `_prepare_inputs` to
+#    keep a copy of what it built), and recomputed by hand;
+# 4. CUDA graphs: the dispatcher's decision for a range of batch sizes (the
+#    same code the runner calls), the H200 numbers committed in
+#    `benchmarks/results/`, and — when this notebook runs on a GPU — a live
+#    measurement;
+# 5. the exercise — *why is padding to a captured size cheaper than launching
+#    the kernels eagerly?* — answered with numbers;
+# 6. self-checks.
+#
+# It runs on CUDA when torch sees a GPU and on the CPU otherwise; the code is
+# the same. The model is the default one, SmolLM2-135M-Instruct.
+
+# %% [markdown]
+# ## 1. What to read
+#
+# | vLLM file | read it for |
+# |---|---|
+# | `vllm/v1/worker/gpu_worker.py` | `Worker`: one device, one runner; `determine_available_memory` sizes the KV cache, `initialize_from_config` allocates it, `compile_or_warm_up_model` captures graphs |
+# | `vllm/v1/worker/gpu_model_runner.py` | `GPUModelRunner`: `_update_states` → `_prepare_inputs` → `execute_model` → `sample_tokens`; `_determine_batch_execution_and_padding`, `_dummy_run`, `capture_model` |
+# | `vllm/v1/worker/gpu_input_batch.py` | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`) |
+# | `vllm/v1/worker/block_table.py` | block ids per row, and positions → slots |
+# | `vllm/v1/attention/backend.py` | `CommonAttentionMetadata`: what every attention backend gets |
+# | `vllm/v1/cudagraph_dispatcher.py`, `vllm/config/compilation.py` | which graph runs a batch; the graph modes and capture sizes |
+
+# %%
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+
+from IPython.display import Markdown, display
+
+# One process: the runner lives in this kernel, so we can open it, and the
+# trace is one file with one layout on every run.
+os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"] = "0"
+
+import engine  # noqa: E402
+
+REPO = Path(engine.__file__).resolve().parent.parent
+VLLM = json.loads((REPO / "docs/data/vllm_twins_52a31cc.json").read_text())
+
+
+def our_line(path: str, dotted: str) -> int | None:
+    """Where ``Class.method`` is defined in our source, now."""
+    body = ast.parse((REPO / path).read_text()).body
+    line = None
+    for part in dotted.split("."):
+        node = next(
+            (n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == part),
+            None,
+        )
+        if node is None:
+            return None
+        line, body = node.lineno, node.body
+    return line
+
+
+def reading_table(files: dict[str, list[str]]) -> str:
+    rows = ["| vLLM file | name | vLLM line | Glassbox twin | our line |", "|---|---|--:|---|--:|"]
+    for vpath, names in files.items():
+        gpath = "engine/" + vpath.removeprefix("vllm/")
+        for name in names:
+            v = VLLM[vpath]["qualified"].get(name)
+            g = our_line(gpath, name)
+            rows.append(f"| `{vpath}` | `{name}` | {v or '—'} | `{gpath}` | {g or '—'} |")
+    return "\n".join(rows)
+
+
+SESSION_FILES = {
+    "vllm/v1/worker/gpu_worker.py": [
+        "Worker", "Worker.determine_available_memory", "Worker.initialize_from_config",
+        "Worker.compile_or_warm_up_model", "Worker.execute_model", "Worker.sample_tokens",
+    ],
+    "vllm/v1/worker/gpu_model_runner.py": [
+        "GPUModelRunner", "GPUModelRunner._update_states", "GPUModelRunner._prepare_inputs",
+        "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens",
+        "GPUModelRunner._determine_batch_execution_and_padding", "GPUModelRunner._dummy_run",
+        "GPUModelRunner.capture_model", "GPUModelRunner.initialize_kv_cache",
+    ],
+    "vllm/v1/worker/gpu_input_batch.py": [
+        "CachedRequestState", "InputBatch", "InputBatch.add_request", "InputBatch.remove_request",
+        "InputBatch.condense",
+    ],
+    "vllm/v1/worker/block_table.py": ["BlockTable", "BlockTable.compute_slot_mapping", "BlockTable.commit_block_table"],
+    "vllm/v1/attention/backend.py": ["CommonAttentionMetadata", "AttentionMetadataBuilder.build"],
+    "vllm/v1/cudagraph_dispatcher.py": ["CudagraphDispatcher", "CudagraphDispatcher.dispatch"],
+    "vllm/config/compilation.py": ["CUDAGraphMode", "CompilationConfig"],
+}
+display(Markdown(reading_table(SESSION_FILES)))
+
+# %% [markdown]
+# ### Where the reading plan is out of date
+#
+# From the source map's table of stale paths (`scripts/gen_source_map.py`,
+# checked by `tests/test_source_map.py`):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+sys.path.insert(0, str(REPO / "scripts"))
+import gen_source_map  # noqa: E402
+
+for item in gen_source_map.STALE:
+    if not item["seed"].startswith("001 · 4"):
+        continue
+    path, name, approx = item["old"]
+    said = f"{path}" + (f" {name}" if name else "")
+    now = "\n               ".join(f"{p}:{VLLM[p]['qualified'][q]} {q}" for p, q in item["now"])
+    print(f"seed says  {said}\n  {item['status']:>9}: {now}")
+
+# %% [markdown]
+# One more: the seed says graphs are captured for "1, 2, 4, 8, …,
+# max_num_seqs". Close, not exact. The list is `cudagraph_capture_sizes` in
+# `CompilationConfig`; by default at `52a31cc` it is 1, 2, 4, then every 8 up
+# to 256 and every 16 above that, up to `max_cudagraph_capture_size`, which
+# defaults to twice `max_num_seqs` (at most 512). Which graphs are captured
+# (`FULL_DECODE_ONLY`, `FULL_AND_PIECEWISE`, …) is `cudagraph_mode`.
+# Glassbox uses 1, 2, 4 and every 8 up to `max_num_seqs`, and implements
+# `FULL_DECODE_ONLY` (full graphs for pure-decode batches, eager otherwise).
+#
+# ## 2. The engine and a staged workload
+#
+# `max_num_batched_tokens=32` is the step's token budget. Two short prompts
+# start first; once both are decoding, a 64-token prompt arrives. The
+# scheduler serves running requests first (one token each), then gives the
+# newcomer what is left of the budget — 30 tokens — so its prefill is cut
+# into chunks of 30, 30 and 4, each sharing a step with the two decodes.
+# Those are the *mixed* batches this session is about.
+#
+# We drive `LLMEngine` by hand (`add_request`, `step`) to control when each
+# request arrives. Before the first step we wrap the live runner's
+# `_prepare_inputs` so that every step leaves a copy of the tensors it built.
+
+# %%
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from engine import LLM, SamplingParams
+from engine.tracing import TraceReplay, load_trace
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRACE = Path(tempfile.mkdtemp(prefix="glassbox-session04-")) / "worker.jsonl"
+BLOCK_SIZE = 16
+t0 = time.perf_counter()
+llm = LLM(
+    trace_path=str(TRACE),
+    trace_level="full",
+    max_num_batched_tokens=32,
+    max_num_seqs=16,
+    num_gpu_blocks_override=64,
+    max_model_len=512,
+    block_size=BLOCK_SIZE,
+    disable_log_stats=True,
+)
+core = llm.llm_engine.engine_core.engine_core  # EngineCore (in this process)
+worker = core.model_executor.driver_worker  # Worker
+runner = worker.model_runner  # GPUModelRunner
+print(f"engine ready in {time.perf_counter() - t0:.1f} s on {DEVICE}; "
+      f"runner: {type(runner).__name__}, attention backend: {runner.attn_backend.get_name()}")
+
+# %%
+captured = {}  # step -> what _prepare_inputs built (host copies)
+_original_prepare_inputs = runner._prepare_inputs
+
+
+def recording_prepare_inputs(scheduler_output):
+    result = _original_prepare_inputs(scheduler_output)
+    common, num_tokens, logits_indices = result[0], result[1], result[2]
+    rows = common.num_reqs
+    captured[scheduler_output.step] = {
+        "req_ids": list(runner.input_batch.req_ids),
+        "new_reqs": {r.req_id: (list(r.block_ids[0]), r.num_computed_tokens)
+                     for r in scheduler_output.scheduled_new_reqs},
+        "cached_reqs": {rid: (list(nb[0]) if nb else [], n) for rid, nb, n in zip(
+            scheduler_output.scheduled_cached_reqs.req_ids,
+            scheduler_output.scheduled_cached_reqs.new_block_ids,
+            scheduler_output.scheduled_cached_reqs.num_computed_tokens)},
+        "num_scheduled_tokens": dict(scheduler_output.num_scheduled_tokens),
+        "input_ids": runner.input_ids[:num_tokens].cpu().tolist(),
+        "positions": runner.positions[:num_tokens].cpu().tolist(),
+        "query_start_loc": common.query_start_loc.cpu().tolist(),
+        "seq_lens": common.seq_lens.cpu().tolist(),
+        "slot_mapping": common.slot_mapping.cpu().tolist(),
+        "block_table": common.block_table_tensor[:rows].cpu().tolist(),
+        "logits_indices": logits_indices.cpu().tolist(),
+        "max_query_len": common.max_query_len,
+    }
+    return result
+
+
+runner._prepare_inputs = recording_prepare_inputs  # an instance attribute shadows the method
+
+# %%
+PROMPTS = {
+    "r0": "The three primary colours of light are",
+    "r1": "A haiku about autumn rain:",
+    "r2": ("In a paged KV cache, each sequence owns a list of fixed-size blocks rather than one "
+           "contiguous buffer. The scheduler hands out block ids; the worker turns every token "
+           "position into a slot inside one of those blocks, and the attention kernel gathers keys "
+           "and values through the same table. Summary in one sentence:"),
+}
+params = {
+    "r0": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    "r1": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    "r2": SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+}
+llm_engine = llm.llm_engine
+texts = {}
+llm_engine.add_request("r0", PROMPTS["r0"], params["r0"])
+llm_engine.add_request("r1", PROMPTS["r1"], params["r1"])
+step_log = []
+for _ in range(2):  # prefill both, then one decode step
+    step_log += llm_engine.step()
+llm_engine.add_request("r2", PROMPTS["r2"], params["r2"])  # arrives while r0 and r1 decode
+while llm_engine.has_unfinished_requests():
+    step_log += llm_engine.step()
+for out in step_log:
+    if out.finished:
+        texts[out.request_id] = out.outputs[0].text
+print({rid: t for rid, t in sorted(texts.items())})
+
+# %% [markdown]
+# ## 3. The steps, from the trace
+#
+# `runner.batch` is written by the runner once per step, after it has laid
+# the batch out: rows (one per request), tokens per row (`query_lens`), the
+# context before (`num_computed_tokens`) and after (`seq_lens`) the step, the
+# KV slots written (`slot_mapping`, as runs of `[block, first offset, count]`),
+# rows whose sample is thrown away (mid-prompt chunks), and the CUDA graph
+# decision.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+llm.llm_engine.tracer.flush()
+events = load_trace(str(TRACE))
+replay = TraceReplay(events)
+batches = {e["step"]: e for e in events if e["kind"] == "runner.batch"}
+
+
+def kind_of(batch: dict) -> str:
+    prefill = any(q > 1 or c == 0 for q, c in zip(batch["query_lens"], batch["num_computed_tokens"]))
+    decode = any(q == 1 and c > 0 for q, c in zip(batch["query_lens"], batch["num_computed_tokens"]))
+    return "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+
+
+print("step  kind     tokens  rows (request:query_len)            discarded  graph")
+for step, b in sorted(batches.items()):
+    rows = ", ".join(f"{r}:{q}" for r, q in zip(b["req_ids"], b["query_lens"]))
+    print(f"{step:>4}  {kind_of(b):<8} {b['num_tokens']:>6}  {rows:<36} {','.join(b['discard_req_ids']) or '-':<10} "
+          f"{b['cudagraph_mode']}")
+
+# %% [markdown]
+# ### 3a. The first mixed step, taken apart
+#
+# Step 3: `r0` and `r1` decode one token each, `r2` computes the first 30 of
+# its 64 prompt tokens. The runner flattens all 32 tokens into one list. Per
+# token it needs:
+#
+# * `input_ids` — the token to embed;
+# * `positions` — its position in its own sequence (for RoPE):
+#   `num_computed_tokens[row] + offset within the row's chunk`;
+# * `slot_mapping` — the flat KV-cache slot its key and value are written to:
+#   `block_table[row, pos // 16] * 16 + pos % 16`;
+#
+# and per row:
+#
+# * `query_start_loc` — where each row's tokens start in the flat list (a
+#   prefix sum of `query_lens`, `num_reqs + 1` entries);
+# * `seq_lens` — how many tokens of context the row attends to after the step;
+# * the row's block table (padded with zeros; block 0 is the null block);
+# * `logits_indices` — the last token of each row, the only ones whose hidden
+#   state goes through the LM head.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+MIXED = next(s for s, b in sorted(batches.items()) if kind_of(b) == "mixed")
+b, live = batches[MIXED], captured[MIXED]
+print(f"step {MIXED}: rows {b['req_ids']}, query_lens {b['query_lens']}, "
+      f"num_computed_tokens {b['num_computed_tokens']}, seq_lens {b['seq_lens']}")
+print("new requests this step (id: block ids, computed):", live["new_reqs"])
+print("cached requests (id: new block ids, computed):   ", live["cached_reqs"])
+print("query_start_loc:", live["query_start_loc"])
+print("seq_lens:       ", live["seq_lens"])
+print("positions:      ", live["positions"])
+print("slot_mapping:   ", live["slot_mapping"])
+print("logits_indices: ", live["logits_indices"], "  max_query_len:", live["max_query_len"])
+print("block table rows (first 5 columns):")
+for rid, row in zip(live["req_ids"], live["block_table"]):
+    print(f"  {rid}: {row[:5]}")
+print("trace slot runs [block, offset, count]:", b["slot_mapping"])
+print("discarded samples (mid-prompt):", b["discard_req_ids"])
+
+# %% [markdown]
+# Read it row by row. `r0` has 7 prompt tokens and has sampled 2: the token
+# it feeds in now is the second of those, at position 8, so its key and value
+# go to slot `1 * 16 + 8 = 24` (block 1 is its only block). `r2` is new:
+# positions 0–29, slots 48–63 (all of block 3) and 64–77 (most of block 4). `query_start_loc = [0, 1, 2, 32]` says rows 0 and 1 are one token
+# each and row 2 is thirty. Only three hidden states (indices 0, 1, 31) reach
+# the LM head, and `r2`'s sample is discarded: it is in the middle of its
+# prompt.
+#
+# The same step as a picture, drawn from the captured tensors: one column per
+# token of the flattened batch.
+
+# %%
+import subprocess
+
+from IPython.display import SVG
+
+ROW_COLOURS = ["#e9c46a", "#a8dadc", "#f4a261", "#cdb4db", "#b7e4c7"]
+
+
+def dot_svg(source: str) -> SVG:
+    """Render Graphviz source with the `dot` binary (apt: graphviz)."""
+    result = subprocess.run(["dot", "-Tsvg"], input=source, capture_output=True, text=True, check=True)
+    return SVG(result.stdout)
+
+
+def batch_dot(step: int) -> str:
+    live = captured[step]
+    qsl = live["query_start_loc"]
+    row_of = np.repeat(np.arange(len(live["req_ids"])), np.diff(qsl))
+    logits = set(live["logits_indices"])
+
+    def cell(text, colour, bold=False):
+        text = f"<B>{text}</B>" if bold else text
+        return f'<TD BGCOLOR="{colour}">{text}</TD>'
+
+    header = "".join(cell(i, ROW_COLOURS[row_of[i]], i in logits) for i in range(len(row_of)))
+    req = "".join(cell(live["req_ids"][row_of[i]], ROW_COLOURS[row_of[i]]) for i in range(len(row_of)))
+    pos = "".join(cell(p, "white") for p in live["positions"])
+    slot = "".join(cell(s, "white") for s in live["slot_mapping"])
+    tokens = (f'<TR><TD>index</TD>{header}</TR><TR><TD>request</TD>{req}</TR>'
+              f'<TR><TD>position</TD>{pos}</TR><TR><TD>slot</TD>{slot}</TR>')
+    rows = []
+    for r, (rid, table) in enumerate(zip(live["req_ids"], live["block_table"])):
+        n_blocks = -(-live["seq_lens"][r] // BLOCK_SIZE)
+        blocks = "".join(cell(x, ROW_COLOURS[r]) for x in table[:n_blocks])
+        rows.append(f'<TR><TD>{rid}</TD><TD>qsl {qsl[r]}–{qsl[r + 1]}</TD><TD>seq_len {live["seq_lens"][r]}</TD>{blocks}</TR>')
+    label = (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3">'
+             f'<TR><TD COLSPAN="{len(row_of) + 1}"><B>step {step}: the flattened batch '
+             f'(bold index = a logits row)</B></TD></TR>{tokens}</TABLE>>')
+    table_label = ('<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3">'
+                   '<TR><TD COLSPAN="8"><B>block table rows (the blocks in use)</B></TD></TR>'
+                   + "".join(rows) + "</TABLE>>")
+    return ('digraph batch { rankdir=TB; node [shape=plaintext, fontname="sans-serif", fontsize=9]; '
+            f"tokens [label={label}]; tables [label={table_label}]; tokens -> tables [style=invis]; }}")
+
+
+dot_svg(batch_dot(MIXED))
+
+# %% [markdown]
+# ### 3b. Recompute it by hand
+#
+# The runner does this with a handful of numpy operations (see
+# `GPUModelRunner._prepare_inputs`). Here is the same arithmetic, from
+# nothing but what the scheduler sent (`num_scheduled_tokens`, each
+# request's `num_computed_tokens`) and the block tables — and it must agree
+# with the tensors the runner built.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def recompute(live: dict) -> dict:
+    req_ids = live["req_ids"]
+    n = np.array([live["num_scheduled_tokens"][r] for r in req_ids])
+    computed = np.array([live["new_reqs"].get(r, live["cached_reqs"].get(r, (None, 0)))[1] for r in req_ids])
+    rows = np.repeat(np.arange(len(req_ids)), n)                   # row of every token
+    offsets = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # offset inside its row's chunk
+    positions = computed[rows] + offsets
+    table = np.array(live["block_table"])
+    slots = table[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    return {
+        "positions": positions.tolist(),
+        "slot_mapping": slots.tolist(),
+        "query_start_loc": [0, *np.cumsum(n).tolist()],
+        "seq_lens": (computed + n).tolist(),
+        "logits_indices": (np.cumsum(n) - 1).tolist(),
+    }
+
+
+for step in sorted(captured):
+    mine, theirs = recompute(captured[step]), captured[step]
+    same = all(mine[k] == theirs[k] for k in mine)
+    print(f"step {step:>2}: recomputed positions, slots, query_start_loc, seq_lens, logits_indices "
+          f"== runner's: {same}")
+
+# %% [markdown]
+# ### 3c. The persistent batch
+#
+# The runner does not rebuild its state every step. `InputBatch` keeps one
+# row per running request — token ids, computed-token count, block table row,
+# sampling state — and `_update_states` applies only the scheduler's deltas:
+# new requests get a row, finished ones leave and the rows are condensed,
+# running ones get their new block ids appended. The scheduler therefore
+# sends full data only once per request (`NewRequestData`) and small deltas
+# after that (`CachedRequestData`). Watch `r2` across its three prefill
+# chunks:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for step in sorted(captured):
+    live = captured[step]
+    if "r2" in live["new_reqs"]:
+        print(f"step {step}: r2 arrives as NewRequestData, block ids {live['new_reqs']['r2'][0]}, computed {live['new_reqs']['r2'][1]}")
+    elif "r2" in live["cached_reqs"]:
+        new_blocks, computed = live["cached_reqs"]["r2"]
+        print(f"step {step}: r2 as CachedRequestData, new block ids {new_blocks}, computed {computed}")
+last = max(s for s, b in batches.items() if "r2" in b["req_ids"])
+row = captured[last]["req_ids"].index("r2")
+n_blocks = -(-captured[last]["seq_lens"][row] // BLOCK_SIZE)
+print(f"r2's block table row at step {last}, its last step: {captured[last]['block_table'][row][:n_blocks]} "
+      f"(the worker's copy, assembled from those deltas)")
+
+# %% [markdown]
+# ## 4. CUDA graphs: capture sizes and padding
+#
+# A CUDA graph records a sequence of kernel launches once and replays it
+# with one call. It replays *fixed shapes at fixed addresses*: the graph for
+# 16 tokens always reads 16 input ids from the same buffer. So the runner
+# keeps persistent input buffers (`runner.input_ids`, `positions`,
+# `slot_mapping`, …) and copies each step's values into them; the engine
+# captures one graph per size in `cudagraph_capture_sizes`; and each step the
+# dispatcher picks the smallest captured size that fits, or says "eager".
+# The rows added to reach that size are padding: token 0 at position 0, slot
+# `-1` (nothing is written), a query of length 0 — work whose result nobody
+# reads.
+#
+# On this machine:
+
+# %%
+print(f"device: {DEVICE}; dispatcher mode in the live runner: {runner.cudagraph_dispatcher.mode.name}; "
+      f"graphs captured: {sorted(k.num_tokens for k in runner.cudagraph_dispatcher.captured)}")
+print("graph mode the trace recorded per step:", sorted({b["cudagraph_mode"] for b in batches.values()}),
+      "| padded tokens != tokens in any step:", any(b["num_tokens_padded"] != b["num_tokens"] for b in batches.values()))
+
+# %% [markdown]
+# On a CPU there are no graphs (the runner sets the mode to `NONE`). The
+# decision itself is plain Python, though, and runs anywhere: below is the
+# runner's own `CudagraphDispatcher`, built from a `CompilationConfig` as it
+# would be for `max_num_seqs=64` on a GPU, with every decode size marked as
+# captured the way `capture_model()` does.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from engine.config.compilation import CompilationConfig, CUDAGraphMode
+from engine.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+config = CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY")
+config.finalize(max_num_seqs=64, enforce_eager=False)
+dispatcher = CudagraphDispatcher(config)
+for key in dispatcher.decode_keys():
+    dispatcher.captured.add(key)
+print("capture sizes:", config.cudagraph_capture_sizes)
+print(" tokens  uniform decode?  ->  mode   padded to  padding rows")
+for n, uniform in [(1, True), (3, True), (5, True), (8, True), (13, True), (17, True), (33, True),
+                   (57, True), (64, True), (65, True), (13, False), (32, False)]:
+    mode, desc = dispatcher.dispatch(n, uniform_decode=uniform)
+    padded = desc.num_tokens if mode == CUDAGraphMode.FULL else n
+    print(f"{n:>7}  {str(uniform):<15}  ->  {mode.name:<5}  {padded:>9}  {padded - n:>12}")
+
+# %% [markdown]
+# A mixed batch (like step 3 above) is never padded in `FULL_DECODE_ONLY`: its
+# shape — how many prefill tokens, in how many rows — varies too much to
+# capture. vLLM's default `FULL_AND_PIECEWISE` covers it with *piecewise*
+# graphs: everything except attention is captured per token count, and
+# attention runs eagerly between the pieces (that needs vLLM's torch.compile
+# backend to split the model, which Glassbox does not have).
+#
+# ### 4a. What graphs buy: the committed H200 numbers
+#
+# `benchmarks/gpu_throughput.py` ran on an H200 with the Qwen3-0.6B
+# architecture (dummy weights, bf16): decode steps at a 512-token context,
+# timed as whole `EngineCore.step()` calls, once with CUDA graphs and once
+# with `enforce_eager=True`. The file is committed; these are its numbers.
+
+# %%
+gpu = json.loads((REPO / "benchmarks/results/gpu_throughput_2026-12-02_h200.json").read_text())
+graph_ms = {int(k): v["ms_per_step"] for k, v in gpu["decode_latency_cudagraphs"].items()}
+eager_ms = {int(k): v["ms_per_step"] for k, v in gpu["decode_latency_eager"].items()}
+floor_ms = {int(k): v["floor_ms"] for k, v in gpu["decode_latency_cudagraphs"].items()}
+print(f"{gpu['gpu']}, {gpu['model']}, torch {gpu['torch']}")
+print(" batch   graphs ms   eager ms   eager/graphs   memory floor ms")
+for n in sorted(graph_ms):
+    print(f"{n:>6}  {graph_ms[n]:>10.2f}  {eager_ms[n]:>9.2f}  {eager_ms[n] / graph_ms[n]:>12.1f}x  {floor_ms[n]:>15.2f}")
+print(f"throughput (nano-vllm workload): {gpu['throughput_cudagraphs']['tokens_per_s']:.0f} tok/s with graphs, "
+      f"{gpu['throughput_eager']['tokens_per_s']:.0f} tok/s eager")
+
+# %%
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")  # draw off-screen; show() below hands the PNG to the notebook
+import matplotlib.pyplot as plt  # noqa: E402
+from IPython.display import Image  # noqa: E402
+
+
+def show(fig) -> None:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    display(Image(data=buffer.getvalue()))
+
+
+sizes = sorted(graph_ms)
+x = np.arange(len(sizes))
+fig, ax = plt.subplots(figsize=(7, 3.2))
+ax.bar(x - 0.2, [eager_ms[n] for n in sizes], 0.4, label="eager", color="#e76f51")
+ax.bar(x + 0.2, [graph_ms[n] for n in sizes], 0.4, label="CUDA graphs", color="#2a9d8f")
+ax.plot(x, [floor_ms[n] for n in sizes], "k_", markersize=22, label="memory-bandwidth floor")
+ax.set_xticks(x, [str(n) for n in sizes])
+ax.set_xlabel("decode batch size (requests)")
+ax.set_ylabel("ms per engine step")
+ax.set_title("H200, Qwen3-0.6B shape: decode step time (committed benchmark)")
+ax.legend(fontsize=8)
+fig.tight_layout()
+show(fig)
+
+# %% [markdown]
+# Two things stand out. Eager steps cost ~30 ms whatever the batch size, up
+# to 64 requests: the time is not arithmetic or memory traffic (the floor is
+# 0.3–1.2 ms) but the host launching kernels one by one from Python, and it
+# barely depends on how much work each kernel does. Graphs remove most of
+# that; what remains (~5 ms) is the rest of the step — scheduling, input
+# preparation, sampling — which Glassbox still does in Python.
+#
+# ### 4b. How many launches is "one by one"?
+#
+# Count the torch operations one decode forward of *our* model issues
+# (SmolLM2, 30 layers), with a dispatch mode that sees every aten call.
+# Shape-only operations (views, reshapes, transposes) launch no kernel and are
+# left out, and so are `to(dtype)` calls, which are no-ops in this float32
+# model; what remains is roughly one GPU kernel launch each in eager mode.
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+
+NO_KERNEL = {"to", "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+             "slice", "select", "as_strided", "detach", "alias", "split", "split_with_sizes", "chunk",
+             "unbind", "narrow", "lift_fresh", "_to_copy_noop", "empty", "empty_like", "new_empty",
+             "empty_strided", "unflatten", "flatten", "view_as_real", "view_as_complex", "sym_size", "sym_stride"}
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+counter = CountOps()
+model = runner.model
+_forward = model.forward
+
+
+def counted_forward(*args, **kwargs):
+    with counter:
+        return _forward(*args, **kwargs)
+
+
+model.forward = counted_forward
+llm_engine.add_request("count", "Counting kernels", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+llm_engine.step()          # the prefill
+counter.counts.clear()
+llm_engine.step()          # one decode step: count this forward
+model.forward = _forward
+launching = {k: v for k, v in counter.counts.items() if k not in NO_KERNEL}
+num_layers = llm.llm_engine.model_config.get_num_layers()
+n_ops = sum(launching.values())
+print(f"one decode forward: {n_ops} kernel-launching ops ({sum(counter.counts.values())} aten calls in all), "
+      f"about {n_ops / num_layers:.0f} per layer")
+print("most frequent:", sorted(launching.items(), key=lambda kv: -kv[1])[:8])
+
+# %% [markdown]
+# (These are the ops of the CPU attention backend; the Triton backend on a
+# GPU issues a similar number per layer — a few fused kernels for attention
+# instead of a few plain-torch ops. Qwen3-0.6B has 28 layers and adds a
+# q- and k-norm to each.)
+#
+# ## 5. Exercise: why does padding beat an eager launch?
+#
+# *13 requests are decoding. The captured sizes are 1, 2, 4, 8, 16, …. The
+# runner can replay the 16-graph with 3 padding rows, or run the 13 eagerly.
+# Which is cheaper, by how much, and up to how much padding would that stay
+# true?*
+#
+# From the committed H200 numbers (linear interpolation between the measured
+# batch sizes 1 and 16 — an assumption, stated):
+
+# %%
+def interp(table: dict[int, float], n: float) -> float:
+    xs = sorted(table)
+    lo = max(x for x in xs if x <= n)
+    hi = min(x for x in xs if x >= n)
+    return table[lo] if lo == hi else table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+
+n_live = 13
+mode, desc = dispatcher.dispatch(n_live, uniform_decode=True)
+padded = desc.num_tokens
+graph_cost = graph_ms[padded]
+eager_cost = interp(eager_ms, n_live)
+per_row = (graph_ms[16] - graph_ms[1]) / 15  # what one more decode row adds to a graph replay
+padding_cost = per_row * (padded - n_live)
+break_even_rows = (eager_cost - interp(graph_ms, n_live)) / per_row
+print(f"dispatcher: {n_live} decodes -> {mode.name} graph of {padded} ({padded - n_live} padding rows)")
+print(f"eager step at {n_live} (interpolated):     {eager_cost:6.2f} ms")
+print(f"graph step at {padded} (measured):          {graph_cost:6.2f} ms")
+print(f"one extra row in a graph replay:       {per_row * 1e3:6.1f} us  -> the {padded - n_live} padding rows cost ~{padding_cost * 1e3:.0f} us")
+print(f"saving from padding instead of eager:  {eager_cost - graph_cost:6.2f} ms per step ({eager_cost / graph_cost:.1f}x)")
+print(f"padding would have to waste ~{break_even_rows:.0f} rows before eager won")
+print(f"eager minus graphs at batch 1, spread over our {n_ops} launches: ~{(eager_ms[1] - graph_ms[1]) / n_ops * 1e3:.0f} us "
+      f"per launch (a rough figure: different model, and the step includes more than the forward)")
+
+# %% [markdown]
+# **Answer.** A decode row costs the GPU almost nothing at this size (the
+# kernels are bound by reading the weights, which happens once per step
+# however many rows there are), while every eager launch costs the host tens
+# of microseconds, hundreds of times per step. Replaying the 16-graph for 13
+# requests wastes 3 rows — tens of microseconds — and skips ~25 ms of
+# launches. Padding only loses when the padded rows cost more than the
+# launches saved, hundreds of rows away; vLLM's capture sizes are spaced
+# (every 8, then every 16 at larger sizes) so the waste stays a small
+# fraction of the batch.
+#
+# Where it happens: in vLLM, `GPUModelRunner._determine_batch_execution_and_padding`
+# asks `CudagraphDispatcher.dispatch` for the runtime mode and the padded
+# `BatchDescriptor` (lines in the table at the top); in Glassbox,
+# `_prepare_inputs` calls `self.cudagraph_dispatcher.dispatch(...)` and, for a
+# FULL graph, appends the padding tokens (slot `-1`, position 0) and
+# zero-length padding rows before copying into the persistent buffers.
+#
+# ### 5a. Live, on this machine's GPU
+#
+# On CUDA the notebook measures the same thing with the default model: two
+# engines (graphs; `enforce_eager=True`), pure decode steps of 1, 13 and 16
+# requests, each step's `runner.forward` time from the trace (forward plus LM
+# head, after a synchronize) — and the padding the runner actually applied
+# (`num_tokens_padded`). On a CPU there is nothing to measure: no graphs.
+
+# %%
+def live_decode_latency(enforce_eager: bool, batch_sizes=(1, 13, 16), new_tokens=12, **engine_kwargs) -> dict:
+    trace = TRACE.with_name(f"gpu-{'eager' if enforce_eager else 'graphs'}.jsonl")
+    gpu_llm = LLM(trace_path=str(trace), trace_level="lifecycle", enforce_eager=enforce_eager,
+                  max_num_seqs=16, num_gpu_blocks_override=512, max_model_len=512, disable_log_stats=True,
+                  **engine_kwargs)
+    for n in batch_sizes:
+        prompts = [f"Request {i}: count slowly from one to twenty." for i in range(n)]
+        gpu_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
+                         use_tqdm=False)
+    gpu_llm.llm_engine.tracer.flush()
+    evs = load_trace(str(trace))
+    forward_ms = {e["step"]: e["duration_ns"] / 1e6 for e in evs if e["kind"] == "runner.forward"}
+    out = {}
+    for e in evs:
+        if e["kind"] == "runner.batch" and kind_of(e) == "decode":
+            row = out.setdefault(e["num_tokens"], {"ms": [], "padded": set(), "mode": set()})
+            row["ms"].append(forward_ms[e["step"]])
+            row["padded"].add(e["num_tokens_padded"])
+            row["mode"].add(e["cudagraph_mode"])
+    gpu_llm.shutdown()
+    del gpu_llm
+    torch.cuda.empty_cache()
+    return out
+
+
+if DEVICE == "cuda":
+    import statistics
+
+    live = {"graphs": live_decode_latency(False), "eager": live_decode_latency(True)}
+    print(" batch  graphs: mode, padded, median ms   eager: median ms")
+    for n in (1, 13, 16):
+        g, e = live["graphs"][n], live["eager"][n]
+        print(f"{n:>6}  {'/'.join(g['mode'])}, {sorted(g['padded'])}, {statistics.median(g['ms']):8.2f}   "
+              f"{statistics.median(e['ms']):8.2f}")
+else:
+    print("no CUDA device here: the live measurement does not run; section 4a's committed H200 numbers stand in")
+
+# %% [markdown]
+# ## 6. Self-checks
+
+# %%
+# Every step's runner tensors agree with the trace's runner.batch event.
+for step, b in batches.items():
+    live = captured[step]
+    assert live["req_ids"] == b["req_ids"]
+    assert np.diff(live["query_start_loc"]).tolist() == b["query_lens"]
+    assert live["seq_lens"] == b["seq_lens"]
+    slots = [blk * BLOCK_SIZE + off + i for runs_ in b["slot_mapping"] for blk, off, cnt in runs_ for i in range(cnt)]
+    assert slots == live["slot_mapping"]
+print("trace and live runner agree on every step: ok")
+
+# %%
+# A mixed step: decodes first (the scheduler serves running requests first), then the chunk.
+b = batches[MIXED]
+assert b["query_lens"][:2] == [1, 1] and b["query_lens"][2] == 32 - 2
+assert b["discard_req_ids"] == ["r2"]  # its sample is thrown away until its prompt is done
+assert sum(b["query_lens"]) <= 32  # max_num_batched_tokens
+print("mixed step layout: ok")
+
+# %%
+# Slots are unique within a step (no two tokens write the same KV slot) and
+# land inside the row's own blocks.
+for step, live in captured.items():
+    assert len(set(live["slot_mapping"])) == len(live["slot_mapping"])
+    qsl = live["query_start_loc"]
+    for r, table in enumerate(live["block_table"]):
+        for s in live["slot_mapping"][qsl[r]:qsl[r + 1]]:
+            assert s // BLOCK_SIZE in table
+print("slot mapping: unique and inside each row's blocks: ok")
+
+# %%
+# The dispatcher pads a uniform decode to the smallest captured size that fits, and never a mixed batch.
+for n in range(1, 70):
+    mode, desc = dispatcher.dispatch(n, uniform_decode=True)
+    fits = [s for s in config.cudagraph_capture_sizes if s >= n]
+    assert (mode == CUDAGraphMode.FULL and desc.num_tokens == min(fits)) if fits else mode == CUDAGraphMode.NONE
+    assert dispatcher.dispatch(n, uniform_decode=False)[0] == CUDAGraphMode.NONE
+print("dispatcher: smallest captured size that fits: ok")
+llm.shutdown()
