@@ -17,7 +17,13 @@ workload on the same engine configuration, in one process:
 Targets: ``off`` within 1 % of ``noop``; ``lifecycle`` at most 5 % slower;
 ``full`` at most 25 % slower.
 
-Workload: 16 prompts sharing a 48-token prefix (so the prefix cache, KV
+Also reported: ``tracer_us_per_event``, what one ``Tracer.emit`` costs with
+everything it leads to (the event kept, encoded in a batch, written), measured
+by emitting the recorded trace's events again into a fresh tracer -- the
+tracer alone, without the hooks' own work of building their fields.
+
+Workload: 16 prompts (``--num-prompts``, with ``--max-num-seqs`` of them
+running at once) sharing a 48-token prefix (so the prefix cache, KV
 events and several concurrent requests are all in play), 32 new tokens each,
 half greedy and half seeded random sampling with top-k / top-p, EOS ignored;
 the engine runs in-process (``enable_multiprocessing=False``) so that only
@@ -97,13 +103,15 @@ def make_tiny_checkpoint(path: Path) -> str:
     return str(path)
 
 
-def build_engine(model: str, mode: str, trace_dir: str, device: str) -> LLMEngine:
-    level = "off" if mode in ("noop", "off") else mode
+def build_engine(
+    model: str, mode: str, trace_dir: str, device: str, max_num_seqs: int = 16
+) -> LLMEngine:
+    level = "off" if mode in ("noop", "off") else mode.split("-")[0]
     kwargs: dict[str, Any] = dict(
         device=device,
         dtype="float32",
         block_size=16,
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=2048,
         num_gpu_blocks_override=1024,
         trace_level=level,
@@ -163,6 +171,31 @@ def timed_run(
     return cpu, elapsed, num_tokens, sorted(outputs)
 
 
+def tracer_cost_per_event(trace_path: str, scratch_dir: str, repeats: int = 5) -> float:
+    """Microseconds one ``Tracer.emit`` costs, everything included (the event
+    kept, encoded and written; ``close`` too): the events of a recorded trace
+    emitted again into a fresh tracer, best of ``repeats``. Only the tracer:
+    the hooks' own work (building the fields) is not in it."""
+    from engine.tracing import load_trace
+
+    common = ("ts", "pid", "seq", "kind", "step")
+    events = [
+        (e["kind"], e.get("step"), {k: v for k, v in e.items() if k not in common})
+        for e in load_trace(trace_path)
+    ]
+    best = float("inf")
+    for i in range(repeats):
+        tracer = Tracer(os.path.join(scratch_dir, f"emit-{i}.jsonl"), "full")
+        start = time.perf_counter_ns()
+        for kind, step, fields in events:
+            tracer.step = step
+            tracer.emit(kind, **fields)
+        tracer.close()
+        best = min(best, (time.perf_counter_ns() - start) / max(len(events), 1))
+        os.remove(os.path.join(scratch_dir, f"emit-{i}.jsonl"))
+    return best / 1000.0
+
+
 def git_commit() -> str:
     try:
         sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True).strip()
@@ -201,56 +234,78 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="concurrent requests per step (raise it with --num-prompts: "
+                             "more per-request events per step)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--split", action="store_true",
+                        help="also time LEVEL-hooks (the hooks run, Tracer.emit is a no-op: "
+                             "the hooks' own work) and, on CUDA, LEVEL-nosync "
+                             "(torch.cuda.synchronize a no-op: what runner.forward's costs)")
     parser.add_argument("--out", help="write the results JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    modes = MODES
+    if args.split:
+        modes += ("lifecycle-hooks", "full-hooks")
+        if args.device != "cpu":
+            modes += ("lifecycle-nosync", "full-nosync")
     trace_dir = tempfile.mkdtemp(prefix="glassbox-trace-overhead-")
-    engines = {mode: build_engine(args.model, mode, trace_dir, args.device) for mode in MODES}
+    engines = {
+        mode: build_engine(args.model, mode, trace_dir, args.device, args.max_num_seqs)
+        for mode in modes
+    }
     vocab = engines["off"].model_config.vocab_size
     requests = workload(engines["off"], args.num_prompts, args.max_tokens, vocab)
     counter = [0]
     real_emit, real_set_step = Tracer.emit, Tracer.set_step
 
+    real_synchronize = torch.cuda.synchronize
+
     def run(mode: str) -> tuple[float, float, int, list]:
         if mode == "noop":
             Tracer.emit, Tracer.set_step = _noop, _noop  # type: ignore[method-assign]
+        elif mode.endswith("-hooks"):
+            Tracer.emit = _noop  # type: ignore[method-assign]
+        elif mode.endswith("-nosync"):
+            torch.cuda.synchronize = _noop
         try:
             return timed_run(engines[mode], requests, counter)
         finally:
             Tracer.emit, Tracer.set_step = real_emit, real_set_step  # type: ignore[method-assign]
+            torch.cuda.synchronize = real_synchronize
 
     # Warm-up: one untimed run per mode; all modes must produce the same tokens.
     reference = None
-    for mode in MODES:
+    for mode in modes:
         *_, outputs = run(mode)
         if reference is None:
             reference = outputs
         elif outputs != reference:
             raise SystemExit(f"mode {mode} produced different tokens than noop: tracing changed results")
 
-    samples: dict[str, list[float]] = {m: [] for m in MODES}
-    wall_samples: dict[str, list[float]] = {m: [] for m in MODES}
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    wall_samples: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        order = modes[r % len(modes):] + modes[: r % len(modes)]
         for mode in order:
             cpu, elapsed, num_tokens, outputs = run(mode)
             assert outputs == reference
             samples[mode].append(num_tokens / cpu)
             wall_samples[mode].append(num_tokens / elapsed)
             print(
-                f"round {r + 1} {mode:>9}: {num_tokens / cpu:8.1f} tok/CPU-s "
+                f"round {r + 1} {mode:>16}: {num_tokens / cpu:8.1f} tok/CPU-s "
                 f"{num_tokens / elapsed:8.1f} tok/s wall",
                 flush=True,
             )
 
     median = {m: statistics.median(v) for m, v in samples.items()}
     wall_median = {m: statistics.median(v) for m, v in wall_samples.items()}
-    cpu_overhead = {m: 100.0 * (median["noop"] - median[m]) / median["noop"] for m in MODES}
+    cpu_overhead = {m: 100.0 * (median["noop"] - median[m]) / median["noop"] for m in modes}
     wall_overhead = {
-        m: 100.0 * (wall_median["noop"] - wall_median[m]) / wall_median["noop"] for m in MODES
+        m: 100.0 * (wall_median["noop"] - wall_median[m]) / wall_median["noop"] for m in modes
     }
     # On a GPU the host mostly waits for the device: wall time is what counts there.
     headline = "cpu_time" if args.device == "cpu" else "wall_clock"
@@ -259,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         m: os.path.getsize(os.path.join(trace_dir, f"{m}.jsonl")) for m in ("lifecycle", "full")
     }
     with open(os.path.join(trace_dir, "lifecycle.jsonl")) as f:
-        lines = f.readlines()
+        lines = [line for line in f if '"kind":"trace.header"' not in line]
     num_steps = sum('"kind":"sched.step"' in line for line in lines) // (args.rounds + 1)
     events_per_step = len(lines) / (args.rounds + 1) / max(num_steps, 1)
     # An upper bound for "off" that machine noise cannot blur: the hooks that
@@ -273,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
     guard_ns = (time.perf_counter_ns() - t0) / n
     step_ns = 1e9 * args.num_prompts * args.max_tokens / median["noop"] / max(num_steps, 1)
+    emit_us = {
+        m: round(tracer_cost_per_event(os.path.join(trace_dir, f"{m}.jsonl"), trace_dir), 3)
+        for m in ("lifecycle", "full")
+    }
     off_bound = 100.0 * 2 * events_per_step * guard_ns / step_ns
     result = {
         "benchmark": "tracing_overhead",
@@ -289,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "workload": {
             "num_prompts": args.num_prompts,
+            "max_num_seqs": args.max_num_seqs,
             "shared_prefix_tokens": 48,
             "max_tokens": args.max_tokens,
             "sampling": "half greedy, half seeded temperature 0.8 / top-k 40 / top-p 0.9",
@@ -311,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
             "how": "2 x lifecycle events per step x cost of one disabled `if tracer.lifecycle:` / step time",
         },
         "trace_bytes_per_run": {m: trace_sizes[m] // (args.rounds + 1) for m in trace_sizes},
+        "tracer_us_per_event": {
+            **emit_us,
+            "how": "the recorded trace's events emitted again into a fresh Tracer (kept, "
+                   "encoded, written, closed), best of 5; the hooks' own work is not in it",
+        },
     }
     for engine in engines.values():
         engine.shutdown()

@@ -12,6 +12,7 @@ Sessions: all.
 
 from __future__ import annotations
 
+import gc
 import os
 from functools import partial
 
@@ -38,6 +39,8 @@ from tui.widgets.scheduler import SchedulerPanel
 from tui.widgets.scrubber import Scrubber
 
 PLAY_SPEEDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+# A trace still opening after this long gets a spinner (most open faster).
+SPINNER_DELAY_S = 0.5
 DEFAULT_SPEED = 4.0
 DARK_THEME = "textual-dark"
 LIGHT_THEME = "textual-light"
@@ -98,7 +101,8 @@ class ErrorView(Static):
 
 
 class LoadingView(Vertical):
-    """Shown while a trace is opened in a worker thread."""
+    """Shown while a trace is opened in a worker thread (a spinner joins it
+    after ``SPINNER_DELAY_S``)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(id="loading")
@@ -112,7 +116,14 @@ class LoadingView(Vertical):
             pass
         yield Static(f"Opening {self.path}{size}: replaying the engine's state…",
                      id="loading-text")
-        yield LoadingIndicator()
+
+    def on_mount(self) -> None:
+        # The spinner only if opening takes a while: its animation competes
+        # with the loading thread for the interpreter (a third slower).
+        self.set_timer(SPINNER_DELAY_S, self._show_spinner)
+
+    def _show_spinner(self) -> None:
+        self.mount(LoadingIndicator())
 
 
 class TraceApp(App[None]):
@@ -171,6 +182,7 @@ class TraceApp(App[None]):
         self._play_timer: Timer | None = None
         self._prefetch_timer: Timer | None = None
         self._started = False  # panels composed, step and request chosen
+        self._gc_frozen = False
         if theme is not None:
             self.theme = theme
 
@@ -224,13 +236,29 @@ class TraceApp(App[None]):
 
     async def _loaded(self, session: TraceSession | None, error: str | None) -> None:
         self.session, self.error = session, error
+        if session is not None:
+            self._freeze_gc()
         await self.recompose()
         if session is not None:
             self._start()
 
+    def _freeze_gc(self) -> None:
+        """The trace lives as long as the app: move its objects (10^5 for a
+        long run) out of the cyclic collector's sight, or every full
+        collection would scan them again (undone on exit)."""
+        if not self._gc_frozen:
+            gc.freeze()
+            self._gc_frozen = True
+
+    def on_unmount(self) -> None:
+        if self._gc_frozen:
+            gc.unfreeze()
+            self._gc_frozen = False
+
     def _start(self) -> None:
         session = self.session
         assert session is not None
+        self._freeze_gc()
         self.sub_title = f"{session.path or 'trace'} · {session.num_steps - 1} steps"
         follow = self._initial_follow
         if follow is not None and follow not in session.timelines:

@@ -20,16 +20,21 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tracing import ReplayError, StepView, TraceReplay, load_trace
+from engine.tracing import (
+    ReplayError,
+    StepView,
+    TraceReplay,
+    TraceVersionError,
+    _GCPaused,
+    check_trace_version,
+    load_trace,
+)
 
 # Events that ``glassbox trace`` adds to the trace it records (through the
 # engine's own tracer): which request the user typed, and the text of every
 # token id the run mentions (the engine records ids only).
 CLI_EVENT_KIND = "trace.cli"
 TOKEN_TEXTS_EVENT_KIND = "trace.token_texts"
-
-# Fields every Glassbox trace event has (see docs/trace_format.md).
-REQUIRED_EVENT_FIELDS = ("ts", "pid", "kind")
 
 # Request colours: the "tab10" palette, mid-luminance, so every one reads on
 # a dark and on a light background.
@@ -178,7 +183,8 @@ class TraceSession:
         if snapshot_interval is None:
             # Fewer snapshots for long runs: building is a copy per snapshot,
             # a view is a copy plus at most snapshot_interval steps of events.
-            last = max((e.get("step") or 0 for e in events), default=0)
+            # (The events are in time order: the last step is near the end.)
+            last = max((e.get("step") or 0 for e in events[-1000:]), default=0)
             snapshot_interval = max(16, min(64, last // 40))
         self.replay = TraceReplay(events, snapshot_interval=snapshot_interval)
         self.events = self.replay.events
@@ -298,6 +304,8 @@ def open_session(path: str, **kwargs: Any) -> TraceSession:
     check_trace_file(path)
     try:
         events = load_trace(path)
+    except TraceVersionError as e:
+        raise TraceLoadError(str(e)) from None
     except ValueError as e:
         raise TraceLoadError(_describe_bad_json(path, e)) from None
     except (OSError, UnicodeDecodeError) as e:
@@ -317,13 +325,19 @@ def session_from_events(
     if not events:
         raise TraceLoadError(f"{where} holds no events (was the run traced with trace_level 'off'?)")
     for i, e in enumerate(events):
-        if not isinstance(e, dict) or any(k not in e for k in REQUIRED_EVENT_FIELDS):
+        if type(e) is not dict or "ts" not in e or "pid" not in e or "kind" not in e:
             raise TraceLoadError(
                 f"{where} is not a Glassbox trace: event {i + 1} lacks the ts/pid/kind fields"
             )
-    _check_version(events, where)
     try:
-        return TraceSession(events, path=path, **kwargs)
+        check_trace_version(
+            [e for e in events if e["kind"] == "trace.header"], where  # normally none left
+        )
+    except TraceVersionError as e:
+        raise TraceLoadError(str(e)) from None
+    try:
+        with _GCPaused():
+            return TraceSession(events, path=path, **kwargs)
     except ReplayError as e:
         raise TraceLoadError(
             f"{where} cannot be replayed: {e}. It may be incomplete, or written by another "
@@ -335,28 +349,6 @@ def session_from_events(
             f"mistypes a field this version needs ({type(e).__name__}: {e}). Record it again "
             "with this version (glassbox trace ...)"
         ) from None
-
-
-# Trace-format versions this viewer reads. Today's traces carry no version
-# (they are version 1); a trace that announces another one in a
-# ``trace_format_version`` field (e.g. on a header event a later format adds)
-# is refused with a clear message instead of being shown wrongly. Older or
-# newer traces without it are caught by the field and replay checks below.
-SUPPORTED_TRACE_FORMAT_VERSIONS = (1,)
-
-
-def _check_version(events: list[dict[str, Any]], where: str) -> None:
-    for e in events:
-        version = e.get("trace_format_version", e.get("format_version"))
-        if version is None:
-            continue
-        if version not in SUPPORTED_TRACE_FORMAT_VERSIONS:
-            supported = ", ".join(str(v) for v in SUPPORTED_TRACE_FORMAT_VERSIONS)
-            raise TraceLoadError(
-                f"{where} uses trace format version {version!r}; this Glassbox reads version "
-                f"{supported}. Record it again with this version (glassbox trace ...)"
-            )
-        return
 
 
 def _describe_bad_json(path: str, error: ValueError) -> str:
@@ -410,6 +402,12 @@ def _finish_text(status: str, reason: str | None) -> str:
     return f"{status.lower()} ({reason})"
 
 
+# The engine events a lifecycle is built from (the others are skipped at once).
+_TIMELINE_KINDS = frozenset(
+    {"sched.queued", "kv.cache_hit", "kv.allocated", "kv.allocation_failed", "sched.admitted",
+     "sched.preempted", "sched.step", "sched.update", "sched.finished"}
+)
+
 # When two things happen to a request in one step, the timeline shows the weightier.
 _PHASE_PRIORITY = {WAITING: 0, STALLED: 1, DECODE: 2, PREFILL: 3, RECOMPUTE: 3, FINISHED: 4, PREEMPTED: 5}
 
@@ -418,9 +416,6 @@ def _build_timelines(
     replay: TraceReplay, token_texts: dict[int, str] | None = None
 ) -> dict[str, RequestTimeline]:
     """Walk the scheduler process's events once and build every request's lifecycle."""
-    core = sorted(
-        (e for e in replay.events if e["pid"] == replay.engine_pid), key=lambda e: e.get("seq", 0)
-    )
     added = {
         e["request_id"]: e for e in replay.events if e["kind"] == "request.added" and "request_id" in e
     }
@@ -443,9 +438,14 @@ def _build_timelines(
         lv.decode_open = None
         lv.range_open = None
 
-    for e in core:
+    step_of = replay.step_of
+    for e in replay.core_events:  # the engine process's events, in its own order
         kind = e["kind"]
-        step = replay.step_of(e)
+        if kind not in _TIMELINE_KINDS:
+            continue
+        step = e.get("step")
+        if step is None:
+            step = step_of(e)
         rid = e.get("request_id")
         if kind == "sched.queued":
             a = added.get(rid, {})

@@ -43,7 +43,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from engine.tracing import load_trace
+from engine.tracing import HEADER_KIND, load_trace
 from engine.tracing.replay import STATE_KINDS, EngineState
 
 # Thread ids of the logical tracks inside one process.
@@ -86,7 +86,11 @@ def build_perfetto(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 class _Builder:
     def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = sorted(events, key=lambda e: (e["ts"], e["pid"], e.get("seq", 0)))
+        # Headers describe the file, not the run (and their ts would move t0).
+        self.events = sorted(
+            (e for e in events if e["kind"] != HEADER_KIND),
+            key=lambda e: (e["ts"], e["pid"], e.get("seq", 0)),
+        )
         self.t0 = self.events[0]["ts"] if self.events else 0
         self.out: list[dict[str, Any]] = []
         # (pid, tid) -> list of [start_us, end_us, name, args] X slices.

@@ -1,483 +1,47 @@
-"""The replay model: the engine's scheduler and KV-cache state, rebuilt from a trace.
+"""The replay model: the engine's scheduler and KV-cache state at any step of a trace.
 
-vLLM twin: none (vLLM has no event trace to replay). It re-enacts, event by
-event, what ``engine/v1/core/sched/scheduler.py``, ``kv_cache_manager.py``,
-``single_type_kv_cache_manager.py`` and ``block_pool.py`` did, so a learner
-(or the TUI, or a notebook) can stop at any step and look at:
+vLLM twin: none (vLLM has no event trace to replay). ``TraceReplay`` feeds
+the scheduler process's events to an ``EngineState`` (``replay_state.py``:
+what each event changes) and adds random access and per-step views, so a
+learner (or the TUI, or a notebook) can stop at any step and look at the
+queues, every request and block, the batch the model runner built and what
+the sampler chose.
 
-  * the waiting queue and the running list, in order;
-  * every request's status, token counts, computed-token cursor and block table;
-  * every block's reference count, owner(s), prefix-cache hash and place in
-    the free queue -- reproduced exactly, by modelling
-    ``FreeKVCacheBlockQueue``: ids in order minus the null block at start-up,
-    ``popleft`` for new blocks, unlink on a prefix hit of a free block,
-    append at the tail (in the given, tail-first order) on free;
-  * the batch the model runner built and what the sampler chose.
-
-Read it for: which event changes which piece of state (``EngineState.apply``).
+Read it for: how a step of the trace is found and shown (``view``).
 Sessions: all (the TUI and notebooks are built on it).
 
 "State at step n" is the engine as of just before step n+1's ``schedule()``:
 step n has run, and requests added or aborted after it are included (the
 tracer stamps those events with step n). Step 0 is the engine before its
-first step. The replay checks itself as it goes -- a popped block that is not
-the one the engine allocated, or queue lengths that differ from the counts in
-``sched.step`` -- and raises ``ReplayError`` rather than show a wrong picture.
+first step. Building a ``TraceReplay`` replays the whole trace once, so a
+trace the model contradicts raises ``ReplayError`` right away.
 
-Random access: ``TraceReplay`` keeps a full copy of the state every
-``snapshot_interval`` steps and replays forward from the nearest one, so any
-step of a run of thousands is a copy plus at most ``snapshot_interval`` steps
-of events away.
+Random access: it keeps a copy of the state every ``snapshot_interval``
+steps and replays forward from the nearest one, so any step of a run of
+thousands is a copy plus at most ``snapshot_interval - 1`` steps of events
+away. Copies share the requests copy-on-write (``replay_state.py``), so a
+snapshot costs the per-block arrays and the queues, not every request the
+run ever had. Step views (``view``) are built on demand.
 """
 
 from __future__ import annotations
 
 import bisect
-import copy
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from engine.tracing import load_trace
-
-# Kinds whose effect on the state is applied, in the scheduler process's order.
-STATE_KINDS = frozenset(
-    {
-        "engine.config",
-        "kv.init",
-        "kv.touched",
-        "kv.allocated",
-        "kv.cached",
-        "kv.evicted",
-        "kv.freed",
-        "kv.cache_reset",
-        "sched.queued",
-        "sched.admitted",
-        "sched.preempted",
-        "sched.step",
-        "sched.update",
-        "sched.finished",
-    }
+from engine.tracing import _GCPaused, load_trace
+from engine.tracing.replay_state import (
+    PREEMPTED,
+    RUNNING,
+    STATE_KINDS,
+    WAITING,
+    EngineState,
+    ReplayBlock,
+    ReplayError,
+    ReplayRequest,
 )
-
-WAITING, RUNNING, PREEMPTED = "WAITING", "RUNNING", "PREEMPTED"
-
-
-class ReplayError(RuntimeError):
-    """The trace contradicts the replay model (a bug in one or the other, or
-    an incomplete trace)."""
-
-
-@dataclass
-class ReplayRequest:
-    """One request as the scheduler saw it."""
-
-    request_id: str
-    status: str  # WAITING, RUNNING, PREEMPTED or FINISHED_* (RequestStatus names)
-    num_prompt_tokens: int
-    max_tokens: int
-    priority: int = 0
-    arrival_time: float = 0.0
-    num_output_tokens: int = 0
-    # Tokens whose KV is (or will be, once the step runs) in the cache.
-    num_computed_tokens: int = 0
-    # Prompt tokens served by the prefix cache when first scheduled (-1: not yet).
-    num_cached_tokens: int = -1
-    num_preemptions: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    # Steps at which it was admitted, preempted, finished.
-    admitted_steps: list[int] = field(default_factory=list)
-    preempted_steps: list[int] = field(default_factory=list)
-    finished_step: int | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.startswith("FINISHED")
-
-    @property
-    def is_prefill_chunk(self) -> bool:
-        return self.status == RUNNING and self.num_computed_tokens < self.num_tokens
-
-
-@dataclass(frozen=True)
-class ReplayBlock:
-    """A read-only view of one KV block."""
-
-    block_id: int
-    ref_cnt: int
-    block_hash: str | None  # hex of the hash (group id not included)
-    owners: tuple[str, ...]  # request ids whose block table holds it
-    is_null: bool
-    free_queue_position: int | None  # 0 = head (evicted first); None: not free
-
-
-class EngineState:
-    """Scheduler + KV state after some prefix of the trace. Mutated by ``apply``."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.config: dict[str, Any] = {}
-        self.policy = "fcfs"
-        self.waiting: list[str] = []
-        self.running: list[str] = []
-        self.requests: dict[str, ReplayRequest] = {}
-        # KV pool: parallel per-block arrays (cheap to copy for snapshots).
-        self.num_blocks = 0
-        self.block_size = 0
-        self.null_block_id: int | None = None
-        self.ref_cnt: list[int] = []
-        self.block_hash: list[str | None] = []
-        self.owners: list[tuple[str, ...]] = []
-        # Free queue as a doubly linked list over block ids; HEAD/TAIL are
-        # sentinels at indices num_blocks and num_blocks + 1.
-        self._next: list[int] = []
-        self._prev: list[int] = []
-        self.num_free_blocks = 0
-        # block hash hex -> ids of the blocks cached under it (usually one).
-        self.cached: dict[str, list[int]] = {}
-        # The last scheduler / update decision applied.
-        self.last_sched_step: dict[str, Any] | None = None
-        self.last_update: dict[str, Any] | None = None
-
-    # -- copying ----------------------------------------------------------------
-    def copy(self) -> EngineState:
-        new = EngineState.__new__(EngineState)
-        new.__dict__.update(self.__dict__)
-        new.waiting = list(self.waiting)
-        new.running = list(self.running)
-        new.requests = {rid: _copy_request(r) for rid, r in self.requests.items()}
-        new.ref_cnt = list(self.ref_cnt)
-        new.block_hash = list(self.block_hash)
-        new.owners = list(self.owners)
-        new._next = list(self._next)
-        new._prev = list(self._prev)
-        new.cached = {h: list(ids) for h, ids in self.cached.items()}
-        return new
-
-    # -- free queue ---------------------------------------------------------------
-    @property
-    def _head(self) -> int:
-        return self.num_blocks
-
-    @property
-    def _tail(self) -> int:
-        return self.num_blocks + 1
-
-    def _in_free_queue(self, block_id: int) -> bool:
-        return self._next[block_id] != -1
-
-    def _unlink(self, block_id: int) -> None:
-        if not self._in_free_queue(block_id):
-            raise ReplayError(f"block {block_id} left the free queue but was not in it")
-        p, n = self._prev[block_id], self._next[block_id]
-        self._next[p] = n
-        self._prev[n] = p
-        self._next[block_id] = self._prev[block_id] = -1
-        self.num_free_blocks -= 1
-
-    def _append(self, block_id: int) -> None:
-        if self._in_free_queue(block_id):
-            raise ReplayError(f"block {block_id} appended to the free queue twice")
-        last = self._prev[self._tail]
-        self._next[last] = block_id
-        self._prev[block_id] = last
-        self._next[block_id] = self._tail
-        self._prev[self._tail] = block_id
-        self.num_free_blocks += 1
-
-    @property
-    def free_queue(self) -> list[int]:
-        """Free block ids, head (evicted first) to tail."""
-        out = []
-        b = self._next[self._head] if self.num_blocks else -1
-        while b not in (-1, self._tail):
-            out.append(b)
-            b = self._next[b]
-        return out
-
-    # -- views ------------------------------------------------------------------
-    def block(self, block_id: int) -> ReplayBlock:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block_id must be in [0, {self.num_blocks - 1}], got {block_id}")
-        position = None
-        if self._in_free_queue(block_id):
-            position = self.free_queue.index(block_id)
-        return ReplayBlock(
-            block_id=block_id,
-            ref_cnt=self.ref_cnt[block_id],
-            block_hash=self.block_hash[block_id],
-            owners=self.owners[block_id],
-            is_null=block_id == self.null_block_id,
-            free_queue_position=position,
-        )
-
-    @property
-    def blocks(self) -> list[ReplayBlock]:
-        positions = {b: i for i, b in enumerate(self.free_queue)}
-        return [
-            ReplayBlock(
-                block_id=i,
-                ref_cnt=self.ref_cnt[i],
-                block_hash=self.block_hash[i],
-                owners=self.owners[i],
-                is_null=i == self.null_block_id,
-                free_queue_position=positions.get(i),
-            )
-            for i in range(self.num_blocks)
-        ]
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of usable blocks in use (the scheduler's ``kv_cache_usage``)."""
-        usable = self.num_blocks - 1
-        return 1.0 - self.num_free_blocks / usable if usable > 0 else 0.0
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix (a later hit can revive them)."""
-        return sum(1 for b in self.free_queue if self.block_hash[b] is not None)
-
-    def unfinished_requests(self) -> dict[str, ReplayRequest]:
-        return {rid: r for rid, r in self.requests.items() if not r.is_finished}
-
-    # -- events -------------------------------------------------------------------
-    def apply(self, event: dict[str, Any]) -> None:
-        """Apply one scheduler-process event (kinds in ``STATE_KINDS``)."""
-        kind = event["kind"]
-        step = event.get("step")
-        if step is not None:
-            self.step = step
-        handler = _HANDLERS.get(kind)
-        if handler is not None:
-            handler(self, event)
-
-    def _request(self, event: dict[str, Any]) -> ReplayRequest:
-        rid = event["request_id"]
-        try:
-            return self.requests[rid]
-        except KeyError:
-            raise ReplayError(
-                f"{event['kind']} for request {rid!r}, which the trace never queued"
-            ) from None
-
-    def _on_config(self, e: dict[str, Any]) -> None:
-        self.config = {k: v for k, v in e.items() if k not in ("ts", "pid", "seq", "kind", "step")}
-        self.policy = e.get("policy", "fcfs")
-
-    def _on_init(self, e: dict[str, Any]) -> None:
-        n = e["num_blocks"]
-        self.num_blocks = n
-        self.block_size = e["block_size"]
-        self.null_block_id = e["null_block_id"]
-        self.ref_cnt = [0] * n
-        self.block_hash = [None] * n
-        self.owners = [()] * n
-        self._next = [-1] * (n + 2)
-        self._prev = [-1] * (n + 2)
-        self._next[self._head] = self._tail
-        self._prev[self._tail] = self._head
-        self.num_free_blocks = 0
-        self.cached = {}
-        for b in range(n):
-            if b != self.null_block_id:
-                self._append(b)
-
-    def _on_touched(self, e: dict[str, Any]) -> None:
-        req = self._request(e)
-        for b in e["block_ids"]:
-            if self.ref_cnt[b] == 0 and b != self.null_block_id:
-                self._unlink(b)
-            self.ref_cnt[b] += 1
-            self.owners[b] = (*self.owners[b], req.request_id)
-        req.block_ids.extend(e["block_ids"])
-
-    def _on_allocated(self, e: dict[str, Any]) -> None:
-        req = self._request(e)
-        for b in e["block_ids"]:
-            head = self._next[self._head]
-            if head != b:
-                raise ReplayError(
-                    f"step {self.step}: the engine allocated block {b} to {req.request_id} "
-                    f"but the free queue's head is {head if head != self._tail else 'empty'}"
-                )
-            self._unlink(b)
-            if self.ref_cnt[b] != 0:
-                raise ReplayError(f"block {b} was free with ref_cnt {self.ref_cnt[b]}")
-            if self.block_hash[b] is not None:
-                raise ReplayError(f"block {b} was reused while still cached (no kv.evicted)")
-            self.ref_cnt[b] = 1
-            self.owners[b] = (req.request_id,)
-        req.block_ids.extend(e["block_ids"])
-
-    def _on_cached(self, e: dict[str, Any]) -> None:
-        b, h = e["block_id"], e["block_hash"]
-        if self.block_hash[b] is not None:
-            raise ReplayError(f"block {b} cached twice without an eviction")
-        self.block_hash[b] = h
-        self.cached.setdefault(h, []).append(b)
-
-    def _on_evicted(self, e: dict[str, Any]) -> None:
-        b, h = e["block_id"], e["block_hash"]
-        if self.block_hash[b] != h:
-            raise ReplayError(f"block {b} evicted under hash {h[:8]} it does not carry")
-        self.block_hash[b] = None
-        ids = self.cached.get(h, [])
-        if b in ids:
-            ids.remove(b)
-        if not ids:
-            self.cached.pop(h, None)
-
-    def _on_freed(self, e: dict[str, Any]) -> None:
-        req = self._request(e)
-        rid = req.request_id
-        to_queue = []
-        for b in e["block_ids"]:
-            self.ref_cnt[b] -= 1
-            owners = list(self.owners[b])
-            if rid in owners:
-                owners.remove(rid)
-            self.owners[b] = tuple(owners)
-            if b == self.null_block_id:
-                continue
-            if self.ref_cnt[b] < 0:
-                raise ReplayError(f"block {b}: ref_cnt below zero after {rid} freed it")
-            if self.ref_cnt[b] == 0:
-                to_queue.append(b)
-        for b in to_queue:
-            self._append(b)
-        expected = e.get("to_free_queue")
-        if expected is not None and expected != to_queue:
-            raise ReplayError(
-                f"step {self.step}: {rid} freed blocks {e['block_ids']}; the replay returned "
-                f"{to_queue} to the free queue, the engine {expected}"
-            )
-        req.block_ids = []
-
-    def _on_cache_reset(self, e: dict[str, Any]) -> None:
-        self.block_hash = [None] * self.num_blocks
-        self.cached = {}
-
-    def _on_queued(self, e: dict[str, Any]) -> None:
-        rid = e["request_id"]
-        self.requests[rid] = ReplayRequest(
-            request_id=rid,
-            status=WAITING,
-            num_prompt_tokens=e["num_prompt_tokens"],
-            max_tokens=e.get("max_tokens", 0),
-            priority=e.get("priority", 0),
-            arrival_time=e.get("arrival_time", 0.0),
-        )
-        self._enqueue(rid, front=False)
-
-    def _enqueue(self, rid: str, front: bool) -> None:
-        if self.policy == "priority":
-            # The heap's pop order: (priority, arrival_time, request_id).
-            req = self.requests[rid]
-            key = (req.priority, req.arrival_time, rid)
-            keys = [self._priority_key(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, key), rid)
-        elif front:
-            self.waiting.insert(0, rid)
-        else:
-            self.waiting.append(rid)
-
-    def _priority_key(self, rid: str) -> tuple[int, float, str]:
-        r = self.requests[rid]
-        return (r.priority, r.arrival_time, rid)
-
-    def _on_admitted(self, e: dict[str, Any]) -> None:
-        req = self._request(e)
-        rid = req.request_id
-        if not self.waiting or self.waiting[0] != rid:
-            raise ReplayError(
-                f"step {self.step}: {rid} was admitted but the head of the waiting queue is "
-                f"{self.waiting[0] if self.waiting else 'nothing'}"
-            )
-        self.waiting.pop(0)
-        self.running.append(rid)
-        req.status = RUNNING
-        req.num_computed_tokens = e["num_computed_tokens"]
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = e["num_computed_tokens"]
-        req.admitted_steps.append(self.step)
-
-    def _on_preempted(self, e: dict[str, Any]) -> None:
-        req = self._request(e)
-        rid = req.request_id
-        if rid not in self.running:
-            raise ReplayError(f"step {self.step}: {rid} preempted but not running")
-        self.running.remove(rid)
-        req.status = PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.preempted_steps.append(self.step)
-        self._enqueue(rid, front=True)
-
-    def _on_step(self, e: dict[str, Any]) -> None:
-        for rid, n in e["num_scheduled_tokens"].items():
-            self.requests[rid].num_computed_tokens += n
-        self.last_sched_step = e
-        self._check_counts(e)
-
-    def _on_update(self, e: dict[str, Any]) -> None:
-        for rid, tokens in e["new_token_ids"].items():
-            req = self.requests.get(rid)
-            if req is not None:
-                req.num_output_tokens += len(tokens)
-        self.last_update = e
-        self._check_counts(e)
-
-    def _check_counts(self, e: dict[str, Any]) -> None:
-        if "num_running" in e and (len(self.running), len(self.waiting)) != (
-            e["num_running"],
-            e["num_waiting"],
-        ):
-            raise ReplayError(
-                f"step {self.step} ({e['kind']}): the engine had {e['num_running']} running / "
-                f"{e['num_waiting']} waiting, the replay {len(self.running)} / {len(self.waiting)}"
-            )
-
-    def _on_finished(self, e: dict[str, Any]) -> None:
-        req = self._request(e)
-        rid = req.request_id
-        if rid in self.running:
-            self.running.remove(rid)
-        elif rid in self.waiting:
-            self.waiting.remove(rid)
-        req.status = e["status"]
-        req.finish_reason = e.get("finish_reason")
-        req.finished_step = self.step
-
-
-_HANDLERS = {
-    "engine.config": EngineState._on_config,
-    "kv.init": EngineState._on_init,
-    "kv.touched": EngineState._on_touched,
-    "kv.allocated": EngineState._on_allocated,
-    "kv.cached": EngineState._on_cached,
-    "kv.evicted": EngineState._on_evicted,
-    "kv.freed": EngineState._on_freed,
-    "kv.cache_reset": EngineState._on_cache_reset,
-    "sched.queued": EngineState._on_queued,
-    "sched.admitted": EngineState._on_admitted,
-    "sched.preempted": EngineState._on_preempted,
-    "sched.step": EngineState._on_step,
-    "sched.update": EngineState._on_update,
-    "sched.finished": EngineState._on_finished,
-}
-
-
-def _copy_request(r: ReplayRequest) -> ReplayRequest:
-    new = copy.copy(r)
-    new.block_ids = list(r.block_ids)
-    new.admitted_steps = list(r.admitted_steps)
-    new.preempted_steps = list(r.preempted_steps)
-    return new
 
 
 @dataclass
@@ -525,59 +89,79 @@ class TraceReplay:
     """Random access to the engine's state at every step of a trace.
 
     ``TraceReplay(events_or_path)``; ``replay.steps`` is ``range(0, last + 1)``;
-    ``replay.state_at(n)`` returns an ``EngineState`` (a private copy);
+    ``replay.state_at(n)`` returns an ``EngineState`` (a copy; see ``state_at``);
     ``replay.view(n)`` adds the step's decision, batch layout and sampler view.
     """
 
     def __init__(
         self, trace: str | Iterable[dict[str, Any]], snapshot_interval: int = 32
     ) -> None:
-        if snapshot_interval < 1:
-            raise ValueError(f"snapshot_interval must be >= 1, got {snapshot_interval}")
+        if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
+            raise ValueError(f"snapshot_interval must be an int >= 1, got {snapshot_interval!r}")
         events = load_trace(trace) if isinstance(trace, str) else list(trace)
         self.events = events
         self.snapshot_interval = snapshot_interval
         init = [e for e in events if e["kind"] == "kv.init"]
         if not init:
             raise ReplayError("the trace has no kv.init event (was trace_level 'off'?)")
-        if len({e["pid"] for e in init}) > 1 or len(init) > 1:
+        if len(init) > 1:
             raise ReplayError("the trace holds more than one engine (several kv.init events)")
-        self.engine_pid = init[0]["pid"]
-        # The scheduler process's own order is authoritative (seq), not wall time.
-        core = sorted(
-            (e for e in events if e["pid"] == self.engine_pid and e["kind"] in STATE_KINDS),
-            key=lambda e: e.get("seq", 0),
-        )
-        self._state_events: dict[int, list[dict[str, Any]]] = {}
+        self.engine_pid = engine_pid = init[0]["pid"]
+        with _GCPaused():
+            # The engine process's events in its own order: seq, not wall time.
+            core = [e for e in events if e["pid"] == engine_pid]
+            core.sort(key=_seq)
+            self.core_events = core
+            self._index(events, core)
+            self._replay_all()
+
+    def _index(self, events: list[dict[str, Any]], core: list[dict[str, Any]]) -> None:
+        """Group the events by step: the state events, and every event (views)."""
+        state_events: dict[int, list[dict[str, Any]]] = {}
+        starts: list[tuple[int, int]] = []  # (ts, step) where each step's events begin
+        last = None
         for e in core:
-            self._state_events.setdefault(e.get("step") or 0, []).append(e)
-        self.last_step = max(self._state_events, default=0)
-        self._step_starts = self._compute_step_starts(core)
+            if e["kind"] in STATE_KINDS:
+                step = e.get("step") or 0
+                group = state_events.get(step)
+                if group is None:
+                    group = state_events[step] = []
+                group.append(e)
+                if step != last:
+                    starts.append((e["ts"], step))
+                    last = step
+        self._state_events = state_events
+        self._step_starts = starts
+        self.last_step = max(state_events, default=0)
         # Every event of a step, any process (for views and exports).
-        self._all_events: dict[int, list[dict[str, Any]]] = {}
+        all_events: dict[int, list[dict[str, Any]]] = {}
+        step_of = self.step_of
         for e in events:
-            self._all_events.setdefault(self.step_of(e), []).append(e)
+            step = e.get("step")
+            if step is None:
+                step = step_of(e)
+            group = all_events.get(step)
+            if group is None:
+                group = all_events[step] = []
+            group.append(e)
+        self._all_events = all_events
+
+    def _replay_all(self) -> None:
+        """One pass over the trace: checks it, keeps the snapshots and the final state."""
         self._snapshots: dict[int, EngineState] = {}
         state = EngineState()
+        interval, state_events = self.snapshot_interval, self._state_events
         for step in self.steps:
-            for e in self._state_events.get(step, ()):
+            for e in state_events.get(step, ()):
                 state.apply(e)
             state.step = step
-            if step % snapshot_interval == 0:
+            if step % interval == 0:
                 self._snapshots[step] = state.copy()
         self._final = state
 
     @property
     def steps(self) -> range:
         return range(0, self.last_step + 1)
-
-    def _compute_step_starts(self, core: list[dict[str, Any]]) -> list[tuple[int, int]]:
-        starts: list[tuple[int, int]] = []
-        for e in core:
-            step = e.get("step") or 0
-            if not starts or starts[-1][1] != step:
-                starts.append((e["ts"], step))
-        return starts
 
     def step_of(self, event: dict[str, Any]) -> int:
         """The step an event belongs to: its ``step`` field, or (events of a
@@ -594,7 +178,9 @@ class TraceReplay:
             raise ValueError(f"step must be an int in [0, {self.last_step}], got {step!r}")
 
     def state_at(self, step: int) -> EngineState:
-        """The state after ``step`` (a copy: changing it changes nothing here)."""
+        """The state after ``step``: a copy whose queues and block arrays are
+        its own to change; its requests are shared copy-on-write with the
+        snapshots (``apply`` copies before changing one; treat them as read-only)."""
         self._check_step(step)
         base = step - step % self.snapshot_interval
         state = self._snapshots[base].copy()
@@ -706,6 +292,10 @@ class TraceReplay:
         return [e for e in self.events if _names_request(e, request_id)]
 
 
+def _seq(event: dict[str, Any]) -> int:
+    return event.get("seq", 0)
+
+
 def _names_request(event: dict[str, Any], request_id: str) -> bool:
     if event.get("request_id") == request_id:
         return True
@@ -714,6 +304,10 @@ def _names_request(event: dict[str, Any], request_id: str) -> bool:
 
 
 __all__ = [
+    "PREEMPTED",
+    "RUNNING",
+    "STATE_KINDS",
+    "WAITING",
     "BatchSlot",
     "EngineState",
     "ReplayBlock",

@@ -203,3 +203,18 @@ async def test_the_app_reports_a_bad_trace_instead_of_crashing(tmp_path):
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_ready(app, pilot)
         assert app.error is not None and "truncated" in app.error
+
+    # Written by a Glassbox whose trace format this one does not read: the
+    # message names both versions (no traceback, no half-drawn panels).
+    future = tmp_path / "future.jsonl"
+    future.write_text(
+        '{"ts": 1, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 2, '
+        '"glassbox_version": "9.0.0"}\n{"ts": 2, "pid": 1, "seq": 1, "kind": "kv.init"}\n'
+    )
+    app = TraceApp(str(future))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ready(app, pilot)
+        assert app.error is not None and not app.ready
+        shown = str(app.query_one("#error").render())
+        assert "trace format version 2; this Glassbox reads version 1" in shown
+        assert "9.0.0" in shown and "Traceback" not in shown

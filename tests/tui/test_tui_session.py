@@ -169,6 +169,13 @@ def test_traces_from_another_version(tmp_path, small_events):
     header = {"ts": 0, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 99}
     with pytest.raises(TraceLoadError, match="trace format version 99; this Glassbox reads"):
         session_from_events([header, *small_events], path="old.jsonl")
+    # The same from a file (load_trace checks the header).
+    path = _write(tmp_path / "v99.jsonl", [dict(header, glassbox_version="7.1"), *small_events])
+    with pytest.raises(TraceLoadError, match=r"version 99; this Glassbox reads version 1 .*7\.1"):
+        open_session(path)
+    # A header of this version, or none (the committed trace has none: version 1), opens.
+    path = _write(tmp_path / "v1.jsonl", [dict(header, trace_format_version=1), *small_events])
+    assert open_session(path).num_steps == session_from_events(small_events).num_steps
     # Written by a version whose events carried other field names.
     renamed = [
         {("prompt_len" if k == "num_prompt_tokens" else k): v for k, v in e.items()}

@@ -1,7 +1,13 @@
 """Long traces: a run of thousands of steps opens at once (the app is up and
-shows a loading indicator while a worker thread replays it), opens in a
-bounded time, and stepping costs a few milliseconds of replay because step
-views are cached and neighbours prefetched.
+shows a loading view while a worker thread replays it), opens in a bounded
+time, and stepping costs a few milliseconds of replay because step views are
+cached and neighbours prefetched.
+
+Bounds on time are generous (a loaded CI machine): about 0.15 s to open the
+3000-step trace and a few ms per step on an idle core. What does not depend
+on the machine is checked exactly: the state at any step costs one snapshot
+copy plus the events of at most ``snapshot_interval - 1`` steps, and a copy
+shares the requests instead of copying them.
 
 The trace is synthetic (``tests/tui/synthetic.py``): 3000 steps, hundreds of
 requests, every event kind the replay model checks.
@@ -13,6 +19,7 @@ import time
 
 import pytest
 
+from engine.tracing import EngineState
 from tests.tui.pilot_helpers import wait_ready
 from tests.tui.synthetic import write_synthetic_trace
 from tui.app import LoadingView, TraceApp
@@ -32,8 +39,48 @@ def test_a_long_trace_opens_in_bounded_time(long_trace):
     elapsed = time.perf_counter() - start
     assert session.last_step == NUM_STEPS
     assert len(session.request_ids) > 300
-    # ~1 s on an idle laptop core; generous for a loaded CI machine.
-    assert elapsed < 20, f"opening {NUM_STEPS} steps took {elapsed:.1f} s"
+    # ~0.15 s on an idle core; generous for a loaded CI machine.
+    assert elapsed < 3, f"opening {NUM_STEPS} steps took {elapsed:.1f} s"
+
+
+def test_any_step_is_a_snapshot_copy_plus_a_few_steps_of_events(long_trace, monkeypatch):
+    session = open_session(long_trace)
+    replay = session.replay
+    interval = replay.snapshot_interval
+    assert 16 <= interval <= 64
+    applied, copies = [], []
+    real_apply, real_copy = EngineState.apply, EngineState.copy
+    monkeypatch.setattr(EngineState, "apply", lambda self, e: applied.append(e) or real_apply(self, e))
+    monkeypatch.setattr(EngineState, "copy", lambda self: copies.append(1) or real_copy(self))
+    for step in (0, 1, interval - 1, interval, 1500, 1500 + interval - 1, NUM_STEPS - 1, NUM_STEPS):
+        applied.clear()
+        copies.clear()
+        state = replay.state_at(step)
+        base = step - step % interval
+        assert len(copies) == 1, step
+        expected = [e for s in range(base + 1, step + 1) for e in replay._state_events.get(s, ())]
+        assert applied == expected, step  # the events after the snapshot, nothing else
+        assert len(applied) <= 8 * (interval - 1)  # this trace: a handful of events per step
+        assert state.step == step
+
+
+def test_a_snapshot_copy_shares_the_requests_copy_on_write(long_trace):
+    replay = open_session(long_trace).replay
+    step = 1500 - 1500 % replay.snapshot_interval
+    snapshot = replay._snapshots[step]
+    state = replay.state_at(step)
+    finished = [rid for rid, r in state.requests.items() if r.is_finished]
+    assert len(finished) > 100
+    assert all(state.requests[rid] is snapshot.requests[rid] for rid in state.requests)
+    # Changing a request goes through a private copy; the snapshot keeps its own.
+    running = state.running[0]
+    before = snapshot.requests[running].num_computed_tokens
+    state.apply({"ts": 0, "pid": replay.engine_pid, "seq": 0, "kind": "sched.step", "step": step,
+                 "num_scheduled_tokens": {running: 5}})
+    assert state.requests[running] is not snapshot.requests[running]
+    assert state.requests[running].num_computed_tokens == before + 5
+    assert snapshot.requests[running].num_computed_tokens == before
+    assert replay.state_at(step).requests[running].num_computed_tokens == before
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,98 @@
+"""Tensor values for trace events, brought to the host in one copy per step.
+
+vLLM twin: none (vLLM's tracing records no tensor values). Read it for why a
+hook that reads several small device tensors should not call ``.tolist()`` or
+``.item()`` on each: on a GPU every such call is a device-to-host copy that
+waits for the device, a few to tens of microseconds each, and a ``full``
+trace of a step would make dozens of them (the sampler's top candidates per
+stage, the runner's input summaries). ``host_lists`` gathers the pieces on
+the device, copies them once, and splits them again on the host; on the CPU
+it is plain ``tolist``. The values are exactly what ``tolist`` would give.
+
+Used by the sampler (``engine/v1/sample/sampler.py``) and the model runner
+(``engine/v1/worker/gpu_model_runner.py``) at trace level ``full`` (the
+sampled token and its logprob at every level). Imported only by them, so
+the tracer itself (which ``engine/v1/core`` uses) never imports torch.
+Sessions: 04 worker, 05 attention and sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Values kept of a long tensor in a summary: the first and the last this many.
+SUMMARY_VALUES = 32
+
+
+def host_lists(*tensors: torch.Tensor, gather: bool | None = None) -> list[Any]:
+    """``[t.tolist() for t in tensors]``, with one device-to-host copy for all
+    the tensors that live on a device (instead of one per tensor).
+
+    ``gather``: None (default) gathers the device tensors only; True gathers
+    CPU tensors too (the tests check the gathered path on the CPU)."""
+    if gather is None:
+        on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    else:
+        on_device = list(range(len(tensors))) if gather else []
+    if len(on_device) <= 1:
+        return [t.tolist() for t in tensors]
+    pieces = [tensors[i].detach().reshape(-1) for i in on_device]
+    if all(not p.is_floating_point() for p in pieces):
+        # Integers and bools: one integer dtype for all.
+        flat = torch.cat([p.to(torch.int64) if p.dtype == torch.bool else p for p in pieces])
+    else:
+        # Mixed: float64 holds every float32/bf16 value and every integer below
+        # 2**53 exactly, so the split below gives back the very same numbers.
+        # (Pieces of one dtype let ``cat`` copy them all in one kernel.)
+        flat = torch.cat([p.to(torch.float64) for p in pieces])
+    host = flat.cpu()  # the one copy (it waits for the device)
+    out: list[Any] = [None] * len(tensors)
+    start = 0
+    for i, piece in zip(on_device, pieces):
+        n = piece.numel()
+        out[i] = host[start : start + n].to(tensors[i].dtype).reshape(tensors[i].shape).tolist()
+        start += n
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = t.tolist()
+    return out
+
+
+def tensor_summaries(
+    gather: bool | None = None, /, **tensors: torch.Tensor
+) -> dict[str, dict[str, Any]]:
+    """Per tensor: ``{shape, dtype, min, max, values}`` -- or ``head`` and
+    ``tail`` (``SUMMARY_VALUES`` each) instead of ``values`` when it is long;
+    a small 2-D tensor keeps its rows. One device-to-host copy for all."""
+    pieces: list[torch.Tensor] = []
+    layout: list[tuple[str, torch.Tensor, list[str]]] = []
+    for name, t in tensors.items():
+        flat = t.detach().reshape(-1)
+        keys: list[str] = []
+        if flat.numel():
+            lo, hi = torch.aminmax(flat)
+            pieces += [lo, hi]
+            keys += ["min", "max"]
+        if t.dim() == 2 and t.shape[0] * t.shape[1] <= 4 * SUMMARY_VALUES:
+            pieces.append(t.detach())
+            keys.append("values")
+        elif flat.numel() <= 2 * SUMMARY_VALUES:
+            pieces.append(flat)
+            keys.append("values")
+        else:
+            pieces += [flat[:SUMMARY_VALUES], flat[-SUMMARY_VALUES:]]
+            keys += ["head", "tail"]
+        layout.append((name, t, keys))
+    values = iter(host_lists(*pieces, gather=gather))
+    out: dict[str, dict[str, Any]] = {}
+    for name, t, keys in layout:
+        summary: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for key in keys:
+            summary[key] = next(values)
+        out[name] = summary
+    return out
+
+
+__all__ = ["SUMMARY_VALUES", "host_lists", "tensor_summaries"]
