@@ -63,7 +63,8 @@ def test_rmsnorm_fused_residual_returns_normed_sum_and_sum():
     with torch.no_grad():
         norm.weight.copy_(torch.rand(16) + 0.5)
     x, residual = torch.randn(5, 16), torch.randn(5, 16)
-    out, new_residual = norm(x, residual)
+    # On CPU/CUDA the fused paths work in place (vLLM's contract): pass copies.
+    out, new_residual = norm(x.clone(), residual.clone())
     torch.testing.assert_close(new_residual, x + residual)
     torch.testing.assert_close(out, norm(x + residual))
     # Per-head use (Qwen3 q/k norm): normalises over the last dim only.
@@ -121,7 +122,7 @@ def test_rope_matches_transformers(rope_scaling):
     assert isinstance(rope, Llama3RotaryEmbedding if rope_scaling else RotaryEmbedding)
     positions = torch.tensor([0, 1, 2, 50, 3, 127, 9])  # several requests, flattened
     q, k = torch.randn(7, heads, head_dim), torch.randn(7, kv_heads, head_dim)
-    q_ours, k_ours = rope(positions, q.reshape(7, -1), k.reshape(7, -1))
+    q_ours, k_ours = rope(positions, q.reshape(7, -1).clone(), k.reshape(7, -1).clone())  # in place
     q_ref, k_ref = _hf_rope(config, q, k, positions)
     torch.testing.assert_close(q_ours.view(7, heads, head_dim), q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_ours.view(7, kv_heads, head_dim), k_ref, atol=1e-5, rtol=1e-5)
@@ -157,7 +158,7 @@ def test_rope_gptj_style_and_partial_rotary_dim():
     )
     q = torch.randn(3, 2 * 8)
     positions = torch.tensor([0, 5, 9])
-    q_out, k_out = rope(positions, q)
+    q_out, k_out = rope(positions, q.clone())  # rotates in place
     assert k_out is None
     q3, q_out3 = q.view(3, 2, 8), q_out.view(3, 2, 8)
     torch.testing.assert_close(q_out3[..., 4:], q3[..., 4:])  # beyond rotary_dim: untouched

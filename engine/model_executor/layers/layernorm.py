@@ -9,8 +9,16 @@ The statistics are computed in float32 and the result cast back to the input
 dtype before the weight multiply, as transformers and vLLM do.
 Sessions: 04.
 
-Simpler than vLLM: one plain-torch ``forward`` (vLLM dispatches to fused CUDA
-kernels through ``CustomOp``); no variance-size override.
+A ``CustomOp``: ``forward_native`` is the torch code above (the reference;
+what the CPU runs), ``forward_cuda`` calls the fused Triton kernels
+``rms_norm`` / ``fused_add_rms_norm`` from ``engine/_custom_ops.py`` -- one
+launch per norm instead of ~7. Note the CUDA path's in-place contract (vLLM's
+too): ``norm(x, residual)`` overwrites ``x`` with the normalised sum and
+``residual`` with the sum, and returns those same two tensors.
+
+Simpler than vLLM: no variance-size override, no batch-invariant mode; vLLM's
+native path goes through its ``vllm.ir`` op registry (``ir.ops.rms_norm``),
+ours is the torch code inline.
 """
 
 from __future__ import annotations
@@ -18,8 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model_executor.custom_op import CustomOp
+from engine.model_executor.layers import cpu_fused
 
-class RMSNorm(nn.Module):
+
+@CustomOp.register("rms_norm")
+class RMSNorm(CustomOp):
     """``y = w * x / sqrt(mean(x^2, last dim) + eps)``."""
 
     def __init__(
@@ -39,7 +51,7 @@ class RMSNorm(nn.Module):
         else:
             self.register_buffer("weight", weight, persistent=False)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x: [..., hidden_size] (e.g. [T, hidden] or, for q/k norms, [T, heads, head_dim]).
@@ -53,6 +65,37 @@ class RMSNorm(nn.Module):
         if self.has_weight:
             x = x * self.weight
         return x if residual is None else (x, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+            # torch would promote (e.g. bf16 x, fp32 weight -> fp32 out); the
+            # kernels keep one dtype, so mixed inputs take the reference path.
+            return self.forward_native(x, residual)
+        from engine import _custom_ops as ops
+
+        if residual is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            ops.rms_norm(out, x, self.weight, self.variance_epsilon)
+            return out
+        ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        return x, residual
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # float32 everywhere: the same maths as forward_native in fewer ops
+        # (bit-identical; see cpu_fused). Other dtypes upcast in the reference.
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or (
+            residual is not None and residual.dtype != torch.float32
+        ):
+            return self.forward_native(x, residual)
+        weight = self.weight if self.has_weight else None
+        if residual is None:
+            return cpu_fused.rms_norm(x, weight, self.variance_epsilon)
+        cpu_fused.fused_add_rms_norm_(x, residual, weight, self.variance_epsilon)
+        return x, residual
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

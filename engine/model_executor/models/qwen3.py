@@ -6,6 +6,11 @@ and key head (``q_norm``/``k_norm``, over ``head_dim``) *before* RoPE, no q/k/v
 bias by default (``attention_bias``), and an explicit ``head_dim`` that may
 differ from ``hidden_size / num_heads``. Everything else -- the MLP, the
 model body, weight loading -- is Qwen2's, reused as vLLM does.
+On CUDA the q/k norms and RoPE run as one kernel, ``fused_qk_norm_rope``
+(``engine/_custom_ops.py``), in place on the qkv output. vLLM reaches the same
+op through a torch.compile pass that rewrites the graph
+(``vllm/compilation/passes/fusion/qk_norm_rope_fusion.py``); Glassbox has no
+compile passes, so ``Qwen3Attention.forward`` calls it directly.
 Sessions: 04.
 """
 
@@ -83,16 +88,29 @@ class Qwen3Attention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
+        # The fused kernel stands in for both custom ops, so it needs both enabled.
+        self.use_fused_qk_norm_rope = RMSNorm.enabled() and type(self.rotary_emb).enabled()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + 2 * H_kv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Per-head RMSNorm: view as [T, heads, D], normalise over D, flatten back.
-        q_by_head = self.q_norm(q.reshape(*q.shape[:-1], self.num_heads, self.head_dim))
-        q = q_by_head.view(q.shape)
-        k_by_head = self.k_norm(k.reshape(*k.shape[:-1], self.num_kv_heads, self.head_dim))
-        k = k_by_head.view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.use_fused_qk_norm_rope and qkv.is_cuda and qkv.dtype == self.q_norm.weight.dtype:
+            from engine import _custom_ops as ops
+
+            # One launch: per-head RMSNorm of q and k, then RoPE, in place on qkv.
+            ops.fused_qk_norm_rope(
+                qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
+                self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions,
+            )
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            # Per-head RMSNorm: view as [T, heads, D], normalise over D, flatten back.
+            q_by_head = self.q_norm(q.reshape(*q.shape[:-1], self.num_heads, self.head_dim))
+            q = q_by_head.view(q.shape)
+            k_by_head = self.k_norm(k.reshape(*k.shape[:-1], self.num_kv_heads, self.head_dim))
+            k = k_by_head.view(k.shape)
+            q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)  # [T, H * D]
         output, _ = self.o_proj(attn_output)  # [T, hidden]
         return output

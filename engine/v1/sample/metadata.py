@@ -1,19 +1,25 @@
 """SamplingMetadata: one step's sampling knobs for the whole batch, as tensors.
 
-vLLM twin: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``). vLLM fills
-it in ``InputBatch._make_sampling_metadata``
-(``vllm/v1/worker/gpu_input_batch.py``) from per-row CPU arrays that the
-persistent batch keeps up to date; Glassbox's ``build_sampling_metadata``
-below builds it from scratch each step from the batch's ``SamplingParams``.
+vLLM twin: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``).
 Read it for: how per-request settings become per-row tensors the Sampler can
 apply to all rows at once, and the flags that let it skip work
 (``all_greedy``, ``all_random``, ``no_penalties``, ``top_k``/``top_p`` left
 as None when no row uses them).
 Sessions: 04 (the runner builds it), 05 (the sampler reads it).
 
+Two ways to build one:
+- The runner's: ``InputBatch.refresh_metadata`` (``engine/v1/worker/
+  gpu_input_batch.py``, vLLM's ``InputBatch._make_sampling_metadata``) keeps
+  per-row values in CPU arrays as requests join and leave, and rebuilds the
+  metadata only when the batch changed, copying into persistent device tensors
+  without waiting for the GPU. A steady decode batch reuses last step's object.
+- ``build_sampling_metadata`` below: from scratch, from a list of
+  ``SamplingParams``. The readable reference (and what the sampler tests use);
+  each ``torch.tensor(..., device=cuda)`` in it is a blocking host-to-device
+  copy, which is why the runner does not call it every step.
+``validate_request_token_ids`` is the per-request check both share.
+
 Simpler than vLLM:
-- Rebuilt every step instead of being patched incrementally; costs some
-  Python per step, saves a lot of bookkeeping.
 - ``temperature`` is always a tensor (greedy rows hold 0.0); vLLM leaves it
   None when every row is greedy.
 - No speculative decoding (``spec_token_ids``), thinking budgets,
@@ -58,7 +64,8 @@ class SamplingMetadata:
     no_penalties: bool  # every row has repetition 1, frequency 0, presence 0
     # [N, max_prompt_len] int64 padded with V; None when no_penalties.
     prompt_token_ids: torch.Tensor | None
-    # [N] float32 each.
+    # [N] float32 each. Read only when not no_penalties (the persistent batch
+    # does not refresh them otherwise, as in vLLM).
     frequency_penalties: torch.Tensor
     presence_penalties: torch.Tensor
     repetition_penalties: torch.Tensor
@@ -84,6 +91,33 @@ def _check_token_ids(field: str, row: int, token_ids: Iterable[int], vocab_size:
             f"{field} of request row {row} must be token ids in [0, {vocab_size - 1}] "
             f"(vocab size {vocab_size}), got {bad}."
         )
+
+
+def validate_request_token_ids(
+    row: int, sp: SamplingParams, output_token_ids: Sequence[int], vocab_size: int
+) -> None:
+    """Raise ValueError if a token id the request's params name is outside [0, V).
+
+    Checks what the sampler would index the logits with: allowed_token_ids,
+    bad words, logit_bias keys and the stop ids min_tokens masks while it is
+    active. (Prompt and output ids are checked only when some row of the
+    batch has penalties, since only then do they index a [N, V] tensor.)
+    """
+    if sp.allowed_token_ids:
+        _check_token_ids("allowed_token_ids", row, sp.allowed_token_ids, vocab_size)
+    for ids in sp.bad_words_token_ids or ():
+        _check_token_ids("bad_words_token_ids", row, ids, vocab_size)
+    if sp.logit_bias:
+        _check_token_ids("logit_bias", row, sp.logit_bias.keys(), vocab_size)
+    if sp.min_tokens and len(output_token_ids) < sp.min_tokens:
+        _check_token_ids("all_stop_token_ids", row, sp.all_stop_token_ids, vocab_size)
+
+
+def has_penalties(sp: SamplingParams) -> bool:
+    """Any of repetition (!= 1), frequency or presence (!= 0) penalties set."""
+    return not (
+        sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+    )
 
 
 def build_sampling_metadata(
@@ -155,10 +189,10 @@ def build_sampling_metadata(
     ]
     max_num_logprobs = max(num_logprobs) if num_logprobs else None
 
-    no_penalties = all(
-        sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
-        for sp in params
-    )
+    for row, sp in enumerate(params):
+        validate_request_token_ids(row, sp, output_token_ids[row], vocab_size)
+
+    no_penalties = not any(has_penalties(sp) for sp in params)
     prompt_tensor = None
     if not no_penalties:
         for row in range(num_reqs):
@@ -172,23 +206,13 @@ def build_sampling_metadata(
         mask = torch.zeros((num_reqs, vocab_size), dtype=torch.bool)
         for row, sp in enumerate(params):
             if sp.allowed_token_ids:
-                _check_token_ids("allowed_token_ids", row, sp.allowed_token_ids, vocab_size)
                 mask[row] = True
                 mask[row, sp.allowed_token_ids] = False
         allowed_token_ids_mask = mask.to(device)
 
-    bad_words_token_ids: dict[int, list[list[int]]] = {}
-    for row, sp in enumerate(params):
-        if sp.bad_words_token_ids:
-            for ids in sp.bad_words_token_ids:
-                _check_token_ids("bad_words_token_ids", row, ids, vocab_size)
-            bad_words_token_ids[row] = sp.bad_words_token_ids
-
-    for row, sp in enumerate(params):
-        if sp.logit_bias:
-            _check_token_ids("logit_bias", row, sp.logit_bias.keys(), vocab_size)
-        if sp.min_tokens and len(output_token_ids[row]) < sp.min_tokens:
-            _check_token_ids("all_stop_token_ids", row, sp.all_stop_token_ids, vocab_size)
+    bad_words_token_ids: dict[int, list[list[int]]] = {
+        row: sp.bad_words_token_ids for row, sp in enumerate(params) if sp.bad_words_token_ids
+    }
 
     return SamplingMetadata(
         temperature=temperature,

@@ -1,0 +1,129 @@
+"""The fused CPU helpers give bit-identical float32 results to the layers' ``forward_native``.
+
+``engine/model_executor/layers/cpu_fused.py`` runs the same operations in the
+same order as the reference paths, only in fewer torch ops and in place, so
+the outputs must be *equal* (not merely close): that is what keeps greedy
+parity with transformers unchanged when a layer's ``forward_cpu`` uses them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model_executor.layers import cpu_fused
+from engine.model_executor.layers.activation import SiluAndMul
+from engine.model_executor.layers.layernorm import RMSNorm
+from engine.model_executor.layers.rotary_embedding import get_rope
+from engine.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _norm(hidden: int, has_weight: bool = True) -> RMSNorm:
+    norm = RMSNorm(hidden, eps=1e-5, has_weight=has_weight)
+    if has_weight:
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(hidden, generator=_gen(1)) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("shape", [(32, 576), (7, 64), (3, 4, 16)])
+@pytest.mark.parametrize("has_weight", [True, False])
+def test_rms_norm_equals_native(shape, has_weight):
+    norm = _norm(shape[-1], has_weight)
+    x = torch.randn(shape, generator=_gen()) * 3
+    expected = norm.forward_native(x.clone())
+    got = cpu_fused.rms_norm(x, norm.weight if has_weight else None, norm.variance_epsilon)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("shape", [(32, 576), (755, 64)])
+def test_fused_add_rms_norm_equals_native_in_place(shape):
+    norm = _norm(shape[-1])
+    x = torch.randn(shape, generator=_gen(2))
+    residual = torch.randn(shape, generator=_gen(3))
+    expected_out, expected_residual = norm.forward_native(x.clone(), residual.clone())
+    cpu_fused.fused_add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon)
+    assert torch.equal(x, expected_out)
+    assert torch.equal(residual, expected_residual)
+
+
+def test_fused_add_rms_norm_rejects_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="same shape"):
+        cpu_fused.fused_add_rms_norm_(x, torch.randn(4, 9), None, 1e-6)
+    with pytest.raises(ValueError, match="residual must be float32"):
+        cpu_fused.fused_add_rms_norm_(x, torch.randn(4, 8, dtype=torch.float64), None, 1e-6)
+    with pytest.raises(ValueError, match="x must be float32"):
+        cpu_fused.rms_norm(torch.randn(4, 8, dtype=torch.bfloat16), None, 1e-6)
+
+
+def _rope(head: int, rotary_dim: int, is_neox: bool) -> RotaryEmbedding:
+    return RotaryEmbedding(head, rotary_dim, 2048, 10000.0, is_neox, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "head, rotary_dim, is_neox",
+    [(64, 64, True), (64, 64, False), (32, 16, True), (32, 16, False)],
+    ids=["neox", "gptj", "partial-neox", "partial-gptj"],
+)
+def test_rotary_embedding_equals_native_on_qkv_views(head, rotary_dim, is_neox):
+    rope = _rope(head, rotary_dim, is_neox)
+    h, h_kv, t = 9, 3, 37
+    qkv = torch.randn(t, (h + 2 * h_kv) * head, generator=_gen(4))
+    q, k, _ = qkv.split([h * head, h_kv * head, h_kv * head], dim=-1)  # strided views
+    positions = torch.randint(0, 2000, (t,), generator=_gen(5))
+    expected_q, expected_k = rope.forward_native(positions, q.clone(), k.clone())
+    v_before = qkv[:, (h + h_kv) * head :].clone()
+    cpu_fused.rotary_embedding_(positions, q, k, head, rope.cos_sin_cache, is_neox)
+    assert torch.equal(q, expected_q)
+    assert torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (h + h_kv) * head :], v_before)  # v untouched
+
+
+def test_rotary_embedding_query_only_and_3d():
+    rope = get_rope(16, 256, is_neox_style=True, rope_parameters={"rope_theta": 500000.0})
+    q = torch.randn(5, 4, 16, generator=_gen(6))
+    positions = torch.arange(5)
+    expected_q, _ = rope.forward_native(positions, q.clone(), None)
+    cpu_fused.rotary_embedding_(positions, q, None, 16, rope.cos_sin_cache, True)
+    assert torch.equal(q, expected_q)
+
+
+@pytest.mark.parametrize("shape", [(32, 3072), (5, 2, 8)])
+def test_silu_and_mul_equals_native(shape):
+    x = torch.randn(shape, generator=_gen(7))
+    assert torch.equal(cpu_fused.silu_and_mul(x), SiluAndMul().forward_native(x))
+
+
+def test_layers_dispatch_to_forward_cpu_on_cpu_and_match_native():
+    """Called as modules on CPU tensors, the layers take ``forward_cpu`` (the fused path)."""
+    norm, act = _norm(64), SiluAndMul()
+    rope = RotaryEmbedding(16, 16, 128, 10000.0, True, torch.float32)
+    x = torch.randn(5, 64, generator=_gen(2))
+    residual = torch.randn(5, 64, generator=_gen(3))
+    positions = torch.arange(5)
+    q, k = torch.randn(5, 32, generator=_gen(4)), torch.randn(5, 16, generator=_gen(5))
+
+    assert torch.equal(norm(x.clone()), norm.forward_native(x.clone()))
+    out, res = norm(x.clone(), residual.clone())
+    ref_out, ref_res = norm.forward_native(x.clone(), residual.clone())
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+    assert torch.equal(act(x), act.forward_native(x))
+    rq, rk = rope(positions, q.clone(), k.clone())
+    eq, ek = rope.forward_native(positions, q.clone(), k.clone())
+    assert torch.equal(rq, eq) and torch.equal(rk, ek)
+    for layer in (norm, act, rope):
+        assert layer._forward_method.__func__ is type(layer).forward_cpu
+
+
+def test_forward_cpu_falls_back_to_native_for_bf16():
+    norm = _norm(64).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=_gen(6)).to(torch.bfloat16)
+    residual = torch.randn(5, 64, generator=_gen(7)).to(torch.bfloat16)
+    out, res = norm.forward_cpu(x.clone(), residual.clone())
+    ref_out, ref_res = norm.forward_native(x.clone(), residual.clone())
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
