@@ -278,9 +278,19 @@ def hf_prompts(tokenizer: Any, questions: list[str]) -> list[str]:
     ]
 
 
-def hf_generate(model: Any, tokenizer: Any, questions: list[str], max_tokens: int):
+def hf_generate(
+    model: Any,
+    tokenizer: Any,
+    questions: list[str],
+    max_tokens: int,
+    cache_implementation: str | None = None,
+):
     """Chat template + left-padded batch + generate + decode. Returns
-    (new token ids per prompt, texts, padded prompt length)."""
+    (new token ids per prompt, texts, padded prompt length).
+    ``cache_implementation=None``: transformers' default (a DynamicCache)."""
+    cache_kwargs = (
+        {} if cache_implementation is None else {"cache_implementation": cache_implementation}
+    )
     enc = tokenizer(
         hf_prompts(tokenizer, questions),
         add_special_tokens=False,
@@ -296,6 +306,7 @@ def hf_generate(model: Any, tokenizer: Any, questions: list[str], max_tokens: in
         use_cache=True,
         eos_token_id=None,  # == ignore_eos: always produce max_tokens
         pad_token_id=tokenizer.pad_token_id,
+        **cache_kwargs,
     )
     padded_len = enc["input_ids"].shape[1]
     new_ids = out[:, padded_len:].tolist()
@@ -303,19 +314,21 @@ def hf_generate(model: Any, tokenizer: Any, questions: list[str], max_tokens: in
     return new_ids, texts, padded_len
 
 
-def run_hf_batched(model, tokenizer, questions, max_tokens):
+def run_hf_batched(model, tokenizer, questions, max_tokens, cache_implementation=None):
     with torch.inference_mode(), Stopwatch() as sw:
         new_ids, _texts, padded_len = hf_generate(
-            model, tokenizer, questions, max_tokens
+            model, tokenizer, questions, max_tokens, cache_implementation
         )
     return sw, new_ids, padded_len
 
 
-def run_hf_bs1(model, tokenizer, questions, max_tokens):
+def run_hf_bs1(model, tokenizer, questions, max_tokens, cache_implementation=None):
     all_ids = []
     with torch.inference_mode(), Stopwatch() as sw:
         for q in questions:
-            new_ids, _texts, _ = hf_generate(model, tokenizer, [q], max_tokens)
+            new_ids, _texts, _ = hf_generate(
+                model, tokenizer, [q], max_tokens, cache_implementation
+            )
             all_ids.extend(new_ids)
     return sw, all_ids
 
@@ -619,6 +632,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
+        "--hf-cache",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="transformers' KV cache: dynamic (its default DynamicCache) or static "
+        "(generate(cache_implementation='static'))",
+    )
+    p.add_argument(
         "--multiprocess",
         choices=["default", "on", "off"],
         default="default",
@@ -649,6 +669,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from engine.v1.attention.selector import get_attn_backend
 
     questions = QUESTIONS[: args.num_prompts]
+    hf_cache = None if args.hf_cache == "dynamic" else args.hf_cache
     n_out = len(questions) * args.max_tokens
     path = get_default_model_path()
 
@@ -728,12 +749,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "max_new_tokens": args.max_tokens,
                 "min_new_tokens": args.max_tokens,
                 "use_cache": True,
+                "cache_implementation": hf_cache,
                 "eos_token_id": None,
                 "padding_side": "left",
             },
         }
         log("transformers warming up")
-        run_hf_batched(hf_model, hf_tok, WARMUP_QUESTIONS, WARMUP_TOKENS)
+        run_hf_batched(hf_model, hf_tok, WARMUP_QUESTIONS, WARMUP_TOKENS, hf_cache)
 
     # --- interleaved timed runs -------------------------------------------
     g_runs: list[Stopwatch] = []
@@ -751,7 +773,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         if hf_model is not None:
             sw, h_ids, padded_len = run_hf_batched(
-                hf_model, hf_tok, questions, args.max_tokens
+                hf_model, hf_tok, questions, args.max_tokens, hf_cache
             )
             h_runs.append(sw)
             log(
@@ -811,7 +833,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         result["greedy_agreement_glassbox_batched_vs_bs1"] = agreement(g_ids, g1_ids)
         if hf_model is not None:
-            sw, h1_ids = run_hf_bs1(hf_model, hf_tok, questions, args.max_tokens)
+            sw, h1_ids = run_hf_bs1(
+                hf_model, hf_tok, questions, args.max_tokens, hf_cache
+            )
             result["transformers"]["bs1"] = summarize([sw], sum(len(x) for x in h1_ids))
             log(
                 f"transformers bs1 {sw.wall:.2f}s wall / {sw.cpu:.2f}s cpu ({n_out / sw.wall:.1f} tok/s)"
@@ -856,7 +880,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log("profiling one transformers batched run (torch.profiler)")
             result["transformers_profile"] = {
                 "torch_profiler_top_ops": torch_op_table(
-                    lambda: run_hf_batched(hf_model, hf_tok, questions, args.max_tokens)
+                    lambda: run_hf_batched(
+                        hf_model, hf_tok, questions, args.max_tokens, hf_cache
+                    )
                 )
             }
 

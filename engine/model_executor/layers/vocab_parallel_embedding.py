@@ -24,7 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
 
-from engine.model_executor.layers.linear import set_weight_attrs
+from engine.model_executor.layers.linear import (
+    cpu_unquantized_gemm,
+    dispatch_cpu_unquantized_gemm,
+    set_weight_attrs,
+)
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -52,10 +56,20 @@ class UnquantizedEmbeddingMethod:
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # Only the output projection is a matmul worth prepacking on CPU (the
+        # LM head is the largest single GEMM of a small model's decode step);
+        # an input embedding is a table lookup.
+        if isinstance(layer, ParallelLMHead) and layer.weight.device.type == "cpu":
+            dispatch_cpu_unquantized_gemm(layer)
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)  # [N, hidden] -> [N, vocab_padded]
+        # [N, hidden] -> [N, vocab_padded]
+        if layer.weight.is_cpu:
+            return cpu_unquantized_gemm(layer, x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_, layer.weight)  # [T] -> [T, hidden]

@@ -48,6 +48,7 @@ from engine.config import GlassboxConfig
 from engine.config.compilation import CUDAGraphMode
 from engine.forward_context import set_forward_context
 from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.tensors import tensor_summaries
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
 from engine.utils.torch_utils import resolve_dtype
@@ -56,7 +57,6 @@ from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from engine.v1.sample.metadata import build_sampling_metadata
 from engine.v1.sample.sampler import Sampler
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
@@ -91,7 +91,9 @@ class GPUModelRunner:
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
 
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size, device)
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.block_size, device, self.model_config.vocab_size
+        )
         self.sampler = Sampler(tracer=tracer)
         self.execute_model_state: ExecuteModelState | None = None
         self.attn_layers: dict[str, Attention] = {}
@@ -125,6 +127,12 @@ class GPUModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = get_model(self.glassbox_config, device=self.device, dtype=self.dtype)
+        # Post-load weight preparation, e.g. oneDNN-prepacked linear weights
+        # on CPU (vLLM runs this inside its model loader).
+        for module in self.model.modules():
+            quant_method = getattr(module, "quant_method", None)
+            if hasattr(quant_method, "process_weights_after_loading"):
+                quant_method.process_weights_after_loading(module)
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
@@ -153,6 +161,13 @@ class GPUModelRunner:
         if self.device.type != "cuda" or not backend.supports_cudagraph:
             # Graphs need CUDA and a backend that never syncs with the host.
             self.cudagraph_dispatcher.mode = CUDAGraphMode.NONE
+        if hasattr(self.attn_metadata_builder, "bind_layers"):
+            # FlashInfer plans once per step for all layers: it needs their
+            # shapes, and one fixed-size wrapper per decode size graphs replay.
+            self.attn_metadata_builder.bind_layers(
+                self.attn_layers.values(), self.dtype,
+                [k.num_tokens for k in self.cudagraph_dispatcher.decode_keys()],
+            )
         if self.tracer.lifecycle: self.tracer.emit("runner.init", model=self.model_config.model, architecture=type(self.model).__name__, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), attn_backend=backend.get_name(), num_layers=len(self.kv_caches), num_blocks=kv_cache_config.num_blocks, block_size=self.block_size, kv_cache_shape=list(self.kv_caches[0].shape) if self.kv_caches else [])  # noqa: E701
 
     # ------------------------------------------------------------------
@@ -347,14 +362,8 @@ class GPUModelRunner:
         self.execute_model_state = None
         batch = self.input_batch
         reqs = [self.requests[r] for r in state.req_ids]
-        metadata = build_sampling_metadata(
-            [r.sampling_params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            {i: r.generator for i, r in enumerate(reqs) if r.generator is not None},
-            state.logits.shape[-1],
-            self.device,
-        )
+        # Persistent: rebuilt (asynchronously) only when the batch changed.
+        metadata = batch.refresh_metadata()
         trace_req_ids = (
             [None if i in state.discard_rows else r for i, r in enumerate(state.req_ids)]
             if self.tracer.lifecycle
@@ -445,13 +454,16 @@ class GPUModelRunner:
             self.tracer.emit(
                 "runner.inputs",
                 step=scheduler_output.step,
-                input_ids=_tensor_summary(self.input_ids[:num_tokens]),
-                positions=_tensor_summary(self.positions[:num_tokens]),
-                query_start_loc=_tensor_summary(common.query_start_loc_cpu),
-                seq_lens=_tensor_summary(common.seq_lens_cpu),
-                slot_mapping=_tensor_summary(common.slot_mapping),
-                block_table=_tensor_summary(common.block_table_tensor),
-                logits_indices=_tensor_summary(logits_indices),
+                # One device-to-host copy for all seven summaries.
+                **tensor_summaries(
+                    input_ids=self.input_ids[:num_tokens],
+                    positions=self.positions[:num_tokens],
+                    query_start_loc=common.query_start_loc_cpu,
+                    seq_lens=common.seq_lens_cpu,
+                    slot_mapping=common.slot_mapping,
+                    block_table=common.block_table_tensor,
+                    logits_indices=logits_indices,
+                ),
             )
 
     def _trace_forward(
@@ -541,23 +553,3 @@ class GPUModelRunner:
             hidden = self.model(self.input_ids[:n], self.positions[:n])
         self.model.compute_logits(hidden[: min(n, self.max_num_reqs)])
 
-
-# Values kept per tensor in ``runner.inputs`` (the head; the tail too when longer).
-_SUMMARY_VALUES = 32
-
-
-def _tensor_summary(t: torch.Tensor) -> dict:
-    """Shape, dtype, range and the first/last values of a tensor, for traces."""
-    flat = t.detach().reshape(-1)
-    summary: dict = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-    if flat.numel():
-        summary["min"] = flat.min().item()
-        summary["max"] = flat.max().item()
-    if t.dim() == 2 and t.shape[0] * t.shape[1] <= 4 * _SUMMARY_VALUES:
-        summary["values"] = t.tolist()
-    elif flat.numel() <= 2 * _SUMMARY_VALUES:
-        summary["values"] = flat.tolist()
-    else:
-        summary["head"] = flat[:_SUMMARY_VALUES].tolist()
-        summary["tail"] = flat[-_SUMMARY_VALUES:].tolist()
-    return summary

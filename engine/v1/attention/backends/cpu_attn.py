@@ -12,8 +12,16 @@ Read it for what every paged-attention kernel computes, with nothing hidden:
      ``seq_len - query_len + j``.
 
 Prefills with a cached prefix, chunked prefills, decodes and mixed batches are
-all the same loop. Decode-only requests (query length 1) are batched into one
-padded call, the single optimisation here.
+all the same loop. Two shortcuts, neither changing the maths:
+  * decode-only requests (query length 1) are batched into one padded call:
+    the metadata builder turns their block-table rows into one flat list of
+    block ids and a padding mask once per step, and each layer gathers its K
+    and V blocks with one ``index_select`` into a reused buffer, then makes
+    one ``scaled_dot_product_attention`` call in which the query heads that
+    share a KV head are stacked as query rows (grouped-query attention without
+    repeating K/V);
+  * a prefill with nothing cached before it attends over the K/V rows it has
+    just written instead of gathering them back from the blocks.
 Sessions: 05 (attention backends).
 
 Simpler than vLLM: vLLM's CPU backend calls C++ kernels (and uses its own
@@ -24,6 +32,7 @@ on any device and is the oracle the faster backends are tested against.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +44,61 @@ from engine.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+
+
+class GatherBuffer:
+    """A growable scratch tensor for gathered K/V blocks.
+
+    Every layer of a step gathers the same number of blocks, so one buffer
+    serves them all (and later steps): no per-layer allocation, and the
+    memory stays warm in the CPU caches.
+    """
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self.buffer
+        if (
+            buf is None
+            or buf.numel() < numel
+            or buf.dtype != dtype
+            or buf.device != device
+            # made under inference_mode, it may not be written outside it
+            or (buf.is_inference() and not torch.is_inference_mode_enabled())
+        ):
+            # A quarter of headroom: contexts grow by a block every few steps.
+            buf = self.buffer = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+@dataclass
+class CPUDecodeBatch:
+    """The step's pure decodes as one padded batch; built once per step, read by every layer.
+
+    Decode b attends over blocks ``block_table[req_ids[b], :max_blocks]``
+    (``padded_len = max_blocks * block_size`` positions); positions past its
+    ``seq_len`` are padding and masked out.
+    """
+
+    num_decodes: int
+    max_blocks: int
+    padded_len: int
+    # Query/output rows of the decodes: a slice when they are consecutive rows.
+    query_rows: slice | torch.Tensor
+    block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, device
+    valid: torch.Tensor  # [num_decodes, 1, 1, padded_len] bool: inside the context
+    gather_buffer: GatherBuffer
+    # ``valid`` as an additive mask (0 / -inf) in the query dtype, made by the
+    # first layer of the step; SDPA would otherwise convert the bool mask per call.
+    attn_bias: torch.Tensor | None = None
+
+    def get_attn_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.attn_bias is None or self.attn_bias.dtype != dtype:
+            bias = torch.zeros(self.valid.shape, dtype=dtype, device=self.valid.device)
+            self.attn_bias = bias.masked_fill_(~self.valid, float("-inf"))
+        return self.attn_bias
 
 
 @dataclass
@@ -49,22 +113,61 @@ class CPUAttentionMetadata:
     # Requests with query length 1 (pure decodes) and those with more.
     decode_req_ids: list[int]
     prefill_req_ids: list[int]
+    decode: CPUDecodeBatch | None = None
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        self.gather_buffer = GatherBuffer()
+
     def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
         qsl = common.query_start_loc_cpu.tolist()
         seq_lens = common.seq_lens_cpu.tolist()
         query_lens = [qsl[i + 1] - qsl[i] for i in range(common.num_reqs)]
+        block_table = common.block_table_tensor[: common.num_reqs].long()
+        decode_req_ids = [i for i, n in enumerate(query_lens) if n == 1]
         return CPUAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             block_size=self.block_size,
             query_start_loc=qsl,
             seq_lens=seq_lens,
-            block_table=common.block_table_tensor[: common.num_reqs].long(),
+            block_table=block_table,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
-            decode_req_ids=[i for i, n in enumerate(query_lens) if n == 1],
+            decode_req_ids=decode_req_ids,
             prefill_req_ids=[i for i, n in enumerate(query_lens) if n > 1],
+            decode=self._build_decode(decode_req_ids, qsl, seq_lens, block_table),
+        )
+
+    def _build_decode(
+        self, ids: list[int], qsl: list[int], seq_lens: list[int], block_table: torch.Tensor
+    ) -> CPUDecodeBatch | None:
+        if not ids:
+            return None
+        device = block_table.device
+        rows = [qsl[i] for i in ids]
+        n = len(ids)
+        if rows == list(range(rows[0], rows[0] + n)):
+            query_rows: slice | torch.Tensor = slice(rows[0], rows[0] + n)
+        else:
+            query_rows = torch.tensor(rows, device=device)
+        lens = [seq_lens[i] for i in ids]
+        max_blocks = -(-max(lens) // self.block_size)
+        padded_len = max_blocks * self.block_size
+        if ids == list(range(n)):
+            block_ids = block_table[:n, :max_blocks]
+        else:
+            block_ids = block_table[torch.tensor(ids, device=device), :max_blocks]
+        positions = torch.arange(padded_len, device=device)
+        valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
+        return CPUDecodeBatch(
+            num_decodes=n,
+            max_blocks=max_blocks,
+            padded_len=padded_len,
+            query_rows=query_rows,
+            block_ids=block_ids.reshape(-1),
+            valid=valid[:, None, None, :],
+            gather_buffer=self.gather_buffer,
         )
 
 
@@ -94,12 +197,17 @@ class CPUAttentionBackendImpl(AttentionImpl):
         # 2a. Requests with more than one query token: one causal call each.
         for i in md.prefill_req_ids:
             q_start, q_end = md.query_start_loc[i], md.query_start_loc[i + 1]
-            k, v = self._gather_context(key_cache, value_cache, md, i)
+            if md.seq_lens[i] == q_end - q_start:
+                # Nothing cached before this chunk: the context is exactly the
+                # K/V rows just written, so read them without the block gather.
+                k, v = key[q_start:q_end], value[q_start:q_end]
+            else:
+                k, v = self._gather_context(key_cache, value_cache, md, i)
             output[q_start:q_end] = self._attend(query[q_start:q_end], k, v, causal=True)
 
         # 2b. Decodes: pad every context to the longest and attend in one call.
-        if md.decode_req_ids:
-            self._batched_decode(query, key_cache, value_cache, md, output)
+        if md.decode is not None:
+            self._batched_decode(query, kv_cache, md.decode, output)
         return output
 
     def _gather_context(self, key_cache, value_cache, md: CPUAttentionMetadata, i: int):
@@ -116,38 +224,42 @@ class CPUAttentionBackendImpl(AttentionImpl):
         Lq positions of the context."""
         lq, lk = q.shape[0], k.shape[0]
         mask = None
-        if causal and lq > 1:
+        if causal and 1 < lq < lk:
             q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
             mask = torch.arange(lk, device=q.device)[None, :] <= q_pos  # [Lq, Lk]
+        # A batch dim of 1: torch's CPU flash kernel takes 4-D inputs only
+        # (3-D ones fall back to the slower unfused "math" path).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, Lq, D]
-            k.transpose(0, 1),  # [H_kv, Lk, D]
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],  # [1, H, Lq, D]
+            k.transpose(0, 1)[None],  # [1, H_kv, Lk, D]
+            v.transpose(0, 1)[None],
             attn_mask=mask,
+            # Lq == Lk: the shifted mask is the ordinary lower triangle.
+            is_causal=causal and 1 < lq == lk,
             scale=self.scale,
             enable_gqa=self.num_queries_per_kv > 1,
         )
-        return out.transpose(0, 1)  # [Lq, H, D]
+        return out[0].transpose(0, 1)  # [Lq, H, D]
 
-    def _batched_decode(self, query, key_cache, value_cache, md: CPUAttentionMetadata, output):
-        ids = md.decode_req_ids
-        rows = torch.tensor([md.query_start_loc[i] for i in ids], device=query.device)
-        seq_lens = torch.tensor([md.seq_lens[i] for i in ids], device=query.device)
-        max_len = int(seq_lens.max())
-        max_blocks = -(-max_len // md.block_size)
-        blocks = md.block_table[ids, :max_blocks]  # [B, max_blocks]
-        # [B, max_blocks, bs, H_kv, D] -> [B, H_kv, max_len, D]
-        k = key_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        v = value_cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
-        q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=valid[:, None, None, :],  # padding beyond each context is masked
-            scale=self.scale,
-            enable_gqa=self.num_queries_per_kv > 1,
+    def _batched_decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, dec: CPUDecodeBatch, output: torch.Tensor
+    ) -> None:
+        n, h_kv, d = dec.num_decodes, self.num_kv_heads, self.head_size
+        # One gather for K and V of every decode: [2, n * max_blocks, bs * H_kv * D].
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        kv = dec.gather_buffer.take(
+            (2, n * dec.max_blocks, block_size * h_kv * d), kv_cache.dtype, kv_cache.device
         )
-        output[rows] = out.squeeze(2)
+        torch.index_select(kv_cache.view(2, num_blocks, -1), 1, dec.block_ids, out=kv)
+        # -> [2, n, padded_len, H_kv, D] -> k, v: [n, H_kv, padded_len, D] (strided views).
+        k, v = kv.view(2, n, dec.padded_len, h_kv, d).transpose(2, 3).unbind(0)
+        # The G = H / H_kv query heads that share KV head j are heads j*G .. j*G+G-1:
+        # stacked as G query rows of head j, [n, H_kv, G, D], they read K/V once.
+        q = query[dec.query_rows].reshape(n, h_kv, self.num_queries_per_kv, d)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=dec.get_attn_bias(q.dtype), scale=self.scale
+        )  # padding beyond each context is masked
+        output[dec.query_rows] = out.reshape(n, self.num_heads, d)
 
 
 class CPUAttentionBackend(AttentionBackend):
