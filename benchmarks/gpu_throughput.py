@@ -1,34 +1,62 @@
 """GPU throughput and decode latency on the H200 (issue 7 benchmarks).
 
+The measurements are ``engine/benchmarks`` (the code behind ``glassbox bench
+throughput|latency``); this script runs them on the issue's settings, in one
+process, and writes one JSON with everything the docs table needs:
+
 * throughput: nano-vllm's bench.py workload exactly -- 256 sequences, seed 0,
-  prompts of randint(100, 1024) tokens drawn from randint(0, 10000), outputs of
-  randint(100, 1024) tokens, ignore_eos, temperature 0.6 -- on the Qwen3-0.6B
-  config with dummy weights; throughput = output tokens / wall time.
-* roofline: the lower bound on that run's time from bytes moved (weights once
-  per step, KV reads per decode token) over the copy bandwidth measured in the
-  same run (../shared/reference/perf.md section 6).
+  prompts of randint(100, 1024) tokens drawn from randint(0, 10000), outputs
+  of randint(100, 1024) tokens, ignore_eos, temperature 0.6 -- on the
+  Qwen3-0.6B config with dummy weights, bf16; output tokens / wall time; with
+  CUDA graphs (FULL_DECODE_ONLY) and eager;
+* HF transformers' continuous batching on the same prompts (token ids) and
+  output lengths, EOS off, same temperature (``throughput.run_hf``), and our
+  ratio to it. It is capped so the call fits the GPU machine's time limit:
+  ``--hf-num-prompts N`` runs it on the first N requests only (then Glassbox
+  runs those N as well and the ratio compares the two on the same N), and
+  ``--hf-timeout-s`` stops it; a stopped run still gives an upper bound on its
+  throughput (all requested tokens over the time allowed), hence a lower
+  bound on our ratio. The JSON says which of these applied;
+* roofline: the least time the run could take from bytes moved (weights per
+  step, K/V read per decode token) over the copy bandwidth measured in this
+  run (``engine/benchmarks/roofline.py``, ../shared/reference/perf.md
+  section 6), and the fraction of it reached;
 * decode latency per step at batch 1, 16, 64, 256 with context 512, CUDA
   graphs on and off, against the weight + KV-read floor.
 
-Usage: python3 benchmarks/gpu_throughput.py --out DIR [--skip-hf]
-Writes DIR/gpu_throughput.json.
+Usage: python3 benchmarks/gpu_throughput.py --out DIR [--parts throughput,eager,hf,latency]
+       [--hf-num-prompts N] [--hf-timeout-s S]
+Writes DIR/gpu_throughput.json after every part (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import random
-import subprocess
 import sys
 import tempfile
-import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
+
+from engine.benchmarks.datasets import sample_random_requests
+from engine.benchmarks.latency import run_decode_latency
+from engine.benchmarks.roofline import (
+    count_model_bytes,
+    decode_step_floor_seconds,
+    measure_copy_bandwidth,
+)
+from engine.benchmarks.throughput import (
+    describe_engine,
+    provenance,
+    roofline_for,
+    run_glassbox,
+    run_hf,
+)
+from engine.engine.arg_utils import EngineArgs
 
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
@@ -38,8 +66,8 @@ QWEN3_0_6B = {
     "max_position_embeddings": 40960, "attention_bias": False, "hidden_act": "silu",
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
-PARAMS_NON_EMB = 596_049_920 - 151936 * 1024
-KV_BYTES_PER_TOKEN = 2 * 28 * 8 * 128 * 2
+TARGETS = {"throughput_tokens_per_s": 25000, "ratio_to_transformers": 20, "decode_step_batch1_ms": 1.0}
+ALL_PARTS = ("throughput", "eager", "hf", "latency")
 
 
 def model_dir() -> str:
@@ -49,133 +77,137 @@ def model_dir() -> str:
     return d
 
 
-def nano_vllm_workload():
-    random.seed(0)
-    num_seqs, max_in, max_out = 256, 1024, 1024
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_in))] for _ in range(num_seqs)]
-    out_lens = [random.randint(100, max_out) for _ in range(num_seqs)]
-    return prompts, out_lens
+def engine_args(path: str, enforce_eager: bool, **overrides) -> EngineArgs:
+    kwargs = {
+        "model": path, "load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 4096,
+        "max_num_seqs": 256, "max_num_batched_tokens": 16384, "enforce_eager": enforce_eager, "device": "cuda",
+    }
+    kwargs.update(overrides)
+    return EngineArgs(**kwargs)
 
 
-def measure_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    n = 10
-    for _ in range(n):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / n
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2 * 1024**3 / dt  # read + write bytes per second
-
-
-def roofline_seconds(prompts, out_lens, bw: float) -> float:
-    weight_bytes = 2 * (PARAMS_NON_EMB + 151936 * 1024)
-    kv_reads = sum(len(p) * o + o * (o - 1) // 2 for p, o in zip(prompts, out_lens))
-    decode_steps = max(out_lens)
-    prefill_tokens = sum(len(p) for p in prompts)
-    return (weight_bytes * decode_steps + kv_reads * KV_BYTES_PER_TOKEN
-            + prefill_tokens * KV_BYTES_PER_TOKEN) / bw
-
-
-def run_throughput(path: str, enforce_eager: bool):
-    from engine import LLM, SamplingParams
-
-    prompts, out_lens = nano_vllm_workload()
-    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-              max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=enforce_eager,
-              device="cuda")
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    metrics = {m.name: m.value for m in llm.get_metrics()}
-    llm.shutdown()
-    del llm
-    torch.cuda.empty_cache()
-    return {"seconds": dt, "output_tokens": produced, "tokens_per_s": produced / dt,
-            "prompt_tokens": sum(map(len, prompts)), "num_preemptions": metrics.get("glassbox:num_preemptions")}
-
-
-def run_decode_latency(path: str, enforce_eager: bool, batch_sizes=(1, 16, 64, 256), ctx=512, steps=32):
-    """Per-step time of pure decode at a fixed context, via EngineCore steps."""
-    from engine.engine.arg_utils import EngineArgs
-    from engine.sampling_params import SamplingParams
-    from engine.v1.engine.core import EngineCore
-    from engine.v1.executor.abstract import Executor
-    from engine.v1.request import Request
-
-    results = {}
-    args = EngineArgs(model=path, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-                      max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=enforce_eager,
-                      device="cuda", disable_log_stats=True, enable_prefix_caching=False)
-    config = args.create_engine_config()
-    core = EngineCore(config, Executor.get_class(config), log_stats=False)
-    for b in batch_sizes:
-        for i in range(b):
-            sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps + 4)
-            core.add_request(Request(f"b{b}-{i}", [(i * 7 + j) % 10000 for j in range(ctx)], sp))
-        # Prefill until every request is decoding.
-        while any(r.num_computed_tokens < r.num_tokens - 1 or r.num_output_tokens == 0
-                  for r in core.scheduler.running) or core.scheduler.waiting:
-            core.step()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            core.step()
-        torch.cuda.synchronize()
-        per_step = (time.perf_counter() - t) / steps
-        core.scheduler.finish_requests(None, __import__("engine.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED)
-        core.step()
-        floor = (2 * (PARAMS_NON_EMB + 151936 * 1024) + b * ctx * KV_BYTES_PER_TOKEN) / 4.3e12
-        results[str(b)] = {"ms_per_step": per_step * 1e3, "floor_ms": floor * 1e3}
-    core.shutdown()
-    torch.cuda.empty_cache()
-    return results
+def missed_by(result: dict) -> dict:
+    """For each target with a figure: how far off it is (or that it is met)."""
+    out = {}
+    tp = result.get("throughput_cudagraphs", {}).get("output_tokens_per_second")
+    if tp is not None:
+        t = TARGETS["throughput_tokens_per_s"]
+        out["throughput"] = f"{tp:,.0f} tok/s is {tp / t:.0%} of the {t:,} target" + (" (met)" if tp >= t else "")
+    ratio = result.get("ratio_to_transformers")
+    if ratio is not None:
+        t = TARGETS["ratio_to_transformers"]
+        kind = "at least " if result.get("ratio_is_lower_bound") else ""
+        out["ratio_to_transformers"] = f"{kind}{ratio:.1f}x against the {t}x target" + (" (met)" if ratio >= t else "")
+    b1 = result.get("decode_latency_cudagraphs", {}).get("1", {}).get("mean_ms")
+    if b1 is not None:
+        t = TARGETS["decode_step_batch1_ms"]
+        out["decode_batch1"] = f"{b1:.2f} ms is {b1 / t:.1f}x the {t} ms target" + (" (met)" if b1 <= t else "")
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
-    ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
+    ap.add_argument("--hf-num-prompts", type=int, default=256, help="HF baseline on the first N requests (default all)")
+    ap.add_argument("--hf-timeout-s", type=float, default=240.0, help="stop the HF baseline after this long")
     args = ap.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(ALL_PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; choose from {list(ALL_PARTS)}")
+    if not 1 <= args.hf_num_prompts <= 256:
+        ap.error(f"--hf-num-prompts must be in [1, 256], got {args.hf_num_prompts}")
     os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, "gpu_throughput.json")
     path = model_dir()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    requests = sample_random_requests()  # nano-vllm's workload
+
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "gpu": torch.cuda.get_device_name(), "commit": commit or os.environ.get("GLASSBOX_COMMIT"),
-        "torch": torch.__version__, "model": "Qwen3-0.6B config, dummy weights, bf16",
+        **provenance(),
+        "model": "Qwen3-0.6B config, dummy weights, bf16",
         "workload": "nano-vllm bench.py: 256 seqs, seed 0, in 100-1024, out 100-1024, T=0.6, ignore_eos",
+        "engine": describe_engine(engine_args(path, enforce_eager=False)),
+        "targets": TARGETS,
     }
-    bw = measure_bandwidth()
-    result["copy_bandwidth_GBps"] = bw / 1e9
-    prompts, out_lens = nano_vllm_workload()
-    bound = roofline_seconds(prompts, out_lens, bw)
-    result["roofline"] = {"seconds": bound, "tokens_per_s": sum(out_lens) / bound}
-    for name, eager in (("cudagraphs", False), ("eager", True)):
-        r = run_throughput(path, eager)
-        r["fraction_of_roofline"] = r["tokens_per_s"] / result["roofline"]["tokens_per_s"]
-        result[f"throughput_{name}"] = r
-        print(name, json.dumps(r), flush=True)
-        with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
+
+    def save():
+        result["missed_by"] = missed_by(result)
+        with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
-    if not args.skip_latency:
-        for name, eager in (("cudagraphs", False), ("eager", True)):
-            result[f"decode_latency_{name}"] = run_decode_latency(path, eager)
-            print(name, json.dumps(result[f"decode_latency_{name}"]), flush=True)
-            with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
-                json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1))
+
+    bandwidth = measure_copy_bandwidth()
+    result["copy_bandwidth_GBps"] = bandwidth / 1e9
+    result["roofline"] = roofline_for(requests, engine_args(path, False), bandwidth)
+    save()
+
+    def attempt(name, fn):
+        try:
+            value = fn()
+        except Exception:  # noqa: BLE001 -- keep the other parts' figures; say what failed
+            result[name] = {"error": traceback.format_exc(limit=8)}
+            print(name, "FAILED\n", result[name]["error"], flush=True)
+            save()
+            return None
+        result[name] = value
+        print(name, json.dumps(value)[:2000], flush=True)
+        save()
+        return value
+
+    bound_tps = result["roofline"]["output_tokens_per_second"]
+    for name, eager in (("throughput_cudagraphs", False), ("throughput_eager", True)):
+        if ("throughput" if not eager else "eager") not in parts:
+            continue
+        r = attempt(name, lambda eager=eager: run_glassbox(requests, engine_args(path, eager)))
+        if r is not None:
+            r["fraction_of_roofline"] = r["output_tokens_per_second"] / bound_tps
+            save()
+
+    if "hf" in parts:
+        hf_requests = requests[: args.hf_num_prompts]
+        hf = attempt("hf_transformers_continuous_batching", lambda: run_hf(
+            hf_requests, path, device="cuda", load_format="dummy", temperature=0.6,
+            max_batch_tokens=16384, max_requests_per_batch=256, timeout_s=args.hf_timeout_s,
+        ))
+        if hf is not None:
+            hf["capped_to_first_n_prompts"] = args.hf_num_prompts if args.hf_num_prompts < len(requests) else None
+            hf["timeout_s"] = args.hf_timeout_s
+            ours = result.get("throughput_cudagraphs")
+            if args.hf_num_prompts < len(requests):
+                # Compare on the same prompts: Glassbox on the same subset.
+                ours = attempt("throughput_cudagraphs_on_hf_subset",
+                               lambda: run_glassbox(hf_requests, engine_args(path, False)))
+            if ours is not None and "output_tokens_per_second" in ours:
+                if hf["completed"]:
+                    result["ratio_to_transformers"] = ours["output_tokens_per_second"] / hf["output_tokens_per_second"]
+                    result["ratio_is_lower_bound"] = False
+                else:
+                    # Stopped at the timeout: it could not have produced all the
+                    # requested tokens faster than in that time.
+                    requested = sum(r.expected_output_len for r in hf_requests)
+                    hf["output_tokens_per_second_upper_bound"] = requested / args.hf_timeout_s
+                    result["ratio_to_transformers"] = (
+                        ours["output_tokens_per_second"] / hf["output_tokens_per_second_upper_bound"]
+                    )
+                    result["ratio_is_lower_bound"] = True
+            save()
+
+    if "latency" in parts:
+        model_bytes = count_model_bytes(engine_args(path, False).create_engine_config().model_config, torch.bfloat16)
+        for name, eager in (("decode_latency_cudagraphs", False), ("decode_latency_eager", True)):
+            per_batch = attempt(name, lambda eager=eager: run_decode_latency(
+                engine_args(path, eager, enable_prefix_caching=False), [1, 16, 64, 256], input_len=512,
+                num_iters=32, num_iters_warmup=4,
+            ))
+            if per_batch is not None:
+                for entry in per_batch.values():
+                    entry["floor_ms"] = 1e3 * decode_step_floor_seconds(entry["batch_size"], 512, model_bytes, bandwidth)
+                    entry["ms_per_step"] = entry["mean_ms"]  # the name the first results file used
+                save()
+        torch.cuda.empty_cache()
+
+    save()
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("decode_latency")}, indent=1)[:6000])
     return 0
 
 

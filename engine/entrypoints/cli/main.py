@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 
 import engine
-
 from engine.entrypoints.cli import serve, trace, trace_export, tui
+from engine.entrypoints.cli.benchmark import main as bench
 
 # name -> (help, function(argparse namespace) -> exit code, add_arguments)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] = {
@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] =
     "serve": (serve.HELP, serve.run, serve.add_arguments),
     "trace": (trace.HELP, trace.run, trace.add_arguments),
     "tui": (tui.HELP, tui.run, tui.add_arguments),
+    "bench": (bench.HELP, bench.run, bench.add_arguments),
 }
 
 

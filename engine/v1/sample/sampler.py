@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.tensors import host_lists
 from engine.v1.sample.metadata import SamplingMetadata
 from engine.v1.sample.ops.bad_words import apply_bad_words
 from engine.v1.sample.ops.penalties import apply_all_penalties
@@ -62,7 +63,8 @@ class Sampler(nn.Module):
 
     def __init__(self, tracer: Tracer = NULL_TRACER) -> None:
         super().__init__()
-        self.topk_topp_sampler = TopKTopPSampler()
+        # ``full`` traces read the filtered logits back: keep the in-place torch filter then.
+        self.topk_topp_sampler = TopKTopPSampler(keep_filtered_logits=tracer.full)
         self.tracer = tracer
         # ``full`` tracing only: the traced rows [R] and, per stage that ran
         # in the current call, (name, top-C probs [R, C], their ids [R, C]).
@@ -158,7 +160,9 @@ class Sampler(nn.Module):
 
     @staticmethod
     def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(dim=-1).view(-1)
+        # max(dim).indices == argmax (both return the first maximum on ties),
+        # but on CPU it is ~3x faster over a 49k-wide float32 row.
+        return logits.max(dim=-1).indices.view(-1)
 
     @staticmethod
     def apply_temperature(
@@ -236,15 +240,22 @@ class Sampler(nn.Module):
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
             return
-        self._trace_rows = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        # None: every row is traced (no index_select, no host-to-device copy).
+        self._trace_rows = (
+            None if len(rows) == len(trace_req_ids)
+            else torch.tensor(rows, dtype=torch.long, device=logits.device)
+        )
         self._trace_stages = []
         self._trace_stage("raw", logits)
 
     def _trace_stage(self, stage: str, logits: torch.Tensor) -> None:
-        """Keep the top candidates of the traced rows as this stage left them."""
-        if self._trace_stages is None or self._trace_rows is None:
+        """Keep the top candidates of the traced rows as this stage left them
+        (on the device: ``_emit_sampled`` copies them to the host once)."""
+        if self._trace_stages is None:
             return
-        probs = logits.index_select(0, self._trace_rows).softmax(dim=-1, dtype=torch.float32)
+        if self._trace_rows is not None:
+            logits = logits.index_select(0, self._trace_rows)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
         k = min(self.NUM_TRACE_CANDIDATES, probs.shape[-1])
         top_probs, top_ids = probs.topk(k, dim=-1)
         self._trace_stages.append((stage, top_probs, top_ids))
@@ -257,24 +268,28 @@ class Sampler(nn.Module):
         sampled: torch.Tensor,
         sampling_metadata: SamplingMetadata,
     ) -> None:
-        """One ``sampler.sampled`` event per traced row."""
+        """One ``sampler.sampled`` event per traced row. Every value comes to
+        the host in one copy (``host_lists``), not one per tensor and stage."""
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
             return
-        index = torch.tensor(rows, dtype=torch.long, device=sampled.device)
-        tokens = sampled.index_select(0, index)
-        if raw_logprobs is None:
-            row_logprobs = self.compute_logprobs(raw_logits.index_select(0, index))
-        else:
-            row_logprobs = raw_logprobs.index_select(0, index)
+        tokens, temperature = sampled, sampling_metadata.temperature
+        row_logits = raw_logits if raw_logprobs is None else raw_logprobs
+        if len(rows) < len(trace_req_ids):
+            index = torch.tensor(rows, dtype=torch.long, device=sampled.device)
+            tokens, temperature = tokens.index_select(0, index), temperature.index_select(0, index)
+            row_logits = row_logits.index_select(0, index)
+        row_logprobs = self.compute_logprobs(row_logits) if raw_logprobs is None else row_logits
         chosen = row_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        greedy = (sampling_metadata.temperature.index_select(0, index) < _SAMPLING_EPS).tolist()
-        token_list, logprob_list = tokens.tolist(), chosen.tolist()
-        stages = None
+        device_values = [tokens, chosen, temperature < _SAMPLING_EPS]
+        stage_names: list[str] = []
         if self.tracer.full and self._trace_stages is not None:
-            ranks = (row_logprobs >= chosen.unsqueeze(-1)).sum(dim=-1).tolist()
-            stages = [(name, p.tolist(), t.tolist()) for name, p, t in self._trace_stages]
+            device_values.append((row_logprobs >= chosen.unsqueeze(-1)).sum(dim=-1))
+            for name, top_probs, top_ids in self._trace_stages:
+                stage_names.append(name)
+                device_values += [top_probs, top_ids]
             self._trace_stages = self._trace_rows = None
+        token_list, logprob_list, greedy, *full_values = host_lists(*device_values)
         for j, row in enumerate(rows):
             fields = dict(
                 request_id=trace_req_ids[row],
@@ -283,10 +298,11 @@ class Sampler(nn.Module):
                 logprob=logprob_list[j],
                 greedy=greedy[j],
             )
-            if stages is not None:
-                fields["rank"] = ranks[j]
+            if full_values:
+                fields["rank"] = full_values[0][j]
                 fields["stages"] = [
-                    {"stage": name, "token_ids": ids[j], "probs": probs[j]}
-                    for name, probs, ids in stages
+                    {"stage": name, "token_ids": full_values[2 + 2 * i][j],
+                     "probs": full_values[1 + 2 * i][j]}
+                    for i, name in enumerate(stage_names)
                 ]
             self.tracer.emit("sampler.sampled", **fields)

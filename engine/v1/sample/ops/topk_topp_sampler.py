@@ -18,9 +18,23 @@ Read it for:
 
 Sessions: 05.
 
-Simpler than vLLM: one plain-torch path. vLLM picks FlashInfer on CUDA,
-a Triton top-k/top-p kernel for larger batches, aiter on ROCm, an XPU kernel,
-and a ``torch.compile``-d draw on CPU; all compute the same distribution.
+On CUDA (``forward_cuda``), when a batch asks for top-k or top-p and no row
+has its own generator, the draw goes to FlashInfer's rejection samplers
+(``top_k_top_p_sampling_from_logits``, ``top_k_sampling_from_probs``,
+``top_p_sampling_from_probs``) when ``flashinfer`` imports: they sample
+from the filtered distribution without sorting the vocabulary. The tokens
+follow the same distribution as the torch path, not the same draws. Seeded
+rows keep the torch path (FlashInfer's RNG has no per-row generators, and a
+seeded request must give the same tokens whatever shares its batch), and so
+do batches with neither filter (the exponential race needs no sort anyway).
+``GLASSBOX_USE_FLASHINFER_SAMPLER=0`` turns the FlashInfer path off (vLLM:
+``VLLM_USE_FLASHINFER_SAMPLER``); ``keep_filtered_logits=True`` does too, for
+the ``full`` trace, which reads the filtered logits back (FlashInfer filters
+inside its kernel and leaves ``logits`` untouched).
+
+Simpler than vLLM: torch everywhere else. vLLM also has a Triton
+top-k/top-p kernel for larger batches, aiter on ROCm, an XPU kernel and a
+``torch.compile``-d draw on CPU; all compute the same distribution.
 No ``logprobs_mode`` (Glassbox always returns raw logprobs, so this never
 hands back processed logits).
 
@@ -33,16 +47,25 @@ so that the kept set does not depend on how ``sort`` orders equal values.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 class TopKTopPSampler(nn.Module):
     """Filter logits with top-k and/or top-p, then draw one token per row.
 
-    When k or p is given, ``logits`` is filtered in place (the ``full``
-    trace reads the filtered distribution from it afterwards).
+    On the torch path, when k or p is given, ``logits`` is filtered in place
+    (the ``full`` trace reads the filtered distribution from it afterwards).
     """
+
+    def __init__(self, keep_filtered_logits: bool = False) -> None:
+        super().__init__()
+        self.use_flashinfer = (
+            not keep_filtered_logits and os.environ.get(USE_FLASHINFER_SAMPLER_ENV, "1") != "0"
+        )
 
     def forward(
         self,
@@ -57,9 +80,68 @@ class TopKTopPSampler(nn.Module):
         Returns (sampled ids int64 [N], None). The second item mirrors vLLM's
         "processed logprobs" slot, which Glassbox never fills.
         """
+        if logits.is_cuda and self.use_flashinfer:
+            return self.forward_cuda(logits, generators, k, p)
+        return self.forward_native(logits, generators, k, p)
+
+    def forward_native(
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, None]:
+        """Plain torch, any device: threshold filter, softmax, exponential race."""
         logits = apply_top_k_top_p(logits, k, p)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         return random_sample(probs, generators), None
+
+    def forward_cuda(
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, None]:
+        """FlashInfer's samplers when they apply (see the module docstring),
+        else the torch path."""
+        if (k is None and p is None) or generators or not flashinfer_sampling_available():
+            return self.forward_native(logits, generators, k, p)
+        return flashinfer_sample(logits.contiguous(), k, p), None
+
+
+USE_FLASHINFER_SAMPLER_ENV = "GLASSBOX_USE_FLASHINFER_SAMPLER"
+
+
+@functools.cache
+def flashinfer_sampling_available() -> bool:
+    try:
+        import flashinfer.sampling  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flashinfer_sample(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """One token per row of ``logits`` [N, V] (float32, CUDA) from the top-k /
+    top-p filtered distribution, by FlashInfer's rejection sampling. Draws
+    from torch's global CUDA RNG. Returns int64 [N]."""
+    import flashinfer.sampling
+
+    if k is None and p is None:
+        raise ValueError("flashinfer_sample needs top-k or top-p (k and p are both None)")
+    if k is None:
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        sampled = flashinfer.sampling.top_p_sampling_from_probs(probs, p, deterministic=True)
+    elif p is None:
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        sampled = flashinfer.sampling.top_k_sampling_from_probs(probs, k, deterministic=True)
+    else:
+        # Top-k first, then top-p over what top-k kept: the order apply_top_k_top_p uses.
+        sampled = flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, k, p, deterministic=True)
+    return sampled.view(-1).to(torch.int64)
 
 
 def apply_top_k_top_p(

@@ -1,0 +1,193 @@
+"""``glassbox bench latency``: the wall time of one decode step.
+
+vLLM twin: ``vllm/benchmarks/latency.py`` (``add_cli_args``, ``main``).
+Read it for what a decode step costs at a given batch size and context: for
+each batch size B it adds B requests whose prompts are ``--input-len``
+tokens, steps the engine until every one of them is decoding, then times
+``EngineCore.step()`` one step at a time -- schedule, model forward (a CUDA
+graph replay when one is captured for B), sampling, outputs -- and reports
+the mean and percentiles in milliseconds. The step syncs with the device (the
+sampled tokens come back to the host), so host timing is the step's time.
+
+On CUDA each batch size also gets its floor: reading the weights once plus B
+contexts of K/V, over the copy bandwidth measured in the same run
+(``roofline.decode_step_floor_seconds``).
+Sessions: 06 (performance), 04 (what a step does).
+
+Different from vLLM: vLLM's latency benchmark times whole ``generate``
+calls (one batch, ``--input-len`` 32, ``--output-len`` 128, ``--batch-size``
+8) and so mixes prefill into the figure; this one isolates the decode step,
+the figure the CUDA-graph and kernel work moves. ``--batch-size`` takes a
+comma-separated list. EngineCore runs in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from engine.benchmarks.throughput import (
+    describe_engine,
+    engine_args_from_cli,
+    provenance,
+)
+
+# Give up on a batch whose prompts never all get through (a KV cache too small).
+MAX_PREFILL_STEPS = 10_000
+
+
+def _batch_sizes(value: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-size must be integers separated by commas, got {value!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--batch-size needs at least one size >= 1, got {value!r}")
+    return sizes
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from engine.entrypoints.openai.cli_args import add_engine_args
+
+    parser.add_argument("--batch-size", type=_batch_sizes, default=[1, 16, 64, 256],
+                        help="decode batch sizes, comma-separated (default 1,16,64,256)")
+    parser.add_argument("--input-len", type=int, default=512, help="prompt (context) length (default 512)")
+    parser.add_argument("--num-iters-warmup", type=int, default=4, help="decode steps before timing (default 4)")
+    parser.add_argument("--num-iters", type=int, default=32, help="decode steps timed (default 32)")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement and floor on CUDA")
+    parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    add_engine_args(parser)
+    # Prefix caching would let later batch sizes reuse earlier prompts' KV.
+    parser.set_defaults(
+        skip_tokenizer_init=True, enable_prefix_caching=False, max_num_batched_tokens=16384,
+        disable_log_stats=True, max_num_seqs=None,
+    )
+
+
+def run_decode_latency(
+    engine_args: Any,
+    batch_sizes: list[int],
+    input_len: int = 512,
+    num_iters: int = 32,
+    num_iters_warmup: int = 4,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
+    """Per batch size: the step times in ms and their summary."""
+    import random
+
+    from engine.sampling_params import SamplingParams
+    from engine.v1.engine.core import EngineCore
+    from engine.v1.executor.abstract import Executor
+    from engine.v1.request import Request
+
+    if input_len < 1 or num_iters < 1 or num_iters_warmup < 0:
+        raise ValueError(
+            f"need input_len >= 1, num_iters >= 1, num_iters_warmup >= 0; got {input_len}, {num_iters}, "
+            f"{num_iters_warmup}"
+        )
+    config = engine_args.create_engine_config()
+    if max(batch_sizes) > config.scheduler_config.max_num_seqs:
+        raise ValueError(
+            f"batch size {max(batch_sizes)} exceeds max_num_seqs={config.scheduler_config.max_num_seqs}"
+        )
+    if input_len + num_iters_warmup + num_iters + 2 > config.model_config.max_model_len:
+        raise ValueError(f"--input-len {input_len} plus the steps exceeds max_model_len={config.model_config.max_model_len}")
+    rng = random.Random(seed)
+    max_token_id = min(10000, config.model_config.vocab_size - 1)
+    core = EngineCore(config, Executor.get_class(config), log_stats=False)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for b in batch_sizes:
+            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=num_iters_warmup + num_iters + 2)
+            requests = [
+                Request(f"b{b}-{i}", [rng.randint(0, max_token_id) for _ in range(input_len)], params)
+                for i in range(b)
+            ]
+            for r in requests:
+                core.add_request(r)
+            # Prefill (in chunks of the token budget) until every request decodes.
+            steps = 0
+            while any(r.num_output_tokens == 0 for r in requests):
+                core.step()
+                steps += 1
+                if steps > MAX_PREFILL_STEPS:
+                    raise RuntimeError(f"batch {b}: not every request was decoding after {steps} steps")
+            for _ in range(num_iters_warmup):
+                core.step()
+            scheduler = core.scheduler
+            if len(scheduler.running) != b or scheduler.waiting:
+                raise RuntimeError(
+                    f"batch {b}: {len(scheduler.running)} running and {len(scheduler.waiting)} waiting "
+                    "before timing; the KV cache may be too small for this batch"
+                )
+            times_ms = []
+            for _ in range(num_iters):
+                start = time.perf_counter()
+                core.step()
+                times_ms.append((time.perf_counter() - start) * 1e3)
+            core.abort_requests([r.request_id for r in requests])
+            ordered = sorted(times_ms)
+            results[str(b)] = {
+                "batch_size": b,
+                "context_len": input_len,
+                "mean_ms": statistics.fmean(times_ms),
+                "median_ms": statistics.median(times_ms),
+                "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+                "min_ms": ordered[0],
+                "max_ms": ordered[-1],
+                "step_ms": times_ms,
+            }
+    finally:
+        core.shutdown()
+    return results
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(args.batch_size)
+    engine_args = engine_args_from_cli(args)
+    engine = describe_engine(engine_args)
+    result: dict[str, Any] = {
+        "benchmark": "latency",
+        **provenance(),
+        "engine": engine,
+        "input_len": args.input_len,
+        "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup,
+    }
+    bandwidth = None
+    if engine["device"] == "cuda" and not args.no_roofline:
+        from engine.benchmarks.roofline import measure_copy_bandwidth
+
+        bandwidth = measure_copy_bandwidth()
+        result["copy_bandwidth_GBps"] = bandwidth / 1e9
+    per_batch = run_decode_latency(
+        engine_args, args.batch_size, args.input_len, args.num_iters, args.num_iters_warmup, args.seed
+    )
+    if bandwidth is not None:
+        import torch
+
+        from engine.benchmarks.roofline import (
+            count_model_bytes,
+            decode_step_floor_seconds,
+        )
+
+        config = engine_args.create_engine_config()
+        model_bytes = count_model_bytes(config.model_config, getattr(torch, engine["dtype"]))
+        for entry in per_batch.values():
+            floor = decode_step_floor_seconds(entry["batch_size"], args.input_len, model_bytes, bandwidth)
+            entry["floor_ms"] = floor * 1e3
+    result["decode_latency"] = per_batch
+    for b, entry in per_batch.items():
+        floor = f", floor {entry['floor_ms']:.3f} ms" if "floor_ms" in entry else ""
+        print(
+            f"batch {b:>4} ctx {args.input_len}: mean {entry['mean_ms']:.3f} ms, median {entry['median_ms']:.3f} ms, "
+            f"p90 {entry['p90_ms']:.3f} ms per decode step{floor}"
+        )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

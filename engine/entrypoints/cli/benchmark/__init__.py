@@ -1,0 +1,1 @@
+"""``glassbox bench`` sub-commands (vLLM twin: ``vllm/entrypoints/cli/benchmark/``). Sessions: 06."""
