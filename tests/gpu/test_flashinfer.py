@@ -2,7 +2,8 @@
 
 Marked ``gpu`` (skipped without CUDA); every test also skips when the
 ``flashinfer`` package is absent (``scripts/gpu_run.sh`` installs it from
-``.whlfi/``, so on the GPU machine they run).
+``.gpu_carry/fi_site.tar.xz``, built by ``scripts/pack_gpu_wheels.sh``; the run
+prints whether flashinfer imported, so a silent skip shows in its log).
 
   * kernels: batches scattered over random, non-contiguous blocks of a cache
     full of noise, through ``FlashInferMetadataBuilder.build`` (plan) and

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Build what a GPU call carries (the GPU image has no network and lacks these):
+#   .whl/                     msgspec + pyzmq wheels (cp312, ~1 MB)
+#   .gpu_carry/fi_site.tar.xz flashinfer-python 0.7.2.post1 + apache-tvm-ffi 0.1.11, unpacked
+#                             and xz-compressed (19 MB; the wheels themselves are 62 MB and
+#                             with the tree would pass the 64 MiB carry limit)
+# Both folders are git-ignored through .git/info/exclude. Then:
+#   device run, carry [".whl", ".gpu_carry"], command: OUT=$OUT bash scripts/gpu_run.sh all
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+grep -qx '/.gpu_carry/' .git/info/exclude || echo '/.gpu_carry/' >> .git/info/exclude
+dl() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
+}
+dl .whl msgspec==0.23.0 pyzmq==27.1.0
+tmp=$(mktemp -d)
+dl "$tmp/wheels" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.11
+mkdir -p "$tmp/site" .gpu_carry
+for w in "$tmp"/wheels/*.whl; do (cd "$tmp/site" && python3 -m zipfile -e "$w" .); done
+tar -C "$tmp/site" -cf - . | xz -6 -T0 > .gpu_carry/fi_site.tar.xz
+rm -rf "$tmp"
+du -sh .whl .gpu_carry
