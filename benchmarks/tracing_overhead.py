@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", action="store_true",
                         help="also time LEVEL-hooks (the hooks run, Tracer.emit is a no-op: "
                              "the hooks' own work) and, on CUDA, LEVEL-nosync "
-                             "(torch.cuda.synchronize a no-op: what runner.forward's costs)")
+                             "(torch.cuda.synchronize a no-op; runner.forward now times with CUDA "
+                             "events and no longer synchronizes, so this should match LEVEL)")
     parser.add_argument("--out", help="write the results JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

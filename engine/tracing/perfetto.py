@@ -192,8 +192,14 @@ class _Builder:
     def _runner(self) -> None:
         for e in self.events:
             if e["kind"] == "runner.forward":
-                end = self.us(e["ts"])
-                start = end - e["duration_ns"] / 1000.0
+                # start_ts (launch time) when recorded: on CUDA the event is
+                # written after sampling, so ts is later than the forward's end.
+                if "start_ts" in e:
+                    start = self.us(e["start_ts"])
+                    end = start + e["duration_ns"] / 1000.0
+                else:
+                    end = self.us(e["ts"])
+                    start = end - e["duration_ns"] / 1000.0
                 self.add_slice(
                     e["pid"], TID_RUNNER, start, end, "forward",
                     {"step": e.get("step"), "num_tokens": e.get("num_tokens"),

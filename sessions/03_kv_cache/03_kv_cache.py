@@ -725,7 +725,7 @@ print(f"2-D weights in the live model's decoder layers: {layer_weights:,}; "
 # exactly the 496-token hit above). The rounds alternate A and B, so each
 # prompt is measured both ways. Each prefill runs alone in its step, so that
 # step's `runner.forward` event (the model's forward plus the LM head, timed
-# by the runner; on CUDA after a synchronize) is that prefill's time. CPU
+# by the runner; on CUDA with CUDA events) is that prefill's time. CPU
 # timings on a shared machine are noisy: we take medians, and the ratio
 # matters more than the absolute numbers.
 

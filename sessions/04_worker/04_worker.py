@@ -675,7 +675,7 @@ print(f"eager minus graphs at batch 1, spread over our {n_ops} launches: ~{(eage
 # On CUDA the notebook measures the same thing with the default model: two
 # engines (graphs; `enforce_eager=True`), pure decode steps of 1, 13 and 16
 # requests, each step's `runner.forward` time from the trace (forward plus LM
-# head, after a synchronize) — and the padding the runner actually applied
+# head, GPU time between CUDA events) — and the padding the runner actually applied
 # (`num_tokens_padded`). On a CPU there is nothing to measure: no graphs.
 
 # %%

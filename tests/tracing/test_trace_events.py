@@ -233,6 +233,8 @@ def test_runner_and_sampler_events(real_run):
     sched = {e["step"]: e for e in k["sched.step"]}
     updates = {e["step"]: e for e in k["sched.update"]}
     forwards = {e["step"]: e for e in k["runner.forward"]}
+    for f in forwards.values():  # launched before it was written, and took some time
+        assert 0 < f["start_ts"] <= f["ts"] and f["duration_ns"] > 0
     sampled = defaultdict(list)
     for e in k["sampler.sampled"]:
         sampled[e["step"]].append(e)

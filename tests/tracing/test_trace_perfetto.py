@@ -147,6 +147,23 @@ def test_export_of_a_real_run_is_valid(scenario_trace, tmp_path):
     assert sum(f["name"] == "output" for f in flows) == outputs
 
 
+def test_forward_slice_is_placed_by_start_ts_when_present():
+    """On CUDA ``runner.forward`` is written after sampling; its slice starts at ``start_ts``."""
+    base = 1_000_000_000_000
+    events = [
+        {"ts": base + 9_000_000, "pid": 1, "seq": 1, "kind": "runner.forward", "step": 1,
+         "duration_ns": 2_000_000, "num_tokens": 4, "num_logits": 4, "start_ts": base + 1_000_000},
+        {"ts": base + 20_000_000, "pid": 1, "seq": 2, "kind": "runner.forward", "step": 2,
+         "duration_ns": 3_000_000, "num_tokens": 4, "num_logits": 4},
+    ]
+    doc = build_perfetto(events)
+    slices = sorted(
+        (ev for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["name"] == "forward"),
+        key=lambda ev: ev["ts"],
+    )
+    assert [(s["ts"] - slices[0]["ts"], s["dur"]) for s in slices] == [(0, 2000), (16000, 3000)]
+
+
 def test_kv_counter_adds_up_to_the_usable_pool(scenario_trace):
     doc = build_perfetto(load_trace(scenario_trace))
     kv = [ev for ev in doc["traceEvents"] if ev["ph"] == "C" and ev["name"] == "KV cache blocks"]

@@ -245,7 +245,7 @@ def test_hooks_pass_plain_values_that_stay_put_until_written(tiny_model_dir, tmp
             run_scenario(engine, real_model=True)
         finally:
             engine.shutdown()
-        clock = ("ts", "arrival_time", "duration_ns")
+        clock = ("ts", "arrival_time", "duration_ns", "start_ts")
         runs[name] = [{k: v for k, v in e.items() if k not in clock} for e in load_trace(trace)]
     assert not bad, sorted(set(bad))
     assert runs["at-once"] == runs["buffered"]

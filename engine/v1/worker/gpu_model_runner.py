@@ -74,6 +74,18 @@ class ExecuteModelState:
     discard_rows: list[int]
 
 
+@dataclass
+class PendingForwardTrace:
+    """A traced forward whose duration is read after the step's sync (CUDA only)."""
+
+    step: int
+    start_ts: int  # wall clock (time.time_ns) at launch
+    start_event: torch.cuda.Event
+    end_event: torch.cuda.Event
+    num_tokens: int
+    num_logits: int
+
+
 class GPUModelRunner:
     def __init__(
         self, glassbox_config: GlassboxConfig, device: torch.device, tracer: Tracer = NULL_TRACER
@@ -96,6 +108,8 @@ class GPUModelRunner:
         )
         self.sampler = Sampler(tracer=tracer)
         self.execute_model_state: ExecuteModelState | None = None
+        # Tracing on CUDA: the forward's timing, emitted once sampling has synced.
+        self._pending_forward_trace: PendingForwardTrace | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attn_metadata_builder = None
@@ -330,7 +344,7 @@ class GPUModelRunner:
         mode, batch_desc = self._step_cudagraph
         cudagraph_mode = mode.name
         if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, logits_indices, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
-        forward_start_ns = time.perf_counter_ns() if self.tracer.lifecycle else 0
+        forward_timer = self._start_forward_timer() if self.tracer.lifecycle else None
         if mode == CUDAGraphMode.FULL:
             # Replay: the graph reads this step's values from the buffers.
             graph, graph_hidden = self.cudagraphs[batch_desc]
@@ -345,7 +359,7 @@ class GPUModelRunner:
             ):
                 hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
         logits = self.model.compute_logits(hidden_states[logits_indices])
-        if self.tracer.lifecycle: self._trace_forward(scheduler_output.step, forward_start_ns, num_tokens, logits)  # noqa: E701
+        if self.tracer.lifecycle: self._trace_forward(scheduler_output.step, forward_timer, num_tokens, logits)  # noqa: E701
         self.execute_model_state = ExecuteModelState(
             scheduler_output, logits, list(self.input_batch.req_ids), discard_rows
         )
@@ -370,7 +384,8 @@ class GPUModelRunner:
             else None
         )
         sampler_output = self.sampler(state.logits, metadata, trace_req_ids=trace_req_ids)
-        sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()
+        sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()  # waits for the device
+        if self._pending_forward_trace is not None: self._emit_pending_forward_trace()  # noqa: E701
         logprobs = (
             sampler_output.logprobs_tensors.tolists()
             if sampler_output.logprobs_tensors is not None
@@ -466,20 +481,52 @@ class GPUModelRunner:
                 ),
             )
 
-    def _trace_forward(
-        self, step: int, start_ns: int, num_tokens: int, logits: torch.Tensor
-    ) -> None:
-        """``runner.forward``: wall time of the model call plus ``compute_logits``.
+    def _start_forward_timer(self) -> tuple[int, int, torch.cuda.Event | None]:
+        """(wall-clock ns, perf-counter ns, CUDA start event or None) at launch."""
+        start_event = None
+        if self.device.type == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        return time.time_ns(), time.perf_counter_ns(), start_event
 
-        On CUDA the clock is read after a synchronize, so the time is the
-        device's; it costs nothing extra because sampling syncs right after.
+    def _trace_forward(
+        self,
+        step: int,
+        timer: tuple[int, int, torch.cuda.Event | None],
+        num_tokens: int,
+        logits: torch.Tensor,
+    ) -> None:
+        """``runner.forward``: time of the model call plus ``compute_logits``.
+
+        On CPU the host clock is the device clock: emit now. On CUDA the
+        launches return before the GPU is done, and a synchronize here would
+        stop the host from preparing sampling while the GPU works (it cost
+        several percent of a small model's step). So a pair of CUDA events
+        brackets the forward, and the event is emitted by ``sample_tokens``
+        after its ``.tolist()`` has waited for the device anyway.
         """
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
-        duration_ns = time.perf_counter_ns() - start_ns
+        start_ts, start_perf_ns, start_event = timer
+        if start_event is None:
+            self.tracer.emit(
+                "runner.forward", step=step, duration_ns=time.perf_counter_ns() - start_perf_ns,
+                num_tokens=num_tokens, num_logits=int(logits.shape[0]), start_ts=start_ts,
+            )
+            return
+        end_event = torch.cuda.Event(enable_timing=True)
+        end_event.record()
+        self._pending_forward_trace = PendingForwardTrace(
+            step, start_ts, start_event, end_event, num_tokens, int(logits.shape[0])
+        )
+
+    def _emit_pending_forward_trace(self) -> None:
+        pending, self._pending_forward_trace = self._pending_forward_trace, None
+        assert pending is not None
+        pending.end_event.synchronize()  # already complete: sampling's copy waited
+        duration_ns = int(pending.start_event.elapsed_time(pending.end_event) * 1e6)  # ms -> ns
         self.tracer.emit(
-            "runner.forward", step=step, duration_ns=duration_ns, num_tokens=num_tokens,
-            num_logits=int(logits.shape[0]),
+            "runner.forward", step=pending.step, duration_ns=duration_ns,
+            num_tokens=pending.num_tokens, num_logits=pending.num_logits,
+            start_ts=pending.start_ts,
         )
 
     # ------------------------------------------------------------------
