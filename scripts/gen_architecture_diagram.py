@@ -37,6 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# The source map's own row anchors (this script runs from scripts/, next to it),
+# so a box's link and the row it points at cannot drift apart.
+from gen_source_map import anchor
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -47,10 +51,6 @@ BEGIN, END = "<!-- timings:begin (scripts/gen_architecture_diagram.py) -->", "<!
 # Links from the SVG (in docs/images/) into the source map (in docs/).
 MAP = "../source_map.md"
 QUESTION = "Name one primary colour."
-
-
-def anchor(module: str) -> str:
-    return module.replace("/", "-").replace(".", "-")
 
 
 # ---------------------------------------------------------------------------

@@ -380,7 +380,6 @@ class _Live:
     tl: RequestTimeline
     cursor: int = 0
     num_output: int = 0
-    status: str = "WAITING"
     ever_preempted: bool = False
     pending_hit: dict[str, Any] | None = None
     allocated: dict[int, list[int]] = field(default_factory=dict)  # step -> new block ids
@@ -498,7 +497,6 @@ def _build_timelines(
             tl = lv.tl
             resumed = bool(e.get("resumed")) or lv.ever_preempted
             lv.cursor = e["num_computed_tokens"]
-            lv.status = "RUNNING"
             running.add(rid)
             hit = lv.pending_hit
             lv.pending_hit = None
@@ -519,7 +517,6 @@ def _build_timelines(
             tl.events.append(LifecycleEvent(step, "resumed" if resumed else "admitted", text))
         elif kind == "sched.preempted" and lv is not None:
             tl = lv.tl
-            lv.status = "PREEMPTED"
             running.discard(rid)
             lv.ever_preempted = True
             tl.num_preemptions += 1
@@ -605,7 +602,7 @@ def _build_timelines(
                 lvr.tl.output_tokens.extend((step, t) for t in tokens)
         elif kind == "sched.finished" and lv is not None:
             tl = lv.tl
-            lv.status = e.get("status", "FINISHED")
+            status = e.get("status", "FINISHED")
             running.discard(rid)
             tl.finished_step = step
             tl.finish_reason = e.get("finish_reason")
@@ -616,7 +613,7 @@ def _build_timelines(
                 LifecycleEvent(
                     step,
                     "finished",
-                    f"finished: {_finish_text(lv.status, tl.finish_reason)} after {num_output} "
+                    f"finished: {_finish_text(status, tl.finish_reason)} after {num_output} "
                     f"output token{'s' if num_output != 1 else ''}; its blocks go back to the pool",
                 )
             )

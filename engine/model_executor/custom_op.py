@@ -30,6 +30,7 @@ Simpler than vLLM:
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -59,8 +60,9 @@ def _disabled_op_names() -> set[str]:
     return names
 
 
-class CustomOp(nn.Module):
-    """Base class: subclasses implement ``forward_native`` and ``forward_cuda``."""
+class CustomOp(nn.Module, ABC):
+    """Base class: subclasses must implement ``forward_native`` and ``forward_cuda``
+    (an op with no kernel of its own says so by returning ``forward_native``)."""
 
     # Set by ``CustomOp.register``.
     name: str
@@ -73,12 +75,13 @@ class CustomOp(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward_method(*args, **kwargs)
 
+    @abstractmethod
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:
         """Plain torch: the reference every other implementation is tested against."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forward_cuda(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """Fused kernels (``engine/_custom_ops.py``), same maths as ``forward_native``."""
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
         # No CPU kernels of our own: the torch ops already run vectorised there.

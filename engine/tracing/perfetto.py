@@ -103,6 +103,12 @@ class _Builder:
     def us(self, ts_ns: int) -> float:
         return (ts_ns - self.t0) / 1000.0
 
+    def span_before(self, e: dict[str, Any]) -> tuple[float, float]:
+        """(start, end) in µs of the work an event reports when it ends: it
+        was emitted at ``ts``, ``duration_ns`` after the work began."""
+        end = self.us(e["ts"])
+        return end - e.get("duration_ns", 0) / 1000.0, end
+
     def async_id(self, layer: str, request_id: str) -> int:
         key = (layer, request_id)
         if key not in self.async_ids:
@@ -153,10 +159,8 @@ class _Builder:
             sched, update = parts.get("sched.step"), parts.get("sched.update")
             children = []
             if sched is not None:
-                end = self.us(sched["ts"])
-                start = end - sched.get("duration_ns", 0) / 1000.0
                 children.append(
-                    [start, end, "schedule()", {
+                    [*self.span_before(sched), "schedule()", {
                         "num_scheduled_tokens": sched["num_scheduled_tokens"],
                         "new": sched.get("new_req_ids"),
                         "resumed": sched.get("resumed_req_ids"),
@@ -165,10 +169,8 @@ class _Builder:
                     }]
                 )
             if update is not None:
-                end = self.us(update["ts"])
-                start = end - update.get("duration_ns", 0) / 1000.0
                 children.append(
-                    [start, end, "update_from_output()", {
+                    [*self.span_before(update), "update_from_output()", {
                         "new_token_ids": update["new_token_ids"],
                         "finished": update.get("finished"),
                     }]
@@ -198,24 +200,21 @@ class _Builder:
                     start = self.us(e["start_ts"])
                     end = start + e["duration_ns"] / 1000.0
                 else:
-                    end = self.us(e["ts"])
-                    start = end - e["duration_ns"] / 1000.0
+                    start, end = self.span_before(e)
                 self.add_slice(
                     e["pid"], TID_RUNNER, start, end, "forward",
                     {"step": e.get("step"), "num_tokens": e.get("num_tokens"),
                      "duration_ms": e["duration_ns"] / 1e6},
                 )
             elif e["kind"] in ("runner.batch", "runner.init", "runner.inputs", "sampler.sampled"):
-                args = {k: v for k, v in e.items() if k not in ("ts", "pid", "seq", "kind")}
-                self._instant(e, TID_RUNNER, e["kind"], args)
+                self._instant(e, TID_RUNNER, e["kind"], _event_args(e))
 
     def _kv_instants(self) -> None:
         for e in self.events:
             k = e["kind"]
             if k.startswith("kv.") or k in ("engine.config", "sched.preempted"):
-                args = {key: v for key, v in e.items() if key not in ("ts", "pid", "seq", "kind")}
                 tid = TID_KV if k.startswith("kv.") else TID_SCHEDULER
-                self._instant(e, tid, k, args)
+                self._instant(e, tid, k, _event_args(e))
 
     def _instant(self, e: dict[str, Any], tid: int, name: str, args: dict[str, Any]) -> None:
         self.threads_used.add((e["pid"], tid))
@@ -408,8 +407,7 @@ class _Builder:
     def _api(self) -> None:
         for e in self.events:
             if e["kind"].startswith("api."):
-                args = {k: v for k, v in e.items() if k not in ("ts", "pid", "seq", "kind")}
-                self._instant(e, TID_API, e["kind"], args)
+                self._instant(e, TID_API, e["kind"], _event_args(e))
 
     # -- slices (with the point slices flows bind to) -----------------------------
     def _emit_slices(self) -> None:
@@ -455,6 +453,11 @@ class _Builder:
                                                     if e["ph"] in ("b", "e", "n", "C", "s", "f")}):
             self.out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                              "args": {"name": _THREAD_NAMES.get(tid, f"track {tid}")}})
+
+
+def _event_args(event: dict[str, Any]) -> dict[str, Any]:
+    """An event's own fields (every field but the envelope), as instant args."""
+    return {k: v for k, v in event.items() if k not in ("ts", "pid", "seq", "kind")}
 
 
 def _request_ids(event: dict[str, Any]) -> list[str]:

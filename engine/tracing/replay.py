@@ -150,11 +150,9 @@ class TraceReplay:
         """One pass over the trace: checks it, keeps the snapshots and the final state."""
         self._snapshots: dict[int, EngineState] = {}
         state = EngineState()
-        interval, state_events = self.snapshot_interval, self._state_events
+        interval = self.snapshot_interval
         for step in self.steps:
-            for e in state_events.get(step, ()):
-                state.apply(e)
-            state.step = step
+            self._advance(state, step)
             if step % interval == 0:
                 self._snapshots[step] = state.copy()
         self._final = state
@@ -185,10 +183,14 @@ class TraceReplay:
         base = step - step % self.snapshot_interval
         state = self._snapshots[base].copy()
         for s in range(base + 1, step + 1):
-            for e in self._state_events.get(s, ()):
-                state.apply(e)
-            state.step = s
+            self._advance(state, s)
         return state
+
+    def _advance(self, state: EngineState, step: int) -> None:
+        """Apply ``step``'s state events to ``state`` (the state after ``step - 1``)."""
+        for e in self._state_events.get(step, ()):
+            state.apply(e)
+        state.step = step
 
     def events_at(self, step: int) -> list[dict[str, Any]]:
         """Every event of ``step``, from every process, in time order."""
@@ -278,9 +280,7 @@ class TraceReplay:
         yielded object is reused: copy it to keep it)."""
         state = EngineState()
         for step in self.steps:
-            for e in self._state_events.get(step, ()):
-                state.apply(e)
-            state.step = step
+            self._advance(state, step)
             yield state
 
     @property

@@ -38,26 +38,6 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-# Kinds whose effect on the state is applied, in the scheduler process's order.
-STATE_KINDS = frozenset(
-    {
-        "engine.config",
-        "kv.init",
-        "kv.touched",
-        "kv.allocated",
-        "kv.cached",
-        "kv.evicted",
-        "kv.freed",
-        "kv.cache_reset",
-        "sched.queued",
-        "sched.admitted",
-        "sched.preempted",
-        "sched.step",
-        "sched.update",
-        "sched.finished",
-    }
-)
-
 WAITING, RUNNING, PREEMPTED = "WAITING", "RUNNING", "PREEMPTED"
 
 
@@ -221,29 +201,22 @@ class EngineState:
         position = None
         if self._in_free_queue(block_id):
             position = self.free_queue.index(block_id)
+        return self._block_view(block_id, position)
+
+    @property
+    def blocks(self) -> list[ReplayBlock]:
+        positions = {b: i for i, b in enumerate(self.free_queue)}
+        return [self._block_view(i, positions.get(i)) for i in range(self.num_blocks)]
+
+    def _block_view(self, block_id: int, free_queue_position: int | None) -> ReplayBlock:
         return ReplayBlock(
             block_id=block_id,
             ref_cnt=self.ref_cnt[block_id],
             block_hash=self.block_hash[block_id],
             owners=self.owners[block_id],
             is_null=block_id == self.null_block_id,
-            free_queue_position=position,
+            free_queue_position=free_queue_position,
         )
-
-    @property
-    def blocks(self) -> list[ReplayBlock]:
-        positions = {b: i for i, b in enumerate(self.free_queue)}
-        return [
-            ReplayBlock(
-                block_id=i,
-                ref_cnt=self.ref_cnt[i],
-                block_hash=self.block_hash[i],
-                owners=self.owners[i],
-                is_null=i == self.null_block_id,
-                free_queue_position=positions.get(i),
-            )
-            for i in range(self.num_blocks)
-        ]
 
     @property
     def kv_cache_usage(self) -> float:
@@ -393,8 +366,7 @@ class EngineState:
     def _enqueue(self, rid: str, front: bool) -> None:
         if self.policy == "priority":
             # The heap's pop order: (priority, arrival_time, request_id).
-            req = self.requests[rid]
-            key = (req.priority, req.arrival_time, rid)
+            key = self._priority_key(rid)
             keys = [self._priority_key(r) for r in self.waiting]
             self.waiting.insert(bisect.bisect_right(keys, key), rid)
         elif front:
@@ -485,6 +457,9 @@ _HANDLERS = {
     "sched.update": EngineState._on_update,
     "sched.finished": EngineState._on_finished,
 }
+
+# Kinds whose effect on the state is applied, in the scheduler process's order.
+STATE_KINDS = frozenset(_HANDLERS)
 
 
 def _copy_request(r: ReplayRequest) -> ReplayRequest:

@@ -13,21 +13,26 @@ so this module stays torch-free.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
+class KVCacheSpec(ABC):
+    """One layer's KV cache format; each attention type subclasses it."""
+
     block_size: int
 
     @property
+    @abstractmethod
     def page_size_bytes(self) -> int:
-        raise NotImplementedError
+        """Bytes one block of ``block_size`` tokens takes in this layer."""
 
+    @abstractmethod
     def max_memory_usage_bytes(self, max_model_len: int) -> int:
-        raise NotImplementedError
+        """Bytes this layer's cache needs for one request of ``max_model_len`` tokens."""
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,11 @@
 #
 # The table below is computed, not typed: vLLM's line numbers come from the
 # symbol index committed in `docs/data/vllm_twins_52a31cc.json` (extracted
-# from vLLM at `52a31cc`), Glassbox's from parsing our own source right now.
+# from vLLM at `52a31cc`), Glassbox's from parsing our own source right now
+# (`reading_table` in `sessions/lab.py`, shared by the session notebooks).
 
 # %%
-import ast
-import json
+import sys
 from pathlib import Path
 
 from IPython.display import Markdown, display
@@ -63,60 +63,8 @@ from IPython.display import Markdown, display
 import engine
 
 REPO = Path(engine.__file__).resolve().parent.parent
-VLLM_SYMBOLS = json.loads((REPO / "docs/data/vllm_twins_52a31cc.json").read_text())
-
-
-def vllm_line(path: str, dotted: str) -> int | None:
-    """Line of ``Class.method`` (or ``Class.method.inner``) in vLLM at 52a31cc."""
-    entry = VLLM_SYMBOLS[path]
-    if "qualified" in entry:  # the index lists qualified names directly
-        return entry["qualified"].get(dotted)
-    # Older index: bare names -> every line that defines them; a method is the
-    # first definition after its class's line and before the next class.
-    symbols = entry["symbols"]
-    parts = dotted.split(".")
-    if parts[0] not in symbols:
-        return None
-    line = min(symbols[parts[0]])
-    class_starts = sorted(min(v) for k, v in symbols.items() if k[:1].isupper())
-    end = next((s for s in class_starts if s > line), 10**9)
-    for part in parts[1:]:
-        after = [n for n in symbols.get(part, []) if line < n < end]
-        if not after:
-            return None
-        line = min(after)
-    return line
-
-
-def our_line(path: str, dotted: str) -> int | None:
-    """Line of ``Class.method`` (nested functions too) in our source."""
-    node: ast.AST = ast.parse((REPO / path).read_text())
-    for part in dotted.split("."):
-        node = next(
-            (
-                n
-                for n in ast.walk(node)
-                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.name == part
-                and n is not node
-            ),
-            None,
-        )
-        if node is None:
-            return None
-    return node.lineno
-
-
-def reading_table(files: dict[str, list[str]]) -> str:
-    rows = ["| vLLM file | symbol | vLLM line | Glassbox twin | our line |", "|---|---|--:|---|--:|"]
-    for vpath, names in files.items():
-        gpath = "engine/" + vpath.removeprefix("vllm/")
-        for name in names:
-            v, g = vllm_line(vpath, name), our_line(gpath, name)
-            rows.append(
-                f"| `{vpath}` | `{name}` | {v if v else '—'} | `{gpath}` | {g if g else '—'} |"
-            )
-    return "\n".join(rows)
+sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
+from lab import reading_table, vllm_line  # noqa: E402
 
 
 SESSION_FILES = {

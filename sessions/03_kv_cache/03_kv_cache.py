@@ -57,11 +57,10 @@
 #
 # The table below is computed: vLLM's lines come from `docs/data/vllm_twins_52a31cc.json`
 # (extracted from vLLM at `52a31cc` by `scripts/gen_source_map.py`), ours from
-# parsing the Glassbox source as it is now.
+# parsing the Glassbox source as it is now (`reading_table` in `sessions/lab.py`,
+# shared by the session notebooks).
 
 # %%
-import ast
-import json
 import os
 import sys
 from pathlib import Path
@@ -79,38 +78,8 @@ os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"] = "0"
 import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
-VLLM = json.loads((REPO / "docs/data/vllm_twins_52a31cc.json").read_text())
-
-
-def our_line(path: str, dotted: str) -> int | None:
-    """Where ``Class.method`` / ``NAME`` is defined in our source, now."""
-    body = ast.parse((REPO / path).read_text()).body
-    line = None
-    for part in dotted.split("."):
-        node = next(
-            (
-                n
-                for n in body
-                if (isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == part)
-                or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == part for t in n.targets))
-            ),
-            None,
-        )
-        if node is None:
-            return None
-        line, body = node.lineno, getattr(node, "body", [])
-    return line
-
-
-def reading_table(files: dict[str, list[str]]) -> str:
-    rows = ["| vLLM file | name | vLLM line | Glassbox twin | our line |", "|---|---|--:|---|--:|"]
-    for vpath, names in files.items():
-        gpath = "engine/" + vpath.removeprefix("vllm/")
-        for name in names:
-            v = VLLM[vpath]["qualified"].get(name)
-            g = our_line(gpath, name)
-            rows.append(f"| `{vpath}` | `{name}` | {v or '—'} | `{gpath}` | {g or '—'} |")
-    return "\n".join(rows)
+sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
+from lab import reading_table, vllm_line  # noqa: E402
 
 
 SESSION_FILES = {
@@ -157,7 +126,7 @@ for item in gen_source_map.STALE:
         continue
     path, name, approx = item["old"]
     said = f"{path}" + (f" {name}" if name else "") + (f" (~line {approx})" if approx else "")
-    now = ", ".join(f"{p}:{VLLM[p]['qualified'][q]} {q}" for p, q in item["now"])
+    now = ", ".join(f"{p}:{vllm_line(p, q)} {q}" for p, q in item["now"])
     print(f"seed says  {said}\n  {item['status']:>12}: {now}")
 
 # %% [markdown]
@@ -622,20 +591,11 @@ print(f"block 0 ever allocated or touched: {0 in ever_allocated}; "
 # were admitted.
 
 # %%
-import io
-
 import matplotlib
 
-matplotlib.use("Agg")  # draw off-screen; show() below hands the PNG to the notebook
+matplotlib.use("Agg")  # draw off-screen; show() (sessions/lab.py) hands the PNG to the notebook
 import matplotlib.pyplot as plt  # noqa: E402
-from IPython.display import Image  # noqa: E402
-
-
-def show(fig) -> None:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    display(Image(data=buffer.getvalue()))
+from lab import show  # noqa: E402
 
 
 used, free_cached, free_empty = [], [], []

@@ -56,7 +56,6 @@
 # | `vllm/v1/cudagraph_dispatcher.py`, `vllm/config/compilation.py` | which graph runs a batch; the graph modes and capture sizes |
 
 # %%
-import ast
 import json
 import os
 import sys
@@ -71,33 +70,8 @@ os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"] = "0"
 import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
-VLLM = json.loads((REPO / "docs/data/vllm_twins_52a31cc.json").read_text())
-
-
-def our_line(path: str, dotted: str) -> int | None:
-    """Where ``Class.method`` is defined in our source, now."""
-    body = ast.parse((REPO / path).read_text()).body
-    line = None
-    for part in dotted.split("."):
-        node = next(
-            (n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == part),
-            None,
-        )
-        if node is None:
-            return None
-        line, body = node.lineno, node.body
-    return line
-
-
-def reading_table(files: dict[str, list[str]]) -> str:
-    rows = ["| vLLM file | name | vLLM line | Glassbox twin | our line |", "|---|---|--:|---|--:|"]
-    for vpath, names in files.items():
-        gpath = "engine/" + vpath.removeprefix("vllm/")
-        for name in names:
-            v = VLLM[vpath]["qualified"].get(name)
-            g = our_line(gpath, name)
-            rows.append(f"| `{vpath}` | `{name}` | {v or '—'} | `{gpath}` | {g or '—'} |")
-    return "\n".join(rows)
+sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
+from lab import reading_table, vllm_line  # noqa: E402
 
 
 SESSION_FILES = {
@@ -138,7 +112,7 @@ for item in gen_source_map.STALE:
         continue
     path, name, approx = item["old"]
     said = f"{path}" + (f" {name}" if name else "")
-    now = "\n               ".join(f"{p}:{VLLM[p]['qualified'][q]} {q}" for p, q in item["now"])
+    now = "\n               ".join(f"{p}:{vllm_line(p, q)} {q}" for p, q in item["now"])
     print(f"seed says  {said}\n  {item['status']:>9}: {now}")
 
 # %% [markdown]
@@ -522,20 +496,11 @@ print(f"throughput (nano-vllm workload): {gpu['throughput_cudagraphs']['tokens_p
       f"{gpu['throughput_eager']['tokens_per_s']:.0f} tok/s eager")
 
 # %%
-import io
-
 import matplotlib
 
-matplotlib.use("Agg")  # draw off-screen; show() below hands the PNG to the notebook
+matplotlib.use("Agg")  # draw off-screen; show() (sessions/lab.py) hands the PNG to the notebook
 import matplotlib.pyplot as plt  # noqa: E402
-from IPython.display import Image  # noqa: E402
-
-
-def show(fig) -> None:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    display(Image(data=buffer.getvalue()))
+from lab import show  # noqa: E402
 
 
 sizes = sorted(graph_ms)

@@ -33,10 +33,8 @@ import pytest
 import torch
 
 from engine.v1.attention.backend import CommonAttentionMetadata
-from engine.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
+from tests.helpers.attention_batches import cpu_attn_fp32, scatter_requests
+from tests.helpers.hf_checkpoints import random_prompts, save_random_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -59,24 +57,11 @@ def make_batch(contexts, *, H, H_KV, D, BS, dtype, seed=0, pad_reqs=0, max_block
     """contexts: per request (num_cached_tokens, num_new_tokens). ``pad_reqs``
     padding requests (one token each, slot -1, seq_len 0) as for a CUDA-graph
     decode batch padded to its captured size."""
-    g = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    needed = sum(-(-(c + n) // BS) for c, n in contexts)
-    num_blocks = needed + 8
-    kv_cache = torch.randn(2, num_blocks, BS, H_KV, D, generator=g).to(dtype)
-    free = list(range(1, num_blocks))  # block 0 is the null block
-    rng.shuffle(free)
-    tables, slots = [], []
-    for cached, new in contexts:
-        blocks = [free.pop() for _ in range(-(-(cached + new) // BS))]
-        tables.append(blocks)
-        slots += [blocks[p // BS] * BS + p % BS for p in range(cached, cached + new)]
-    slots += [-1] * pad_reqs
+    kv_cache, tables, slots, q, k, v = scatter_requests(
+        contexts, H=H, H_KV=H_KV, D=D, BS=BS, dtype=dtype, device=DEVICE, seed=seed,
+        num_pad_slots=pad_reqs,
+    )
     num_tokens = len(slots)
-    # q, k, v as column slices of one fused projection (non-contiguous rows).
-    qkv = torch.randn(num_tokens, (H + 2 * H_KV) * D, generator=g).to(dtype).to(DEVICE)
-    q, k, v = qkv.split([H * D, H_KV * D, H_KV * D], dim=-1)
-    q, k, v = q.view(num_tokens, H, D), k.view(num_tokens, H_KV, D), v.view(num_tokens, H_KV, D)
     num_reqs = len(contexts) + pad_reqs
     width = max_blocks or max(len(t) for t in tables)
     block_table = torch.zeros(num_reqs, width, dtype=torch.int32)
@@ -114,16 +99,7 @@ def reference(b):
         max_query_len=c.max_query_len, max_seq_len=c.max_seq_len,
         block_table_tensor=c.block_table_tensor[:r], slot_mapping=c.slot_mapping[:n_real],
     )
-    cache = b.kv_cache.float().clone()
-    out = torch.empty(n_real, b.H, b.D, device=DEVICE)
-    md = CPUAttentionMetadataBuilder(b.BS, DEVICE).build(common)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH):
-        CPUAttentionBackendImpl(b.H, b.D, b.D**-0.5, b.H_KV).forward(
-            None, b.q[:n_real].float(), b.k[:n_real].float(), b.v[:n_real].float(), cache, md, out
-        )
-    return out, cache
+    return cpu_attn_fp32(b, common)
 
 
 def layers(b, n=2):
@@ -299,22 +275,11 @@ def test_cuda_graph_decode_replay(fi, num_reqs):
 # ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama_head64(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, initializer_range=0.2,
-    )
-    path = tmp_path_factory.mktemp("tiny_llama_head64")
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return str(path)
+    return save_random_llama(tmp_path_factory.mktemp("tiny_llama_head64"), hidden_size=256, intermediate_size=512)
 
 
 def _prompts():
-    g = torch.Generator().manual_seed(1)
-    lengths = [3, 17, 64, 150, 300, 5, 40, 90]
-    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in lengths]
+    return random_prompts([3, 17, 64, 150, 300, 5, 40, 90])
 
 
 def _generate(model, backend, **kw):

@@ -10,28 +10,18 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers.hf_checkpoints import random_prompts, save_random_llama
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, initializer_range=0.2,
-    )
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return str(path)
+    return save_random_llama(tmp_path_factory.mktemp("tiny_llama"), hidden_size=128, intermediate_size=256)
 
 
 def _prompts(n=6, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    lengths = [3, 17, 64, 150, 300, 5][:n]
-    return [{"prompt_token_ids": torch.randint(3, 512, (L,), generator=g).tolist()} for L in lengths]
+    return random_prompts([3, 17, 64, 150, 300, 5][:n], seed)
 
 
 def _generate(model, device, dtype, **kw):

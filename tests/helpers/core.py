@@ -23,7 +23,6 @@ Keep functions general and backwards compatible: other test files rely on them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
 from dataclasses import dataclass
 
 from engine.config.cache import CacheConfig

@@ -10,6 +10,9 @@ Used by ``tests/entrypoints/test_generate_parity.py`` and
 * ``hf_greedy`` runs transformers' own ``generate(do_sample=False)`` on one
   prompt and returns the new token ids together with the log-softmax of the
   raw logits at every generated position -- the reference the engine must match.
+* ``save_random_llama`` / ``random_prompts``: a random Llama (vocab 512, no
+  tokenizer) and token-id prompts for ``tests/gpu/test_gpu_engine.py`` and
+  ``tests/gpu/test_flashinfer.py``.
 * ``default_model_path`` converts the embedded SmolLM2 at most once per test
   process, wherever several test modules ask for it.
 
@@ -67,6 +70,35 @@ def save_tiny_checkpoint(arch: str, path: Path, seed: int = 0) -> torch.nn.Modul
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     return model
+
+
+def save_random_llama(path: Path, *, hidden_size: int, intermediate_size: int) -> str:
+    """Save a random fp32 Llama for the GPU engine tests; return its folder.
+
+    2 layers, 4 query heads sharing 2 KV heads (head size = hidden_size / 4),
+    vocab 512 (no tokenizer: prompts are token ids), 1024 positions, weights
+    from ``torch.manual_seed(0)`` with initializer_range 0.2. Used by
+    ``tests/gpu/test_gpu_engine.py`` (hidden 128) and
+    ``tests/gpu/test_flashinfer.py`` (hidden 256: head size 64).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+def random_prompts(lengths: list[int], seed: int = 1) -> list[dict[str, list[int]]]:
+    """Token-id prompts of the given lengths, ids in [3, 512) (no specials),
+    drawn in order from one generator: the first n prompts do not depend on
+    how many follow."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in lengths]
 
 
 @dataclass

@@ -4,8 +4,8 @@ and the CustomOp dispatch (engine/model_executor/custom_op.py).
 Where the kernels run here: on the CPU, in Triton's NumPy interpreter, in a
 worker process started with ``TRITON_INTERPRET=1`` (Triton reads the variable
 when ``@triton.jit`` decorates a function, and in a full test run triton has
-already been imported in this process -- see the ``kernels`` fixture of
-tests/v1/attention/test_triton_attn.py, which this copies). Shapes are small
+already been imported in this process -- see
+tests/helpers/triton_interpret.py, shared with tests/v1/attention/test_triton_attn.py). Shapes are small
 and float32, tolerance 1e-5. The GPU versions of these checks (bf16 and fp32,
 real shapes, CUDA graphs) are in tests/gpu/test_custom_ops_gpu.py.
 
@@ -23,12 +23,7 @@ kernel for an H100/H200 in bf16, fp16 and fp32 without a GPU.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import subprocess
-import sys
 import textwrap
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -44,38 +39,16 @@ from engine.model_executor.layers.rotary_embedding import (
     Llama3RotaryEmbedding,
     RotaryEmbedding,
 )
+from tests.helpers.triton_interpret import interpreting_worker, run_without_interpreter
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-def _worker_interprets_triton() -> bool:
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from engine import _custom_ops as ops
-
-    return isinstance(tl.standard.zeros, InterpretedFunction) and isinstance(
-        ops._rms_norm_kernel, InterpretedFunction
-    )
 
 
 @pytest.fixture(scope="module")
 def kernels():
     """``kernels(check, *args)`` runs ``check(*args)`` in an interpreting worker."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        assert pool.submit(_worker_interprets_triton).result(timeout=300), "worker is not interpreting"
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    try:
-        yield lambda check, *args: pool.submit(check, *args).result(timeout=300)
-    finally:
-        pool.shutdown()
+    with interpreting_worker("engine._custom_ops", "_rms_norm_kernel") as run:
+        yield run
 
 
 def _norm(hidden: int, seed: int = 0) -> RMSNorm:
@@ -390,10 +363,5 @@ _COMPILE_SCRIPT = textwrap.dedent(
 def test_kernels_compile_for_sm90():
     """Lower every kernel to a cubin for sm_90 in a fresh process without
     TRITON_INTERPRET (in this process the kernels may be interpreted)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True,
-        text=True, timeout=300, check=False,
-    )
+    result = run_without_interpreter(_COMPILE_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]

@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.tiny_model import make_tiny_model_dir
+from tests.tracing.scenario import record_scenario
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tracing") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def full_real_scenario(tiny_model_dir, tmp_path_factory):
+    """The scripted run on the real tiny model at trace_level 'full', recorded
+    once for every test module that reads it: (trace path, outputs)."""
+    trace = str(tmp_path_factory.mktemp("scenario-full-real") / "run.jsonl")
+    return trace, record_scenario(tiny_model_dir, trace, "full", real_model=True)

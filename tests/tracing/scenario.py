@@ -122,6 +122,16 @@ def run_scenario(
     return finished
 
 
+def record_scenario(model_dir, trace_path: str, trace_level: str, real_model: bool = False):
+    """Run the scripted scenario on a fresh engine tracing to ``trace_path``;
+    returns ``run_scenario``'s outputs (the engine is shut down either way)."""
+    engine = make_engine(model_dir, trace_path, trace_level, real_model=real_model)
+    try:
+        return run_scenario(engine, real_model=real_model)
+    finally:
+        engine.shutdown()
+
+
 def assert_replay_matches_engine(state: EngineState, scheduler: Scheduler, label: str = "") -> None:
     """The replayed scheduler and KV state equals the live one, field by field."""
     where = f" ({label})" if label else ""

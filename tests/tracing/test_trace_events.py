@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from engine.tracing import load_trace
-from tests.tracing.scenario import BLOCK_SIZE, make_engine, run_scenario
+from tests.tracing.scenario import BLOCK_SIZE, record_scenario
 
 REQUIRED_KINDS = {
     "engine.config",
@@ -41,22 +41,13 @@ RUNNER_KINDS = {"runner.init", "runner.batch", "runner.forward", "sampler.sample
 @pytest.fixture(scope="module")
 def counting_run(tiny_model_dir, tmp_path_factory):
     trace = str(tmp_path_factory.mktemp("events") / "run.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "lifecycle")
-    try:
-        outputs = run_scenario(engine)
-    finally:
-        engine.shutdown()
+    outputs = record_scenario(tiny_model_dir, trace, "lifecycle")
     return load_trace(trace), outputs
 
 
 @pytest.fixture(scope="module")
-def real_run(tiny_model_dir, tmp_path_factory):
-    trace = str(tmp_path_factory.mktemp("events-real") / "run.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "full", real_model=True)
-    try:
-        outputs = run_scenario(engine, real_model=True)
-    finally:
-        engine.shutdown()
+def real_run(full_real_scenario):
+    trace, outputs = full_real_scenario
     return load_trace(trace), outputs
 
 

@@ -26,7 +26,6 @@ import pytest
 
 from engine.entrypoints.cli.main import main
 from engine.tracing import Tracer, build_perfetto, export_perfetto, load_trace
-from tests.tracing.scenario import make_engine, run_scenario
 
 REQUIRED = {
     "X": {"name", "ts", "dur", "pid", "tid"},
@@ -109,14 +108,8 @@ def validate_trace_events(doc: dict) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def scenario_trace(tiny_model_dir, tmp_path_factory):
-    trace = str(tmp_path_factory.mktemp("perfetto") / "run.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "full", real_model=True)
-    try:
-        run_scenario(engine, real_model=True)
-    finally:
-        engine.shutdown()
-    return trace
+def scenario_trace(full_real_scenario):
+    return full_real_scenario[0]
 
 
 def test_export_of_a_real_run_is_valid(scenario_trace, tmp_path):

@@ -15,7 +15,7 @@ from tests.helpers.engine_fixtures import ids
 from tests.tracing.scenario import (
     assert_replay_matches_engine,
     make_engine,
-    run_scenario,
+    record_scenario,
     scheduler_of,
 )
 
@@ -23,11 +23,7 @@ from tests.tracing.scenario import (
 @pytest.fixture(scope="module")
 def real_trace(tiny_model_dir, tmp_path_factory):
     trace = str(tmp_path_factory.mktemp("replay-model") / "run.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "lifecycle", real_model=True)
-    try:
-        run_scenario(engine, real_model=True)
-    finally:
-        engine.shutdown()
+    record_scenario(tiny_model_dir, trace, "lifecycle", real_model=True)
     return trace
 
 

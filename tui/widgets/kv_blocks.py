@@ -140,10 +140,10 @@ def free_queue_line(state: EngineState, width: int) -> Text:
     out.append(f"free queue ({len(queue)}, head evicted first): ", style=DIM)
     budget = max(width * 2 - len(out), 10)
     shown = 0
-    for b in queue:
+    for i, b in enumerate(queue):
         piece = f"{b} "
         if shown + len(piece) > budget:
-            out.append(f"… +{len(queue) - queue.index(b)}", style=DIM)
+            out.append(f"… +{len(queue) - i}", style=DIM)
             break
         cached = state.block_hash[b] is not None
         out.append(str(b), style=Style(italic=True, color="#000000", bgcolor=CACHED_FREE_BG)

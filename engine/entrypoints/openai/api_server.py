@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -40,7 +40,7 @@ from engine.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from engine.entrypoints.openai.cli_args import api_keys, engine_args_from_cli
 from engine.entrypoints.openai.completion.protocol import CompletionRequest
 from engine.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from engine.entrypoints.openai.engine.serving import create_error_response
+from engine.entrypoints.openai.engine.serving import OpenAIServing, create_error_response
 from engine.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from engine.entrypoints.openai.server_utils import (
     AuthenticationMiddleware,
@@ -98,9 +98,26 @@ def _sse_stream(generator: AsyncIterator[str], request_id: str, request: Request
     return stream()
 
 
-async def _generation_response(result: Any, request: Request, request_id: str) -> Response:
+async def _generation_response(
+    handler: OpenAIServing,
+    create: Callable[[Any], Awaitable[Any]],
+    request: Any,
+    raw_request: Request,
+    endpoint: str,
+) -> Response:
+    """What the two generation routes share: fix the request id (the
+    X-Request-Id header's, if sent), run the handler's ``create``, and answer
+    with SSE when it returned a stream, JSON otherwise."""
+    request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
+    request.request_id = request_id
+    tracer = _tracer(raw_request)
+    if tracer.lifecycle: tracer.emit("api.request", request_id=request_id, endpoint=endpoint, stream=bool(request.stream))  # noqa: E701
+    try:
+        result = await create(request)
+    except Exception as e:
+        return _error_response(e)
     if hasattr(result, "__aiter__"):
-        return StreamingResponse(_sse_stream(result, request_id, request), media_type="text/event-stream")
+        return StreamingResponse(_sse_stream(result, request_id, raw_request), media_type="text/event-stream")
     return JSONResponse(result.model_dump())
 
 
@@ -108,30 +125,18 @@ async def _generation_response(result: Any, request: Request, request_id: str) -
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     handler: OpenAIServingCompletion = raw_request.app.state.openai_serving_completion
-    request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
-    request.request_id = request_id
-    tracer = _tracer(raw_request)
-    if tracer.lifecycle: tracer.emit("api.request", request_id=request_id, endpoint="/v1/completions", stream=bool(request.stream))  # noqa: E701
-    try:
-        result = await handler.create_completion(request)
-    except Exception as e:
-        return _error_response(e)
-    return await _generation_response(result, raw_request, request_id)
+    return await _generation_response(
+        handler, handler.create_completion, request, raw_request, "/v1/completions"
+    )
 
 
 @router.post("/v1/chat/completions")
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     handler: OpenAIServingChat = raw_request.app.state.openai_serving_chat
-    request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
-    request.request_id = request_id
-    tracer = _tracer(raw_request)
-    if tracer.lifecycle: tracer.emit("api.request", request_id=request_id, endpoint="/v1/chat/completions", stream=bool(request.stream))  # noqa: E701
-    try:
-        result = await handler.create_chat_completion(request)
-    except Exception as e:
-        return _error_response(e)
-    return await _generation_response(result, raw_request, request_id)
+    return await _generation_response(
+        handler, handler.create_chat_completion, request, raw_request, "/v1/chat/completions"
+    )
 
 
 def _error_response(e: Exception) -> JSONResponse:

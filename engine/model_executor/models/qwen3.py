@@ -93,18 +93,18 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + 2 * H_kv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views of qkv
         if self.use_fused_qk_norm_rope and qkv.is_cuda and qkv.dtype == self.q_norm.weight.dtype:
             from engine import _custom_ops as ops
 
-            # One launch: per-head RMSNorm of q and k, then RoPE, in place on qkv.
+            # One launch: per-head RMSNorm of q and k, then RoPE, in place on
+            # qkv (so the q and k views above see the result).
             ops.fused_qk_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
                 self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions,
             )
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             # Per-head RMSNorm: view as [T, heads, D], normalise over D, flatten back.
             q_by_head = self.q_norm(q.reshape(*q.shape[:-1], self.num_heads, self.head_dim))
             q = q_by_head.view(q.shape)

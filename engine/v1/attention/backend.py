@@ -54,7 +54,7 @@ class AttentionImpl(ABC):
             )
         self.num_heads = num_heads
         self.head_size = head_size
-        self.scale = scale
+        self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
 

@@ -102,6 +102,9 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    # Not abstract, as in vLLM: a client implements either the blocking
+    # methods (InprocClient, SyncMPClient) or the ``*_async`` ones
+    # (AsyncMPClient), and calling the other half is a programming error.
     def get_output(self) -> EngineCoreOutputs:
         raise NotImplementedError
 

@@ -25,7 +25,8 @@ positions, slot ranges, attention backend, CUDA graph mode), ``runner.forward``
 (the input tensors in summary); the sampler gets the tracer and the request
 id of every row whose sample is kept.
 
-CUDA graphs (``capture_model``, ``_dispatch_cudagraph``): on CUDA with a
+CUDA graphs (``capture_model``; ``_prepare_inputs`` asks the
+``CudagraphDispatcher`` each step): on CUDA with a
 backend that supports them, pure-decode batches replay a FULL graph captured
 at the next capture size (FULL_DECODE_ONLY); the inputs and the attention
 metadata live in persistent buffers whose *contents* change each step, and
@@ -305,13 +306,12 @@ class GPUModelRunner:
             block_table_tensor=batch.block_table.block_table[:num_rows],
             slot_mapping=self.slot_mapping[:padded],
         )
-        self._step_cudagraph = (cudagraph_mode, batch_desc)
         # The logits we need: each request's last scheduled token.
         logits_indices = torch.from_numpy(cu_num_tokens - 1).to(self.device, non_blocking=True)
         # A request whose context still stops short of its known tokens is in
         # the middle of its prompt: whatever it samples is discarded.
         discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens[i]]
-        return common, total, logits_indices, discard_rows
+        return common, total, logits_indices, discard_rows, (cudagraph_mode, batch_desc)
 
     def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """numpy -> persistent device buffer. On CUDA through a persistent
@@ -337,11 +337,10 @@ class GPUModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None and self.attn_metadata_builder is not None
-        common, num_tokens, logits_indices, discard_rows = self._prepare_inputs(scheduler_output)
+        common, num_tokens, logits_indices, discard_rows, (mode, batch_desc) = (
+            self._prepare_inputs(scheduler_output)
+        )
         metadata = self.attn_metadata_builder.build(common)
-        # Every layer reads the same metadata (one KV cache group).
-        attn_metadata = {name: metadata for name in self.attn_layers}
-        mode, batch_desc = self._step_cudagraph
         cudagraph_mode = mode.name
         if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, logits_indices, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
         forward_timer = self._start_forward_timer() if self.tracer.lifecycle else None
@@ -351,6 +350,8 @@ class GPUModelRunner:
             graph.replay()
             hidden_states = graph_hidden[:num_tokens]
         else:
+            # Every layer reads the same metadata (one KV cache group).
+            attn_metadata = {name: metadata for name in self.attn_layers}
             with set_forward_context(
                 attn_metadata,
                 self.glassbox_config,
@@ -428,7 +429,7 @@ class GPUModelRunner:
         logits_indices: torch.Tensor,
         discard_rows: list[int],
         cudagraph_mode: str,
-        num_tokens_padded: int | None = None,
+        num_tokens_padded: int,
     ) -> None:
         """``runner.batch``: how this step's tokens were laid out."""
         batch = self.input_batch
@@ -453,7 +454,7 @@ class GPUModelRunner:
             step=scheduler_output.step,
             num_reqs=len(req_ids),
             num_tokens=num_tokens,
-            num_tokens_padded=num_tokens_padded if num_tokens_padded is not None else num_tokens,
+            num_tokens_padded=num_tokens_padded,
             attn_backend=self.attn_backend.get_name(),
             cudagraph_mode=cudagraph_mode,
             req_ids=req_ids,

@@ -20,25 +20,16 @@ target even without a GPU, so a GPU-only compile error shows up in CI.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import random
-import subprocess
 import sys
 import textwrap
-from concurrent.futures import ProcessPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config.device import DeviceConfig
 from engine.v1.attention.backend import CommonAttentionMetadata
-from engine.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
 from engine.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
@@ -49,22 +40,12 @@ from engine.v1.attention.ops import (
     triton_reshape_and_cache_flash,
 )
 from engine.v1.attention.selector import ATTENTION_BACKEND_ENV, get_attn_backend
+from tests.helpers.attention_batches import cpu_attn_fp32, scatter_requests
+from tests.helpers.triton_interpret import interpreting_worker, run_without_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 # Small checks: compiled on the GPU when there is one, else interpreted on the CPU.
 SMALL_DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _worker_interprets_triton() -> bool:
-    """Runs in the worker: were triton's and our kernels built for the interpreter?"""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from engine.v1.attention.ops import triton_unified_attention
-
-    return isinstance(tl.standard.zeros, InterpretedFunction) and isinstance(
-        triton_unified_attention.kernel_unified_attention, InterpretedFunction
-    )
 
 
 @pytest.fixture(scope="module")
@@ -72,32 +53,16 @@ def kernels():
     """``kernels(check, *args)`` runs ``check(*args)`` where Triton kernels can run.
 
     With CUDA: here, compiled. Without: in a worker process started with
-    ``TRITON_INTERPRET=1``. Triton reads that variable when ``@triton.jit``
-    decorates a function -- its own ``tl.zeros``/``tl.max`` when triton is
-    first imported, which in a full test run has already happened in this
-    process (``import torch._dynamo`` imports triton) -- so the interpreter
-    needs a process that has it from the start. The variable is set here only
-    while the worker is spawned (a spawned child copies the environment), so
-    it never leaks into other tests. Checks are module-level functions
-    (picklable); their assertion errors come back with the worker's traceback.
+    ``TRITON_INTERPRET=1`` (``tests/helpers/triton_interpret.py`` says why a
+    fresh process). Checks are module-level functions (picklable).
     """
     if HAS_CUDA:
         yield lambda check, *args: check(*args)
         return
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        assert pool.submit(_worker_interprets_triton).result(timeout=300), "worker is not interpreting"
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    try:
-        yield lambda check, *args: pool.submit(check, *args).result(timeout=300)
-    finally:
-        pool.shutdown()
+    with interpreting_worker(
+        "engine.v1.attention.ops.triton_unified_attention", "kernel_unified_attention"
+    ) as run:
+        yield run
 
 
 # ----------------------------------------------------------------------------
@@ -111,25 +76,11 @@ def make_batch(contexts, *, H, H_KV, D, BS, dtype, device, seed=0, pad_reqs=0, p
     ``pad_reqs`` requests with seq_len 0, either of length 0
     (``pad_style="empty"``) or owning one padding token each ("one_token").
     """
-    g = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    needed = sum(-(-(c + n) // BS) for c, n in contexts)
-    num_blocks = needed + 8
-    # Noise everywhere: blocks a request does not own must not leak into it.
-    kv_cache = torch.randn(2, num_blocks, BS, H_KV, D, generator=g).to(dtype)
-    free = list(range(1, num_blocks))  # block 0 is the null block
-    rng.shuffle(free)
-    tables, slots = [], []
-    for cached, new in contexts:
-        blocks = [free.pop() for _ in range(-(-(cached + new) // BS))]
-        tables.append(blocks)
-        slots += [blocks[p // BS] * BS + p % BS for p in range(cached, cached + new)]
-    slots += [-1] * pad_tokens
+    kv_cache, tables, slots, q, k, v = scatter_requests(
+        contexts, H=H, H_KV=H_KV, D=D, BS=BS, dtype=dtype, device=device, seed=seed,
+        num_pad_slots=pad_tokens,
+    )
     num_tokens = len(slots)
-    # q, k, v as column slices of one fused projection (non-contiguous rows).
-    qkv = torch.randn(num_tokens, (H + 2 * H_KV) * D, generator=g).to(dtype).to(device)
-    q, k, v = qkv.split([H * D, H_KV * D, H_KV * D], dim=-1)
-    q, k, v = q.view(num_tokens, H, D), k.view(num_tokens, H_KV, D), v.view(num_tokens, H_KV, D)
 
     num_reqs = len(contexts) + pad_reqs
     max_blocks = max(len(t) for t in tables)
@@ -171,14 +122,7 @@ def reference(b):
         max_query_len=int((qsl[1:] - qsl[:-1]).max()), max_seq_len=int(c.seq_lens_cpu[:r].max()),
         block_table_tensor=c.block_table_tensor[:r], slot_mapping=c.slot_mapping[:n_real],
     )
-    cache = b.kv_cache.float().clone()
-    out = torch.empty(n_real, b.H, b.D, device=b.q.device)
-    md = CPUAttentionMetadataBuilder(b.BS, b.q.device).build(common)
-    with sdpa_kernel(SDPBackend.MATH):  # exact float32 on every device (no TF32, no fused kernel)
-        CPUAttentionBackendImpl(b.H, b.D, b.D**-0.5, b.H_KV).forward(
-            None, b.q[:n_real].float(), b.k[:n_real].float(), b.v[:n_real].float(), cache, md, out
-        )
-    return out, cache
+    return cpu_attn_fp32(b, common)
 
 
 def run_triton(b, split_kv_max_reqs=None):
@@ -448,12 +392,7 @@ def test_kernels_compile_for_sm90():
     and 80; GQA groups 2, 4, 3; 16- and 64-row tiles). Runs in a fresh process
     without TRITON_INTERPRET, since in this process the kernels may be
     interpreted."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300,
-        check=False,
-    )
+    result = run_without_interpreter(_COMPILE_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
 
 

@@ -29,11 +29,13 @@ from engine.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
 )
-from engine.entrypoints.openai.engine.protocol import DeltaMessage, UsageInfo
+from engine.entrypoints.openai.engine.protocol import DeltaMessage
 from engine.entrypoints.openai.engine.serving import (
     GlassboxValidationError,
     OpenAIServing,
+    aclose_generator,
     logprob_token,
+    make_usage_info,
     merge_async_iterators,
     top_logprobs_by_rank,
 )
@@ -156,15 +158,7 @@ class OpenAIServingChat(OpenAIServing):
                 id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice]
             )
             if include_usage:
-                chunk.usage = (
-                    UsageInfo(
-                        prompt_tokens=num_prompt_tokens,
-                        completion_tokens=completion_tokens,
-                        total_tokens=num_prompt_tokens + completion_tokens,
-                    )
-                    if continuous_usage
-                    else None
-                )
+                chunk.usage = make_usage_info(num_prompt_tokens, completion_tokens) if continuous_usage else None
             return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
         try:
@@ -202,26 +196,19 @@ class OpenAIServingChat(OpenAIServing):
                         num_tokens[i],
                     )
             if include_usage:
-                completion_tokens = sum(num_tokens)
                 usage_chunk = ChatCompletionStreamResponse(
                     id=request_id,
                     object="chat.completion.chunk",
                     created=created,
                     model=model_name,
                     choices=[],
-                    usage=UsageInfo(
-                        prompt_tokens=num_prompt_tokens,
-                        completion_tokens=completion_tokens,
-                        total_tokens=num_prompt_tokens + completion_tokens,
-                    ),
+                    usage=make_usage_info(num_prompt_tokens, sum(num_tokens)),
                 )
                 yield f"data: {usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
         except Exception as e:
             yield f"data: {self.create_streaming_error_response(e)}\n\n"
         finally:
-            aclose = getattr(result_generator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await aclose_generator(result_generator)
         yield "data: [DONE]\n\n"
 
     def chat_completion_full_response(
@@ -251,11 +238,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=num_generated_tokens,
-                total_tokens=num_prompt_tokens + num_generated_tokens,
-            ),
+            usage=make_usage_info(num_prompt_tokens, num_generated_tokens),
         )
 
     @staticmethod

@@ -27,11 +27,12 @@ from engine.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from engine.entrypoints.openai.engine.protocol import UsageInfo
 from engine.entrypoints.openai.engine.serving import (
     GlassboxValidationError,
     OpenAIServing,
+    aclose_generator,
     logprob_token,
+    make_usage_info,
     merge_async_iterators,
 )
 from engine.outputs import CompletionOutput, RequestOutput
@@ -125,37 +126,23 @@ class OpenAIServingCompletion(OpenAIServing):
                         ],
                     )
                     if include_usage:
-                        completion_tokens = num_tokens[i]
-                        chunk.usage = (
-                            UsageInfo(
-                                prompt_tokens=num_prompt_tokens,
-                                completion_tokens=completion_tokens,
-                                total_tokens=num_prompt_tokens + completion_tokens,
-                            )
-                            if continuous_usage
-                            else None
-                        )
+                        chunk.usage = make_usage_info(num_prompt_tokens, num_tokens[i]) if continuous_usage else None
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if include_usage:
-                completion_tokens = sum(num_tokens)
                 usage_chunk = CompletionStreamResponse(
                     id=request_id,
                     object="text_completion",
                     created=created,
                     model=model_name,
                     choices=[],
-                    usage=UsageInfo(
-                        prompt_tokens=num_prompt_tokens,
-                        completion_tokens=completion_tokens,
-                        total_tokens=num_prompt_tokens + completion_tokens,
-                    ),
+                    usage=make_usage_info(num_prompt_tokens, sum(num_tokens)),
                 )
                 yield f"data: {usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
         except Exception as e:
             # Headers are gone already: the error travels as the next event.
             yield f"data: {self.create_streaming_error_response(e)}\n\n"
         finally:
-            await _aclose(result_generator)
+            await aclose_generator(result_generator)
         yield "data: [DONE]\n\n"
 
     def request_output_to_completion_response(
@@ -183,13 +170,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=output.stop_reason,
                     )
                 )
-        usage = UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_generated_tokens,
-            total_tokens=num_prompt_tokens + num_generated_tokens,
-        )
         return CompletionResponse(
-            id=request_id, model=model_name, choices=choices, usage=usage
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=make_usage_info(num_prompt_tokens, num_generated_tokens),
         )
 
     @staticmethod
@@ -226,9 +211,3 @@ def _normalize_prompts(prompt: Any) -> list[Any]:
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     return [{"prompt_token_ids": list(p)} for p in prompt]
-
-
-async def _aclose(generator: Any) -> None:
-    aclose = getattr(generator, "aclose", None)
-    if aclose is not None:
-        await aclose()

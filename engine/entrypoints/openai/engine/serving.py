@@ -23,6 +23,7 @@ from engine.entrypoints.openai.engine.protocol import (
     ErrorInfo,
     ErrorResponse,
     SamplingFields,
+    UsageInfo,
     random_uuid,
 )
 from engine.entrypoints.openai.models.serving import OpenAIServingModels
@@ -86,6 +87,22 @@ def param_from_message(message: str, field_names: set[str]) -> str | None:
     return match.group(1) if match and match.group(1) in field_names else None
 
 
+async def aclose_generator(generator: Any) -> None:
+    """Close an async generator (running its cleanup: the abort of an
+    unfinished request); a plain async iterator has nothing to close."""
+    aclose = getattr(generator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def make_usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+
+
 async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[tuple[int, T], None]:
     """Yield ``(iterator index, item)`` from several async iterators as items
     arrive (one prompt of a multi-prompt completion per iterator)."""
@@ -95,9 +112,7 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[
                 yield 0, item
         finally:
             # Closing a generate() that has not finished aborts its request.
-            aclose = getattr(iterators[0], "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await aclose_generator(iterators[0])
         return
     queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
 

@@ -338,7 +338,6 @@ class FlashInferImpl(AttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         if head_size not in SUPPORTED_HEAD_SIZES:
             raise ValueError(f"FLASHINFER supports head sizes {SUPPORTED_HEAD_SIZES}, got {head_size}")
-        self.scale = float(scale)
 
     def forward(
         self,

@@ -136,7 +136,6 @@ class TritonAttentionImpl(AttentionImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         if not 1 <= head_size <= MAX_HEAD_SIZE:
             raise ValueError(f"TRITON_ATTN supports head_size in [1, {MAX_HEAD_SIZE}], got {head_size}")
-        self.scale = float(scale)
         # Decode-only batches of at most this many requests use split-KV decode
         # (fewer than MIN_LAUNCH_GRID_SIZE_2D unified programs). Tests set it to
         # 0 to force the unified kernel, or raise it to force split-KV.

@@ -40,6 +40,14 @@ NUM_KV_SPLITS = 16
 
 
 @triton.jit
+def _kv_split_len(seq_len, NUM_KV_SPLITS: tl.constexpr, TILE_SIZE: tl.constexpr):
+    """Length of each context slice (the last may be shorter): a whole number
+    of tiles, at least one. Both stages must agree on it."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), TILE_SIZE) * TILE_SIZE
+    return tl.maximum(split_len, TILE_SIZE)
+
+
+@triton.jit
 def _fwd_grouped_kernel_stage1(
     query_ptr,  # [num_tokens, num_query_heads, head_size]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -86,8 +94,7 @@ def _fwd_grouped_kernel_stage1(
 
     # Slice [kv_start, kv_end): equal, TILE_SIZE-aligned lengths; stage 2
     # recomputes the same split_len to know how many slices are non-empty.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), TILE_SIZE) * TILE_SIZE
-    split_len = tl.maximum(split_len, TILE_SIZE)
+    split_len = _kv_split_len(seq_len, NUM_KV_SPLITS, TILE_SIZE)
     kv_start = split_idx * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
     if kv_start >= kv_end:
@@ -166,8 +173,7 @@ def _fwd_kernel_stage2(
     if tl.load(query_start_loc_ptr + req_idx + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + req_idx)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), TILE_SIZE) * TILE_SIZE
-    split_len = tl.maximum(split_len, TILE_SIZE)
+    split_len = _kv_split_len(seq_len, NUM_KV_SPLITS, TILE_SIZE)
     num_valid_splits = tl.cdiv(seq_len, split_len)  # only these were written by stage 1
 
     offs_s = tl.arange(0, NUM_KV_SPLITS)
