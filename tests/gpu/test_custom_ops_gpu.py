@@ -257,13 +257,21 @@ def test_qwen3_custom_ops_on_and_off_agree(tiny_qwen3, monkeypatch):
 
 
 def test_qwen3_bf16_logprobs_close_with_and_without_custom_ops(tiny_qwen3, monkeypatch):
+    # bf16 rounds differently with and without fusion (the Triton ops keep fp32
+    # between stages; the native path rounds after each op), so compare each to
+    # an fp32 run: the fused path must be no farther from fp32 than the native one.
+    reference = _greedy(tiny_qwen3, "float32", logprobs=5)
     fused = _greedy(tiny_qwen3, "bfloat16", logprobs=5)
     monkeypatch.setenv(DISABLE_CUSTOM_OPS_ENV, "1")
     native = _greedy(tiny_qwen3, "bfloat16", logprobs=5)
-    for a, b in zip(fused, native):
+    fused_err = native_err = 0.0
+    for ref, a, b in zip(reference, fused, native):
         # The first generated position: same prompt, so no earlier divergence.
-        first_a, first_b = a.logprobs[0], b.logprobs[0]
-        common = set(first_a) & set(first_b)
-        assert len(common) >= 3, (first_a, first_b)
+        first_ref, first_a, first_b = ref.logprobs[0], a.logprobs[0], b.logprobs[0]
+        common = set(first_ref) & set(first_a) & set(first_b)
+        assert len(common) >= 3, (first_ref, first_a, first_b)
         for token in common:
-            assert abs(first_a[token].logprob - first_b[token].logprob) < 5e-2, token
+            fused_err = max(fused_err, abs(first_a[token].logprob - first_ref[token].logprob))
+            native_err = max(native_err, abs(first_b[token].logprob - first_ref[token].logprob))
+    assert fused_err < 0.1, (fused_err, native_err)
+    assert fused_err <= 1.5 * native_err + 1e-2, (fused_err, native_err)

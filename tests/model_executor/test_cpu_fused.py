@@ -93,6 +93,17 @@ def test_rotary_embedding_query_only_and_3d():
     assert torch.equal(q, expected_q)
 
 
+def test_rotary_embedding_with_zero_tokens():
+    # An empty batch slice must pass through (a bare `view(0, -1, head)` is ambiguous).
+    rope = _rope(64, 64, True)
+    q, k = torch.empty(0, 4 * 64), torch.empty(0, 2 * 64)
+    positions = torch.empty(0, dtype=torch.long)
+    out_q, out_k = rope.forward_native(positions, q.clone(), k.clone())
+    assert out_q.shape == (0, 256) and out_k.shape == (0, 128)
+    cpu_fused.rotary_embedding_(positions, q, k, 64, rope.cos_sin_cache, True)
+    assert q.shape == (0, 256)
+
+
 @pytest.mark.parametrize("shape", [(32, 3072), (5, 2, 8)])
 def test_silu_and_mul_equals_native(shape):
     x = torch.randn(shape, generator=_gen(7))

@@ -77,7 +77,7 @@ def rotary_embedding_(
     for x in (query, key):
         if x is None:
             continue
-        x = x.view(num_tokens, -1, head_size)
+        x = x.view(num_tokens, x.numel() // max(num_tokens, 1) // head_size, head_size)
         if is_neox_style:  # pairs (i, i + rotary_dim / 2)
             x1, x2 = x[..., :half], x[..., half : 2 * half]
         else:  # GPT-J style: pairs (2i, 2i + 1)

@@ -139,7 +139,8 @@ class RotaryEmbedding(CustomOp):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_tokens: int):
         shape = x.shape
-        x = x.view(num_tokens, -1, self.head_size)  # [T, heads, head_size]
+        heads = x.numel() // max(num_tokens, 1) // self.head_size  # explicit: -1 is ambiguous at T=0
+        x = x.view(num_tokens, heads, self.head_size)  # [T, heads, head_size]
         # Only the first rotary_dim features rotate (partial RoPE); the rest pass.
         x_rot = apply_rotary_emb(x[..., : self.rotary_dim], cos, sin, self.is_neox_style)
         return torch.cat((x_rot, x[..., self.rotary_dim :]), dim=-1).reshape(shape)

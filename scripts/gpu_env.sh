@@ -1,0 +1,19 @@
+# Source this on the GPU machine (from the repo root) to make the carried packages
+# importable: .whl/ (msgspec, pyzmq wheels) and .gpu_carry/fi_site.tar.xz (flashinfer +
+# tvm-ffi, unpacked), both built by scripts/pack_gpu_wheels.sh, land in /tmp/site.
+# Also records the GPU and the versions under $OUT.
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD
+wheels=$(ls .whl/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+if [ -f .gpu_carry/fi_site.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .gpu_carry/fi_site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$OUT/versions.txt"
