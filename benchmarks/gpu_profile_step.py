@@ -29,6 +29,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check of this script)")
     args = ap.parse_args()
     from engine.engine.arg_utils import EngineArgs
     from engine.sampling_params import SamplingParams
@@ -36,9 +38,13 @@ def main() -> int:
     from engine.v1.executor.abstract import Executor
     from engine.v1.request import Request
 
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
     path = model_dir()
     eargs = EngineArgs(model=path, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-                       max_num_seqs=256, device="cuda", disable_log_stats=True,
+                       max_num_seqs=256, device=args.device, disable_log_stats=True,
                        enable_prefix_caching=False)
     config = eargs.create_engine_config()
     core = EngineCore(config, Executor.get_class(config), log_stats=False)
@@ -47,33 +53,55 @@ def main() -> int:
                                  SamplingParams(temperature=0, ignore_eos=True, max_tokens=400)))
     for _ in range(5):
         core.step()
-    torch.cuda.synchronize()
-    steps = 50
+    sync()
+    steps = args.steps
     t = time.perf_counter()
     for _ in range(steps):
         core.step()
-    torch.cuda.synchronize()
+    sync()
     wall_ms = (time.perf_counter() - t) / steps * 1e3
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         core.step()
-    torch.cuda.synchronize()
+    sync()
     prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as tp:
         for _ in range(10):
             core.step()
-        torch.cuda.synchronize()
+        sync()
     table = tp.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     gpu_us = sum(e.self_device_time_total for e in tp.key_averages()) / 10
-    result = {"batch": args.batch, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_us / 1e3}
+    kernels = [e for e in tp.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    stats = pstats.Stats(prof)
+    # Host time per phase of EngineCore.step (cumulative, ms per step).
+    phases = {
+        "EngineCore.step": "core.py:step", "Scheduler.schedule": "scheduler.py:schedule",
+        "GPUModelRunner.execute_model": "gpu_model_runner.py:execute_model",
+        "GPUModelRunner._prepare_inputs": "gpu_model_runner.py:_prepare_inputs",
+        "AttentionMetadataBuilder.build": ":build", "CUDAGraph.replay": "graphs.py:replay",
+        "GPUModelRunner.sample_tokens": "gpu_model_runner.py:sample_tokens",
+        "Sampler.forward": "sampler.py:forward",
+        "Scheduler.update_from_output": "scheduler.py:update_from_output",
+    }
+    host_ms = {}
+    for label, key in phases.items():
+        file_part, func = key.split(":")
+        total = sum(v[3] for (f, _, fn), v in stats.stats.items() if fn == func and f.endswith(file_part))
+        host_ms[label] = total / steps * 1e3
+    result = {"batch": args.batch, "model": "Qwen3-0.6B config, dummy weights, bf16", "context": 512,
+              "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_us / 1e3,
+              "gpu_kernels_per_step": len(kernels) / 10, "host_ms_per_step_under_cprofile": host_ms,
+              "attention_backend": core.model_executor.driver_worker.model_runner.attn_backend.get_name()}
     print(json.dumps(result))
     os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_step_b{args.batch}.json"), "w") as f:
+        json.dump(result, f, indent=1)
     with open(os.path.join(args.out, f"profile_step_b{args.batch}.txt"), "w") as f:
         f.write(json.dumps(result) + "\n\n" + s.getvalue() + "\n\n" + table)
     core.shutdown()

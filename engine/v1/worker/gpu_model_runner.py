@@ -76,6 +76,20 @@ class ExecuteModelState:
 
 
 @dataclass
+class HostInputs:
+    """The host arrays this step's device inputs were copied from (numpy,
+    same values). ``full`` traces summarise these, so describing the inputs
+    launches no device work and waits for nothing. (In a padded batch the
+    block table's padding rows are summarised as the host holds them; no
+    kernel reads them: their seq_len is 0.)"""
+
+    input_ids: np.ndarray  # [num_tokens (+ padding)]
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray  # [num_reqs]
+
+
+@dataclass
 class PendingForwardTrace:
     """A traced forward whose duration is read after the step's sync (CUDA only)."""
 
@@ -307,11 +321,13 @@ class GPUModelRunner:
             slot_mapping=self.slot_mapping[:padded],
         )
         # The logits we need: each request's last scheduled token.
-        logits_indices = torch.from_numpy(cu_num_tokens - 1).to(self.device, non_blocking=True)
+        logits_indices_np = cu_num_tokens - 1
+        logits_indices = torch.from_numpy(logits_indices_np).to(self.device, non_blocking=True)
         # A request whose context still stops short of its known tokens is in
         # the middle of its prompt: whatever it samples is discarded.
         discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens[i]]
-        return common, total, logits_indices, discard_rows, (cudagraph_mode, batch_desc)
+        host = HostInputs(input_ids_np, positions_np, slot_mapping_np, logits_indices_np)
+        return common, total, logits_indices, discard_rows, (cudagraph_mode, batch_desc), host
 
     def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """numpy -> persistent device buffer. On CUDA through a persistent
@@ -337,12 +353,12 @@ class GPUModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None and self.attn_metadata_builder is not None
-        common, num_tokens, logits_indices, discard_rows, (mode, batch_desc) = (
+        common, num_tokens, logits_indices, discard_rows, (mode, batch_desc), host_inputs = (
             self._prepare_inputs(scheduler_output)
         )
         metadata = self.attn_metadata_builder.build(common)
         cudagraph_mode = mode.name
-        if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, logits_indices, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
+        if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, host_inputs, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
         forward_timer = self._start_forward_timer() if self.tracer.lifecycle else None
         if mode == CUDAGraphMode.FULL:
             # Replay: the graph reads this step's values from the buffers.
@@ -426,7 +442,7 @@ class GPUModelRunner:
         scheduler_output: SchedulerOutput,
         common: CommonAttentionMetadata,
         num_tokens: int,
-        logits_indices: torch.Tensor,
+        host_inputs: HostInputs,
         discard_rows: list[int],
         cudagraph_mode: str,
         num_tokens_padded: int,
@@ -470,17 +486,24 @@ class GPUModelRunner:
             self.tracer.emit(
                 "runner.inputs",
                 step=scheduler_output.step,
-                # One device-to-host copy for all seven summaries.
+                # From the host arrays the device buffers were filled from
+                # (same values, in the device buffers' dtypes): no device work.
                 **tensor_summaries(
-                    input_ids=self.input_ids[:num_tokens],
-                    positions=self.positions[:num_tokens],
+                    input_ids=self._as_device_dtype(host_inputs.input_ids[:num_tokens], self.input_ids),
+                    positions=self._as_device_dtype(host_inputs.positions[:num_tokens], self.positions),
                     query_start_loc=common.query_start_loc_cpu,
                     seq_lens=common.seq_lens_cpu,
-                    slot_mapping=common.slot_mapping,
-                    block_table=common.block_table_tensor,
-                    logits_indices=logits_indices,
+                    slot_mapping=self._as_device_dtype(
+                        host_inputs.slot_mapping[: common.num_actual_tokens], self.slot_mapping
+                    ),
+                    block_table=torch.from_numpy(batch.block_table.block_table_np[: common.num_reqs]),
+                    logits_indices=torch.from_numpy(host_inputs.logits_indices),
                 ),
             )
+
+    @staticmethod
+    def _as_device_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(host).to(device_buffer.dtype)
 
     def _start_forward_timer(self) -> tuple[int, int, torch.cuda.Event | None]:
         """(wall-clock ns, perf-counter ns, CUDA start event or None) at launch."""
