@@ -14,6 +14,12 @@ fi
 if [ -f .gpu_carry/fi_site.tar.xz ]; then
   mkdir -p /tmp/site && tar -xJf .gpu_carry/fi_site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 fi
+# FlashInfer's JIT builds (~45-90 s per kernel family on a fresh machine) from an
+# earlier call: gpu_run.sh leaves them in $OUT/fi_jit_cache.tgz; copied to
+# .gpu_carry/, they travel back and ninja finds the kernels up to date.
+if [ -f .gpu_carry/fi_jit_cache.tgz ]; then
+  mkdir -p "$HOME/.cache" && tar -xzf .gpu_carry/fi_jit_cache.tgz -C "$HOME/.cache"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$OUT/versions.txt"

@@ -17,4 +17,6 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     python3 "$b" --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
   done
 fi
+# The FlashInfer kernels built in this call, for the next one (see gpu_env.sh).
+[ -d "$HOME/.cache/flashinfer" ] && tar -czf "$OUT/fi_jit_cache.tgz" -C "$HOME/.cache" flashinfer
 exit $rc

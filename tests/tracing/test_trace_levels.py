@@ -145,7 +145,10 @@ def test_sampler_stage_trace_unit(tmp_path):
     ]
     gens = {i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
     meta = build_sampling_metadata(params, [[1]] * 3, [[], [], []], gens, 32, "cpu")
-    out = Sampler(tracer=tracer)(logits.clone(), meta, trace_req_ids=["g", None, "p"])
+    sampler = Sampler(tracer=tracer)
+    out = sampler(logits.clone(), meta, trace_req_ids=["g", None, "p"])
+    assert load_trace(path) == []  # nothing until the caller has the tokens on the host
+    sampler.emit_pending_trace()
     tracer.close()
     events = load_trace(path)
     assert [e["request_id"] for e in events] == ["g", "p"]  # row 1 is not traced
@@ -167,7 +170,9 @@ def test_sampler_stage_trace_unit(tmp_path):
     gens = {i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
     meta = build_sampling_metadata(params, [[1]] * 3, [[], [], []], gens, 32, "cpu")
     tracer = Tracer(path, "full")
-    Sampler(tracer=tracer)(logits.clone(), meta, trace_req_ids=[None, "k", None])
+    sampler = Sampler(tracer=tracer)
+    sampler(logits.clone(), meta, trace_req_ids=[None, "k", None])
+    sampler.emit_pending_trace()
     tracer.close()
     (k_event,) = load_trace(path)
     top = k_event["stages"][-1]
@@ -194,7 +199,7 @@ def test_every_engine_emit_is_a_guarded_one_liner_or_in_a_trace_helper():
         helpers = {
             (node.lineno, node.end_lineno)
             for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef) and node.name.startswith(("_trace", "_emit"))
+            if isinstance(node, ast.FunctionDef) and node.name.startswith(("_trace", "_emit", "emit_pending"))
         }
         for no, line in enumerate(source.splitlines(), 1):
             if ".emit(" not in line and "set_step(" not in line:
@@ -203,3 +208,19 @@ def test_every_engine_emit_is_a_guarded_one_liner_or_in_a_trace_helper():
                 continue
             offenders.append(f"{path.relative_to(ENGINE_DIR)}:{no}: {line.strip()}")
     assert offenders == []
+
+
+def test_sampler_pending_trace_is_emitted_before_the_next_call(tmp_path):
+    # A caller that never calls emit_pending_trace loses nothing: the next call
+    # writes the previous call's events first, in order.
+    path = str(tmp_path / "s.jsonl")
+    tracer = Tracer(path, "lifecycle")
+    sampler = Sampler(tracer=tracer)
+    params = [SamplingParams(temperature=0.0)]
+    for step_logits in (torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[4.0, 0.0, 1.0]])):
+        meta = build_sampling_metadata(params, [[1]], [[]], {}, 3, "cpu")
+        sampler(step_logits, meta, trace_req_ids=["a"])
+    sampler.emit_pending_trace()
+    sampler.emit_pending_trace()  # nothing pending: a no-op
+    tracer.close()
+    assert [e["token_id"] for e in load_trace(path) if e["kind"] == "sampler.sampled"] == [1, 0]

@@ -17,12 +17,15 @@ sampling knobs interact:
    followed by the top ``max_num_logprobs`` raw logprobs.
 
 Tracing (not in vLLM): given ``trace_req_ids`` (a label per row, None for
-rows not traced), the sampler emits one ``sampler.sampled`` event per traced
-row -- the chosen token and its raw logprob -- and, at trace level ``full``,
-the top candidates and their probabilities after each stage above that ran:
+rows not traced), the sampler prepares one ``sampler.sampled`` event per
+traced row -- the chosen token and its raw logprob -- and, at trace level
+``full``, the top candidates and their probabilities after each stage that ran:
 ``raw`` (the model's distribution), ``processed`` (step 3), and for
 non-greedy batches ``temperature``, ``min_p`` and ``top_k_top_p``. The
 stage snapshots are computed on the side and never feed back into sampling.
+The events are written by ``emit_pending_trace``, which the model runner
+calls after its ``.tolist()`` of the sampled tokens: by then the values are
+ready, so bringing them to the host never stalls the step.
 
 Sessions: 05.
 
@@ -41,6 +44,7 @@ Simpler than vLLM:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -57,6 +61,16 @@ from engine.v1.sample.outputs import LogprobsTensors, SamplerOutput
 _SAMPLING_EPS = 1e-5
 
 
+@dataclass
+class PendingSampledTrace:
+    """``sampler.sampled`` values of one call, still on the device."""
+
+    req_ids: list[str | None]  # the traced rows' request ids
+    rows: list[int]  # their rows in the batch
+    device_values: list[torch.Tensor]  # tokens, chosen logprobs, greedy flags (+ full extras)
+    stage_names: list[str]
+
+
 class Sampler(nn.Module):
     # Candidates per stage in ``full`` traces.
     NUM_TRACE_CANDIDATES = 5
@@ -70,6 +84,9 @@ class Sampler(nn.Module):
         # in the current call, (name, top-C probs [R, C], their ids [R, C]).
         self._trace_rows: torch.Tensor | None = None
         self._trace_stages: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+        # ``sampler.sampled`` values still on the device, emitted by
+        # ``emit_pending_trace`` once the caller has synced (see _record_sampled).
+        self._pending_trace: PendingSampledTrace | None = None
 
     def forward(
         self,
@@ -90,6 +107,7 @@ class Sampler(nn.Module):
                 f"got {tuple(logits.shape)}."
             )
 
+        if self._pending_trace is not None: self.emit_pending_trace()  # noqa: E701
         if self.tracer.full: self._begin_stage_trace(trace_req_ids, logits)  # noqa: E701
         raw_logits = logits
 
@@ -113,7 +131,7 @@ class Sampler(nn.Module):
             assert raw_logprobs is not None
             logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
 
-        if self.tracer.lifecycle and trace_req_ids is not None: self._emit_sampled(trace_req_ids, raw_logits, raw_logprobs, sampled, sampling_metadata)  # noqa: E701
+        if self.tracer.lifecycle and trace_req_ids is not None: self._record_sampled(trace_req_ids, raw_logits, raw_logprobs, sampled, sampling_metadata)  # noqa: E701
 
         return SamplerOutput(
             sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1),
@@ -260,7 +278,7 @@ class Sampler(nn.Module):
         top_probs, top_ids = probs.topk(k, dim=-1)
         self._trace_stages.append((stage, top_probs, top_ids))
 
-    def _emit_sampled(
+    def _record_sampled(
         self,
         trace_req_ids: Sequence[str | None],
         raw_logits: torch.Tensor,
@@ -268,10 +286,14 @@ class Sampler(nn.Module):
         sampled: torch.Tensor,
         sampling_metadata: SamplingMetadata,
     ) -> None:
-        """One ``sampler.sampled`` event per traced row. Every value comes to
-        the host in one copy (``host_lists``), not one per tensor and stage."""
+        """Compute what the ``sampler.sampled`` events need, on the device, and
+        keep it: ``emit_pending_trace`` brings it to the host in one copy after
+        the model runner's own ``.tolist()`` of the sampled tokens has waited
+        for the device. Copying here instead would stall the host until the
+        forward finished, before it had launched the rest of the step."""
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
+            self._trace_stages = self._trace_rows = None
             return
         tokens, temperature = sampled, sampling_metadata.temperature
         row_logits = raw_logits if raw_logprobs is None else raw_logprobs
@@ -289,11 +311,21 @@ class Sampler(nn.Module):
             # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
             device_values.append(torch.stack([probs for _, probs, _ in self._trace_stages]))
             device_values.append(torch.stack([ids for _, _, ids in self._trace_stages]))
-            self._trace_stages = self._trace_rows = None
-        token_list, logprob_list, greedy, *full_values = host_lists(*device_values)
-        for j, row in enumerate(rows):
+        self._trace_stages = self._trace_rows = None
+        self._pending_trace = PendingSampledTrace(
+            [trace_req_ids[r] for r in rows], rows, device_values, stage_names
+        )
+
+    def emit_pending_trace(self) -> None:
+        """One ``sampler.sampled`` event per traced row of the last call.
+        Every value comes to the host in one copy (``host_lists``)."""
+        pending, self._pending_trace = self._pending_trace, None
+        if pending is None:
+            return
+        token_list, logprob_list, greedy, *full_values = host_lists(*pending.device_values)
+        for j, (request_id, row) in enumerate(zip(pending.req_ids, pending.rows)):
             fields = dict(
-                request_id=trace_req_ids[row],
+                request_id=request_id,
                 row=row,
                 token_id=token_list[j],
                 logprob=logprob_list[j],
@@ -304,6 +336,6 @@ class Sampler(nn.Module):
                 stage_probs, stage_ids = full_values[1], full_values[2]  # [stages][R][C]
                 fields["stages"] = [
                     {"stage": name, "token_ids": stage_ids[i][j], "probs": stage_probs[i][j]}
-                    for i, name in enumerate(stage_names)
+                    for i, name in enumerate(pending.stage_names)
                 ]
             self.tracer.emit("sampler.sampled", **fields)

@@ -403,6 +403,7 @@ class GPUModelRunner:
         sampler_output = self.sampler(state.logits, metadata, trace_req_ids=trace_req_ids)
         sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()  # waits for the device
         if self._pending_forward_trace is not None: self._emit_pending_forward_trace()  # noqa: E701
+        if self.tracer.lifecycle: self.sampler.emit_pending_trace()  # noqa: E701
         logprobs = (
             sampler_output.logprobs_tensors.tolists()
             if sampler_output.logprobs_tensors is not None
