@@ -224,6 +224,7 @@ def test_runner_and_sampler_events(real_run):
     sched = {e["step"]: e for e in k["sched.step"]}
     updates = {e["step"]: e for e in k["sched.update"]}
     forwards = {e["step"]: e for e in k["runner.forward"]}
+    inputs = {e["step"]: e for e in k["runner.inputs"]}
     for f in forwards.values():  # launched before it was written, and took some time
         assert 0 < f["start_ts"] <= f["ts"] and f["duration_ns"] > 0
     sampled = defaultdict(list)
@@ -244,6 +245,14 @@ def test_runner_and_sampler_events(real_run):
             assert q == n[rid] and c + q == s
             assert sum(run[2] for run in slots) == q
             assert all(0 <= off < BLOCK_SIZE and 0 < cnt <= BLOCK_SIZE - off for _, off, cnt in slots)
+        # The runs name exactly the slots the step wrote (runner.inputs holds them).
+        expanded = [b * BLOCK_SIZE + o + i for runs in batch["slot_mapping"] for b, o, c in runs for i in range(c)]
+        written = inputs[step]["slot_mapping"]
+        if "values" in written:
+            assert expanded == written["values"]
+        else:
+            assert expanded[: len(written["head"])] == written["head"]
+            assert expanded[-len(written["tail"]) :] == written["tail"]
         assert forwards[step]["duration_ns"] > 0
         assert forwards[step]["num_tokens"] == batch["num_tokens"]
         # One sample per request whose prompt is complete, and it is what the core appended.

@@ -71,6 +71,19 @@ class PendingSampledTrace:
     stage_names: list[str]
 
 
+@dataclass
+class SamplerTraceState:
+    """The sampler's tracing state between stages and calls."""
+
+    # ``full`` only: the traced rows [R] (None: all rows) and, per stage that
+    # ran in the current call, (name, top-C probs [R, C], their ids [R, C]).
+    rows: torch.Tensor | None = None
+    stages: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+    # ``sampler.sampled`` values still on the device, written by
+    # ``emit_pending_trace`` once the caller has synced (see _record_sampled).
+    pending: PendingSampledTrace | None = None
+
+
 class Sampler(nn.Module):
     # Candidates per stage in ``full`` traces.
     NUM_TRACE_CANDIDATES = 5
@@ -82,11 +95,9 @@ class Sampler(nn.Module):
         self.tracer = tracer
         # ``full`` tracing only: the traced rows [R] and, per stage that ran
         # in the current call, (name, top-C probs [R, C], their ids [R, C]).
-        self._trace_rows: torch.Tensor | None = None
-        self._trace_stages: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
-        # ``sampler.sampled`` values still on the device, emitted by
-        # ``emit_pending_trace`` once the caller has synced (see _record_sampled).
-        self._pending_trace: PendingSampledTrace | None = None
+        # A plain holder, not Module attributes: nn.Module.__setattr__ is slow
+        # enough to show in a traced step's cost.
+        self._trace = SamplerTraceState()
 
     def forward(
         self,
@@ -107,7 +118,7 @@ class Sampler(nn.Module):
                 f"got {tuple(logits.shape)}."
             )
 
-        if self._pending_trace is not None: self.emit_pending_trace()  # noqa: E701
+        if self._trace.pending is not None: self.emit_pending_trace()  # noqa: E701
         if self.tracer.full: self._begin_stage_trace(trace_req_ids, logits)  # noqa: E701
         raw_logits = logits
 
@@ -252,31 +263,31 @@ class Sampler(nn.Module):
     def _begin_stage_trace(
         self, trace_req_ids: Sequence[str | None] | None, logits: torch.Tensor
     ) -> None:
-        self._trace_stages = None
+        self._trace.stages = None
         if trace_req_ids is None:
             return
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
             return
         # None: every row is traced (no index_select, no host-to-device copy).
-        self._trace_rows = (
+        self._trace.rows = (
             None if len(rows) == len(trace_req_ids)
             else torch.tensor(rows, dtype=torch.long, device=logits.device)
         )
-        self._trace_stages = []
+        self._trace.stages = []
         self._trace_stage("raw", logits)
 
     def _trace_stage(self, stage: str, logits: torch.Tensor) -> None:
         """Keep the top candidates of the traced rows as this stage left them
         (on the device: ``_emit_sampled`` copies them to the host once)."""
-        if self._trace_stages is None:
+        if self._trace.stages is None:
             return
-        if self._trace_rows is not None:
-            logits = logits.index_select(0, self._trace_rows)
+        if self._trace.rows is not None:
+            logits = logits.index_select(0, self._trace.rows)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         k = min(self.NUM_TRACE_CANDIDATES, probs.shape[-1])
         top_probs, top_ids = probs.topk(k, dim=-1)
-        self._trace_stages.append((stage, top_probs, top_ids))
+        self._trace.stages.append((stage, top_probs, top_ids))
 
     def _record_sampled(
         self,
@@ -293,7 +304,7 @@ class Sampler(nn.Module):
         forward finished, before it had launched the rest of the step."""
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
-            self._trace_stages = self._trace_rows = None
+            self._trace.stages = self._trace.rows = None
             return
         tokens, temperature = sampled, sampling_metadata.temperature
         row_logits = raw_logits if raw_logprobs is None else raw_logprobs
@@ -305,21 +316,21 @@ class Sampler(nn.Module):
         chosen = row_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         device_values = [tokens, chosen, temperature < _SAMPLING_EPS]
         stage_names: list[str] = []
-        if self.tracer.full and self._trace_stages is not None:
+        if self.tracer.full and self._trace.stages is not None:
             device_values.append((row_logprobs >= chosen.unsqueeze(-1)).sum(dim=-1))
-            stage_names = [name for name, _, _ in self._trace_stages]
+            stage_names = [name for name, _, _ in self._trace.stages]
             # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
-            device_values.append(torch.stack([probs for _, probs, _ in self._trace_stages]))
-            device_values.append(torch.stack([ids for _, _, ids in self._trace_stages]))
-        self._trace_stages = self._trace_rows = None
-        self._pending_trace = PendingSampledTrace(
+            device_values.append(torch.stack([probs for _, probs, _ in self._trace.stages]))
+            device_values.append(torch.stack([ids for _, _, ids in self._trace.stages]))
+        self._trace.stages = self._trace.rows = None
+        self._trace.pending = PendingSampledTrace(
             [trace_req_ids[r] for r in rows], rows, device_values, stage_names
         )
 
     def emit_pending_trace(self) -> None:
         """One ``sampler.sampled`` event per traced row of the last call.
         Every value comes to the host in one copy (``host_lists``)."""
-        pending, self._pending_trace = self._pending_trace, None
+        pending, self._trace.pending = self._trace.pending, None
         if pending is None:
             return
         token_list, logprob_list, greedy, *full_values = host_lists(*pending.device_values)

@@ -455,17 +455,23 @@ class GPUModelRunner:
         query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(req_ids))]
         seq_lens = common.seq_lens_cpu.tolist()
         block_table = batch.block_table.block_table_np
-        slots = []
-        for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-            # Runs of consecutive slots: [block id, first offset in it, count].
-            runs = []
-            pos, end = seq_len - query_len, seq_len
-            while pos < end:
-                block_index, offset = divmod(pos, self.block_size)
-                n = min(self.block_size - offset, end - pos)
-                runs.append([int(block_table[row, block_index]), offset, n])
-                pos += n
-            slots.append(runs)
+        # Per row, runs of consecutive slots: [block id, first offset in it, count].
+        if common.max_query_len == 1:
+            # Decode (the common step): one slot per row, looked up in one go.
+            positions = common.seq_lens_cpu.numpy().astype(np.int64) - 1
+            blocks = block_table[np.arange(len(seq_lens)), positions // self.block_size].tolist()
+            slots = [[[b, o, 1]] for b, o in zip(blocks, (positions % self.block_size).tolist())]
+        else:
+            slots = []
+            for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+                runs = []
+                pos, end = seq_len - query_len, seq_len
+                while pos < end:
+                    block_index, offset = divmod(pos, self.block_size)
+                    n = min(self.block_size - offset, end - pos)
+                    runs.append([int(block_table[row, block_index]), offset, n])
+                    pos += n
+                slots.append(runs)
         self.tracer.emit(
             "runner.batch",
             step=scheduler_output.step,
