@@ -5,8 +5,7 @@ Usage: python3 benchmarks/results_table.py benchmarks/results/gpu_throughput_<da
 Reads the file written by benchmarks/gpu_throughput.py and prints a Markdown
 table (Glassbox, target, bound per figure) plus the missed targets, so the
 numbers in the docs are copied from the results file by a program, not by
-hand. Figures the file lacks are left out. (Not named gpu_*.py on purpose:
-scripts/gpu_run.sh runs every benchmarks/gpu_*.py.)
+hand. Figures the file lacks are left out.
 """
 
 from __future__ import annotations

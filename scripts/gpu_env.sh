@@ -20,6 +20,10 @@ fi
 if [ -f .gpu_carry/fi_jit_cache.tgz ]; then
   mkdir -p "$HOME/.cache" && tar -xzf .gpu_carry/fi_jit_cache.tgz -C "$HOME/.cache"
 fi
+# The same for Triton's compiled kernels (our attention and custom-op kernels).
+if [ -f .gpu_carry/triton_cache.tgz ]; then
+  mkdir -p "$HOME/.triton" && tar -xzf .gpu_carry/triton_cache.tgz -C "$HOME/.triton"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$OUT/versions.txt"

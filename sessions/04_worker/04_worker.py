@@ -484,16 +484,23 @@ for n, uniform in [(1, True), (3, True), (5, True), (8, True), (13, True), (17, 
 # with `enforce_eager=True`. The file is committed; these are its numbers.
 
 # %%
-gpu = json.loads((REPO / "benchmarks/results/gpu_throughput_2026-12-02_h200.json").read_text())
-graph_ms = {int(k): v["ms_per_step"] for k, v in gpu["decode_latency_cudagraphs"].items()}
-eager_ms = {int(k): v["ms_per_step"] for k, v in gpu["decode_latency_eager"].items()}
+gpu = json.loads((REPO / "benchmarks/results/gpu_throughput_2026-12-02_h200_kernels.json").read_text())
+graph_ms = {int(k): v["mean_ms"] for k, v in gpu["decode_latency_cudagraphs"].items()}
+eager_ms = {int(k): v["mean_ms"] for k, v in gpu["decode_latency_eager"].items()}
 floor_ms = {int(k): v["floor_ms"] for k, v in gpu["decode_latency_cudagraphs"].items()}
-print(f"{gpu['gpu']}, {gpu['model']}, torch {gpu['torch']}")
+print(f"{gpu['gpu']}, {gpu['model']}, torch {gpu['torch']}, attention {gpu['engine']['attention_backend']}")
 print(" batch   graphs ms   eager ms   eager/graphs   memory floor ms")
 for n in sorted(graph_ms):
     print(f"{n:>6}  {graph_ms[n]:>10.2f}  {eager_ms[n]:>9.2f}  {eager_ms[n] / graph_ms[n]:>12.1f}x  {floor_ms[n]:>15.2f}")
-print(f"throughput (nano-vllm workload): {gpu['throughput_cudagraphs']['tokens_per_s']:.0f} tok/s with graphs, "
-      f"{gpu['throughput_eager']['tokens_per_s']:.0f} tok/s eager")
+print(f"throughput (nano-vllm workload): {gpu['throughput_cudagraphs']['output_tokens_per_second']:.0f} "
+      "output tok/s with graphs")
+# benchmarks/gpu_profile_step.py: one request, batch-1 decode steps, under torch.profiler and cProfile.
+profile = json.loads((REPO / "benchmarks/results/gpu_profile_step_b1_2026-12-02_h200.json").read_text())
+host = profile["host_ms_per_step_under_cprofile"]
+print(f"batch-1 step: {profile['wall_ms_per_step']:.2f} ms wall, GPU busy {profile['gpu_ms_per_step']:.2f} ms "
+      f"({profile['gpu_kernels_per_step']:.0f} kernels); host: _prepare_inputs "
+      f"{host['GPUModelRunner._prepare_inputs']:.2f} ms, attention metadata "
+      f"{host['AttentionMetadataBuilder.build']:.2f} ms")
 
 # %%
 import matplotlib
@@ -518,12 +525,16 @@ fig.tight_layout()
 show(fig)
 
 # %% [markdown]
-# Two things stand out. Eager steps cost ~30 ms whatever the batch size, up
-# to 64 requests: the time is not arithmetic or memory traffic (the floor is
-# 0.3–1.2 ms) but the host launching kernels one by one from Python, and it
-# barely depends on how much work each kernel does. Graphs remove most of
-# that; what remains (~5 ms) is the rest of the step — scheduling, input
-# preparation, sampling — which Glassbox still does in Python.
+# Two things stand out. Eager steps cost 15–18 ms whatever the batch size:
+# the time is not arithmetic or memory traffic (the floor is 0.3–3.8 ms) but
+# the host launching kernels one by one from Python, and it barely depends on
+# how much work each kernel does. Graphs remove most of that. What remains at
+# batch 1 (~2.5 ms) is about 1.5 ms of GPU time (hundreds of small kernels,
+# each far from the bandwidth limit) plus the Python part of the step —
+# scheduling, input preparation, FlashInfer's `plan` — during which the GPU
+# waits: nothing overlaps the host's work with the device's. vLLM hides that
+# with async scheduling (the host prepares step N+1 while the GPU runs step
+# N), which Glassbox does not have.
 #
 # ### 4b. How many launches is "one by one"?
 #
@@ -622,7 +633,7 @@ print(f"eager minus graphs at batch 1, spread over our {n_ops} launches: ~{(eage
 # kernels are bound by reading the weights, which happens once per step
 # however many rows there are), while every eager launch costs the host tens
 # of microseconds, hundreds of times per step. Replaying the 16-graph for 13
-# requests wastes 3 rows — tens of microseconds — and skips ~25 ms of
+# requests wastes 3 rows — tens of microseconds — and skips ~14 ms of
 # launches. Padding only loses when the padded rows cost more than the
 # launches saved, hundreds of rows away; vLLM's capture sizes are spaced
 # (every 8, then every 16 at larger sizes) so the waste stays a small
