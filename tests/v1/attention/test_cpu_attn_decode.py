@@ -8,7 +8,9 @@ that path is compared, request by request, with the backend's own unbatched
 path (``_gather_context`` + ``_attend``, what prefills use) and with dense
 attention over the full sequence, across several layers sharing one metadata
 object, consecutive steps whose contexts grow, decodes mixed with prefills,
-and plain multi-head as well as grouped-query attention.
+and plain multi-head as well as grouped-query attention. Every such test runs
+twice (``decode_path``): through the C++ decode kernel (``csrc/cpu/cpu_attn.cpp``,
+built by ``make setup``) and through the gather + SDPA torch path.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ from engine.v1.attention.backends.cpu_attn import (
 )
 
 BS, D, NUM_BLOCKS = 4, 8, 96
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    import engine.v1.attention.backends.cpu_attn as cpu_attn
+
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_attn, "cpu_kernels", lambda: None)
+    else:
+        assert cpu_attn.cpu_kernels() is not None, (
+            "the CPU kernels did not build here: run `python -m engine._cpu_ops -v` to see why"
+        )
+    return request.param
 
 
 def dense(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -129,7 +144,7 @@ def run_and_check(step: Step, builder: CPUAttentionMetadataBuilder, impl: CPUAtt
 
 
 @pytest.mark.parametrize("h, h_kv", [(6, 2), (3, 3)], ids=["gqa", "mha"])
-def test_decodes_over_layers_and_steps_match_per_request_path(h, h_kv):
+def test_decodes_over_layers_and_steps_match_per_request_path(h, h_kv, decode_path):
     # Contexts on both sides of block boundaries; two layers share each step's metadata.
     contexts = [(3, 1), (0, 1), (15, 1), (4, 1), (7, 1), (8, 1), (22, 1)]
     builder = CPUAttentionMetadataBuilder(BS, torch.device("cpu"))
@@ -137,15 +152,18 @@ def test_decodes_over_layers_and_steps_match_per_request_path(h, h_kv):
     step = Step(contexts, num_layers=2, h=h, h_kv=h_kv, seed=0)
     md = run_and_check(step, builder, impl)
     assert isinstance(md.decode.query_rows, slice)  # all rows are decodes
+    assert (md.decode.kernel_block_table is not None) == (decode_path == "kernel")
     first_buffer = builder.gather_buffer.buffer
-    assert first_buffer is not None
+    # The kernel reads the blocks in place: it never fills the gather buffer.
+    assert (first_buffer is None) == (decode_path == "kernel")
     for s in range(1, 6):  # contexts grow; the buffer is reused or grown
         step = step.next(num_layers=2, seed=s)
         run_and_check(step, builder, impl)
-    assert builder.gather_buffer.buffer.numel() >= first_buffer.numel()
+    if decode_path == "torch":
+        assert builder.gather_buffer.buffer.numel() >= first_buffer.numel()
 
 
-def test_decodes_mixed_with_prefills():
+def test_decodes_mixed_with_prefills(decode_path):
     # Decode rows are not consecutive and their request ids do not start at 0.
     contexts = [(0, 5), (9, 1), (4, 3), (2, 1), (13, 1), (6, 6)]
     builder = CPUAttentionMetadataBuilder(BS, torch.device("cpu"))
@@ -157,7 +175,7 @@ def test_decodes_mixed_with_prefills():
     assert md.decode.query_rows.tolist() == [5, 9, 10]
 
 
-def test_decode_rows_after_a_prefill_use_a_slice():
+def test_decode_rows_after_a_prefill_use_a_slice(decode_path):
     contexts = [(0, 5), (7, 1), (9, 1)]
     builder = CPUAttentionMetadataBuilder(BS, torch.device("cpu"))
     impl = CPUAttentionBackendImpl(4, D, 1 / math.sqrt(D), 2)
@@ -193,3 +211,23 @@ def test_gather_buffer_made_in_inference_mode_is_replaced_outside_it():
     t = buf.take((4, 4), torch.float32, torch.device("cpu"))
     t.fill_(1.0)  # would raise on an inference tensor
     assert not buf.buffer.is_inference()
+
+
+def test_kernel_rejects_bad_input():
+    from engine._cpu_ops import cpu_kernels
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    q = torch.randn(2, 4, D)
+    cache = torch.randn(NUM_BLOCKS, BS, 2, D)
+    table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    lens = torch.tensor([5, 8], dtype=torch.int32)
+    kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table, lens, 0.5)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernels.paged_decode_attention(torch.empty_like(q).double(), q.double(), cache.double(),
+                                       cache.double(), table, lens, 0.5)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table.long(), lens, 0.5)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\]=9 is outside \[1, 8\]"):
+        kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table,
+                                       torch.tensor([5, 9], dtype=torch.int32), 0.5)

@@ -12,7 +12,7 @@ Read it for what every paged-attention kernel computes, with nothing hidden:
      ``seq_len - query_len + j``.
 
 Prefills with a cached prefix, chunked prefills, decodes and mixed batches are
-all the same loop. Two shortcuts, neither changing the maths:
+all the same loop. Three shortcuts, none changing the maths:
   * decode-only requests (query length 1) are batched into one padded call:
     the metadata builder turns their block-table rows into one flat list of
     block ids and a padding mask once per step, and each layer gathers its K
@@ -21,13 +21,19 @@ all the same loop. Two shortcuts, neither changing the maths:
     share a KV head are stacked as query rows (grouped-query attention without
     repeating K/V);
   * a prefill with nothing cached before it attends over the K/V rows it has
-    just written instead of gathering them back from the blocks.
+    just written instead of gathering them back from the blocks;
+  * on a CPU in float32, when ``engine/_cpu_ops.py`` could build
+    ``csrc/cpu/cpu_attn.cpp``, the decodes skip the gather altogether: one C++
+    call per layer reads each request's K/V blocks where they lie (the gather
+    plus SDPA read the context three times; on one core a decode step is bound
+    by that memory traffic). ``GLASSBOX_CPU_KERNELS=0`` keeps the torch path.
 Sessions: 05 (attention backends).
 
-Simpler than vLLM: vLLM's CPU backend calls C++ kernels (and uses its own
-cache layout); this one uses the flash-attention cache layout
-``[2, num_blocks, block_size, H_kv, D]`` and ``torch`` ops only, so it runs
-on any device and is the oracle the faster backends are tested against.
+Simpler than vLLM: vLLM's CPU backend calls C++ kernels for everything (and
+uses its own cache layout); this one uses the flash-attention cache layout
+``[2, num_blocks, block_size, H_kv, D]`` and ``torch`` ops for all but the
+decode rows, so it runs on any device and is the oracle the faster backends
+are tested against.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine._cpu_ops import cpu_kernels
 from engine.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -93,6 +100,10 @@ class CPUDecodeBatch:
     # ``valid`` as an additive mask (0 / -inf) in the query dtype, made by the
     # first layer of the step; SDPA would otherwise convert the bool mask per call.
     attn_bias: torch.Tensor | None = None
+    # For the C++ decode kernel (None: no kernel, the gather + SDPA path):
+    # int32 block-table rows [num_decodes, max_blocks] and contexts [num_decodes].
+    kernel_block_table: torch.Tensor | None = None
+    kernel_seq_lens: torch.Tensor | None = None
 
     def get_attn_bias(self, dtype: torch.dtype) -> torch.Tensor:
         if self.attn_bias is None or self.attn_bias.dtype != dtype:
@@ -160,6 +171,10 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             block_ids = block_table[torch.tensor(ids, device=device), :max_blocks]
         positions = torch.arange(padded_len, device=device)
         valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
+        kernel_block_table = kernel_seq_lens = None
+        if device.type == "cpu" and cpu_kernels() is not None:
+            kernel_block_table = block_ids.to(torch.int32).contiguous()
+            kernel_seq_lens = torch.tensor(lens, dtype=torch.int32)
         return CPUDecodeBatch(
             num_decodes=n,
             max_blocks=max_blocks,
@@ -168,6 +183,8 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             block_ids=block_ids.reshape(-1),
             valid=valid[:, None, None, :],
             gather_buffer=self.gather_buffer,
+            kernel_block_table=kernel_block_table,
+            kernel_seq_lens=kernel_seq_lens,
         )
 
 
@@ -244,6 +261,9 @@ class CPUAttentionBackendImpl(AttentionImpl):
     def _batched_decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, dec: CPUDecodeBatch, output: torch.Tensor
     ) -> None:
+        if dec.kernel_block_table is not None and query.dtype == kv_cache.dtype == torch.float32:
+            self._kernel_decode(query, kv_cache, dec, output)
+            return
         n, h_kv, d = dec.num_decodes, self.num_kv_heads, self.head_size
         # One gather for K and V of every decode: [2, n * max_blocks, bs * H_kv * D].
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -260,6 +280,23 @@ class CPUAttentionBackendImpl(AttentionImpl):
             q, k, v, attn_mask=dec.get_attn_bias(q.dtype), scale=self.scale
         )  # padding beyond each context is masked
         output[dec.query_rows] = out.reshape(n, self.num_heads, d)
+
+    def _kernel_decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, dec: CPUDecodeBatch, output: torch.Tensor
+    ) -> None:
+        """The same decodes through ``csrc/cpu/cpu_attn.cpp``: no gather, no padding."""
+        kernels = cpu_kernels()
+        assert kernels is not None and dec.kernel_seq_lens is not None
+        key_cache, value_cache = kv_cache.unbind(0)  # each [num_blocks, bs, H_kv, D], contiguous
+        q = query[dec.query_rows]  # [n, H, D]
+        if isinstance(dec.query_rows, slice):  # consecutive rows: write the output in place
+            kernels.paged_decode_attention(output[dec.query_rows], q, key_cache, value_cache,
+                                           dec.kernel_block_table, dec.kernel_seq_lens, self.scale)
+        else:
+            out = torch.empty_like(q)
+            kernels.paged_decode_attention(out, q, key_cache, value_cache,
+                                           dec.kernel_block_table, dec.kernel_seq_lens, self.scale)
+            output[dec.query_rows] = out
 
 
 class CPUAttentionBackend(AttentionBackend):

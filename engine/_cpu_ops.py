@@ -1,0 +1,96 @@
+"""Compiled CPU kernels (``csrc/cpu/``), built on first use.
+
+vLLM twin: the CPU entries of ``vllm/_custom_ops.py`` (``cpu_attention_with_kv_cache``
+and friends), which call ``torch.ops._C`` ops compiled from ``csrc/cpu/`` when vLLM
+is built for the CPU. Read it for how a pure-Python project gets a C++ kernel
+without a build step: ``torch.utils.cpp_extension.load`` compiles the sources
+with the system's C++ compiler (about 25 s, once per machine and source
+version) into ``$GLASSBOX_CACHE/torch_extensions`` (default ``~/.cache/glassbox``) and imports the result.
+``make setup`` builds it, so tests and the first engine never wait for it.
+
+Ops (all in place into ``out``, float32, CPU tensors):
+
+  ``paged_decode_attention(out, query, key_cache, value_cache, block_table,
+  seq_lens, scale)``
+      decode attention for one query token per request over a paged KV cache
+      ``[num_blocks, block_size, H_kv, D]``, reading each block where it lies
+      (``csrc/cpu/cpu_attn.cpp``). Used by the ``CPU_ATTN`` backend's decode rows.
+
+When the kernels cannot be built (no compiler, no ninja) or
+``GLASSBOX_CPU_KERNELS=0``, ``cpu_kernels()`` returns None and callers keep their
+plain-torch path -- same maths, slower; the reason is logged once.
+Sessions: 05 (attention backends).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+CPU_KERNELS_ENV = "GLASSBOX_CPU_KERNELS"
+SOURCES = ("cpu/cpu_attn.cpp",)
+CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def _build_name() -> str:
+    """Sources and this CPU's instruction sets in the name: -march=native code
+    must not be loaded on another kind of CPU sharing the cache directory."""
+    digest = hashlib.sha256()
+    for rel in SOURCES:
+        digest.update((CSRC_DIR / rel).read_bytes())
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = ""
+    digest.update(flags.encode())
+    return f"glassbox_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module, or None (disabled or not buildable here)."""
+    if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+        return None
+    try:
+        return load(verbose=False)
+    except Exception as e:  # no compiler, no ninja, a compile error: keep the torch path
+        logger.warning("CPU kernels unavailable (%s: %s); using the plain-torch paths",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Compile (or reuse the cached build of) ``csrc/cpu/`` and import it."""
+    from torch.utils import cpp_extension
+
+    missing = [rel for rel in SOURCES if not (CSRC_DIR / rel).is_file()]
+    if missing:
+        raise FileNotFoundError(f"CPU kernel sources not found under {CSRC_DIR}: {missing}")
+    # torch runs `ninja` from PATH; a venv's ninja (pip install ninja) sits beside python.
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    build_dir = Path(os.environ.get("GLASSBOX_CACHE") or Path.home() / ".cache" / "glassbox")
+    build_dir = build_dir / "torch_extensions" / _build_name()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=build_dir.name,
+        sources=[str(CSRC_DIR / rel) for rel in SOURCES],
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+if __name__ == "__main__":  # python -m engine._cpu_ops: build now (make setup does)
+    module = load(verbose="-v" in sys.argv)
+    print(f"CPU kernels ready: {module.__file__}")
