@@ -36,7 +36,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "GLASSBOX_CPU_KERNELS"
-SOURCES = ("cpu/cpu_attn.cpp",)
+SOURCES = (
+    "cpu/torch_bindings.cpp", "cpu/cpu_attn.cpp", "cpu/layernorm.cpp", "cpu/activation.cpp",
+    "cpu/pos_encoding.cpp",
+)
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 
@@ -85,7 +88,8 @@ def load(verbose: bool = False) -> ModuleType:
     return cpp_extension.load(
         name=build_dir.name,
         sources=[str(CSRC_DIR / rel) for rel in SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+        # -ffp-contract=off: no fused multiply-adds, so products round as torch's do.
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"],
         build_directory=str(build_dir),
         verbose=verbose,
     )

@@ -122,7 +122,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged float32 KV cache (in place into out)");
 }

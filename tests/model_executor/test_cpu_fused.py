@@ -110,8 +110,24 @@ def test_silu_and_mul_equals_native(shape):
     assert torch.equal(cpu_fused.silu_and_mul(x), SiluAndMul().forward_native(x))
 
 
-def test_layers_dispatch_to_forward_cpu_on_cpu_and_match_native():
-    """Called as modules on CPU tensors, the layers take ``forward_cpu`` (the fused path)."""
+@pytest.fixture(params=["cpp", "torch"])
+def cpu_path(request, monkeypatch):
+    """``cpp``: the layers call csrc/cpu (built by make setup); ``torch``: cpu_fused."""
+    import engine.model_executor.layers.activation as activation
+    import engine.model_executor.layers.layernorm as layernorm
+    import engine.model_executor.layers.rotary_embedding.base as rope_base
+
+    if request.param == "torch":
+        for module in (activation, layernorm, rope_base):
+            monkeypatch.setattr(module, "cpu_kernels", lambda: None)
+    else:
+        assert layernorm.cpu_kernels() is not None, "run `python -m engine._cpu_ops -v` to see why"
+    return request.param
+
+
+def test_layers_dispatch_to_forward_cpu_on_cpu_and_match_native(cpu_path):
+    """Called as modules on CPU tensors, the layers take ``forward_cpu`` (the fused path):
+    bit-identical to forward_native through cpu_fused, within float rounding through C++."""
     norm, act = _norm(64), SiluAndMul()
     rope = RotaryEmbedding(16, 16, 128, 10000.0, True, torch.float32)
     x = torch.randn(5, 64, generator=_gen(2))
@@ -119,14 +135,21 @@ def test_layers_dispatch_to_forward_cpu_on_cpu_and_match_native():
     positions = torch.arange(5)
     q, k = torch.randn(5, 32, generator=_gen(4)), torch.randn(5, 16, generator=_gen(5))
 
-    assert torch.equal(norm(x.clone()), norm.forward_native(x.clone()))
+    def same(a, b):
+        if cpu_path == "torch":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+    same(norm(x.clone()), norm.forward_native(x.clone()))
     out, res = norm(x.clone(), residual.clone())
     ref_out, ref_res = norm.forward_native(x.clone(), residual.clone())
-    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
-    assert torch.equal(act(x), act.forward_native(x))
+    same(out, ref_out)
+    assert torch.equal(res, ref_res)  # the residual add is one float add either way
+    same(act(x), act.forward_native(x))
     rq, rk = rope(positions, q.clone(), k.clone())
     eq, ek = rope.forward_native(positions, q.clone(), k.clone())
-    assert torch.equal(rq, eq) and torch.equal(rk, ek)
+    assert torch.equal(rq, eq) and torch.equal(rk, ek)  # no FMA contraction: same roundings
     for layer in (norm, act, rope):
         assert layer._forward_method.__func__ is type(layer).forward_cpu
 
@@ -138,3 +161,66 @@ def test_forward_cpu_falls_back_to_native_for_bf16():
     out, res = norm.forward_cpu(x.clone(), residual.clone())
     ref_out, ref_res = norm.forward_native(x.clone(), residual.clone())
     assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+
+
+# --- the C++ kernels (csrc/cpu) on their own -----------------------------------
+
+
+def _kernels():
+    from engine._cpu_ops import cpu_kernels
+
+    kernels = cpu_kernels()
+    assert kernels is not None, "run `python -m engine._cpu_ops -v` to see why"
+    return kernels
+
+
+@pytest.mark.parametrize(
+    "head, rotary_dim, is_neox",
+    [(64, 64, True), (64, 64, False), (32, 16, True), (32, 16, False)],
+    ids=["neox", "gptj", "partial-neox", "partial-gptj"],
+)
+def test_cpp_rotary_embedding_on_qkv_views_equals_native(head, rotary_dim, is_neox):
+    rope = _rope(head, rotary_dim, is_neox)
+    h, h_kv, t = 9, 3, 37
+    qkv = torch.randn(t, (h + 2 * h_kv) * head, generator=_gen(14))
+    q, k, _ = qkv.split([h * head, h_kv * head, h_kv * head], dim=-1)  # strided views
+    positions = torch.randint(0, 2000, (t,), generator=_gen(15))
+    expected_q, expected_k = rope.forward_native(positions, q.clone(), k.clone())
+    v_before = qkv[:, (h + h_kv) * head :].clone()
+    _kernels().rotary_embedding(positions, q, k, head, rope.cos_sin_cache, is_neox)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (h + h_kv) * head :], v_before)  # v untouched
+
+
+def test_cpp_norms_and_activation_match_native_on_wide_and_strided_rows():
+    kernels = _kernels()
+    norm = _norm(576)
+    wide = torch.randn(33, 700, generator=_gen(16))
+    x = wide[:, :576]  # rows with a stride of 700
+    out = torch.empty(33, 576)
+    kernels.rms_norm(out, x, norm.weight, 1e-5)
+    torch.testing.assert_close(out, norm.forward_native(x.clone()), rtol=2e-6, atol=2e-6)
+    residual = torch.randn(33, 576, generator=_gen(17))
+    expected_x, expected_res = norm.forward_native(x.clone(), residual.clone())
+    kernels.fused_add_rms_norm(x, residual, norm.weight, 1e-5)
+    torch.testing.assert_close(x, expected_x, rtol=2e-6, atol=2e-6)
+    assert torch.equal(residual, expected_res)
+    assert torch.equal(wide[:, 576:], torch.randn(33, 700, generator=_gen(16))[:, 576:])  # untouched
+    gate_up = torch.randn(7, 2 * 1536, generator=_gen(18)) * 4
+    out = torch.empty(7, 1536)
+    kernels.silu_and_mul(out, gate_up)
+    torch.testing.assert_close(out, SiluAndMul().forward_native(gate_up), rtol=2e-6, atol=2e-6)
+
+
+def test_cpp_kernels_reject_bad_input():
+    kernels = _kernels()
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.rms_norm(torch.empty(2, 8, dtype=torch.float64), torch.randn(2, 8).double(), None, 1e-6)
+    with pytest.raises(RuntimeError, match="same shape"):
+        kernels.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), None, 1e-6)
+    with pytest.raises(RuntimeError, match="twice"):
+        kernels.silu_and_mul(torch.empty(2, 8), torch.randn(2, 8))
+    rope = _rope(16, 16, True)
+    with pytest.raises(RuntimeError, match=r"position 5000 is outside \[0, 2048\)"):
+        kernels.rotary_embedding(torch.tensor([5000]), torch.randn(1, 32), None, 16,
+                                 rope.cos_sin_cache, True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine._cpu_ops import cpu_kernels
 from engine.model_executor.custom_op import CustomOp
 from engine.model_executor.layers import cpu_fused
 
@@ -92,6 +93,16 @@ class RMSNorm(CustomOp):
         ):
             return self.forward_native(x, residual)
         weight = self.weight if self.has_weight else None
+        kernels = cpu_kernels()
+        if kernels is not None and (x.dim() <= 2 or x.is_contiguous()) and x.stride(-1) == 1:
+            # csrc/cpu/layernorm.cpp: one call per norm (float rounding away from native).
+            if residual is None:
+                out = torch.empty_like(x, memory_format=torch.contiguous_format)
+                kernels.rms_norm(out, x, weight, self.variance_epsilon)
+                return out
+            if residual.shape == x.shape and (residual.dim() <= 2 or residual.is_contiguous()):
+                kernels.fused_add_rms_norm(x, residual, weight, self.variance_epsilon)
+                return x, residual
         if residual is None:
             return cpu_fused.rms_norm(x, weight, self.variance_epsilon)
         cpu_fused.fused_add_rms_norm_(x, residual, weight, self.variance_epsilon)
