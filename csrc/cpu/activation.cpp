@@ -6,6 +6,7 @@
 //
 // Simpler than vLLM: float32 only. The exp below differs from torch's vectorised one in
 // the last bits, so results match forward_native to float rounding, not bit for bit.
+// Sessions: 06 (kernel fusion). Built by engine/_cpu_ops.py.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

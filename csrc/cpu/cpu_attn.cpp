@@ -13,6 +13,7 @@
 // auto-vectorisation instead of hand-written AVX/AMX micro-kernels.
 //
 // Built at first use by engine/_cpu_ops.py (torch.utils.cpp_extension).
+// Sessions: 05 (attention backends).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -8,6 +8,7 @@
 //
 // Simpler than vLLM: float32 only. Built with -ffp-contract=off, so each product and
 // sum rounds as torch's separate ops do (x1*cos - x2*sin, x2*cos + x1*sin).
+// Sessions: 06 (kernel fusion).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

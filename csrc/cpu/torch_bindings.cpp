@@ -2,6 +2,7 @@
 //
 // vLLM twin: csrc/cpu/torch_bindings.cpp (which registers `torch.ops._C` ops; ours is a
 // plain pybind11 module loaded by engine/_cpu_ops.py).
+// Sessions: 05, 06. Built by engine/_cpu_ops.py.
 
 #include <torch/extension.h>
 
