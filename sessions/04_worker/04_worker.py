@@ -543,6 +543,10 @@ show(fig)
 # Shape-only operations (views, reshapes, transposes) launch no kernel and are
 # left out, and so are `to(dtype)` calls, which are no-ops in this float32
 # model; what remains is roughly one GPU kernel launch each in eager mode.
+# On a CPU, Glassbox runs the norms, RoPE, SiLU-and-mul and the decode
+# attention as C++ calls (`csrc/cpu/`, see `engine/_cpu_ops.py`), which a
+# dispatch mode cannot see, so this count switches them off and counts the
+# plain-torch ops they replace.
 
 # %%
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -568,6 +572,16 @@ counter = CountOps()
 model = runner.model
 _forward = model.forward
 
+import engine.model_executor.layers.activation as activation_layers  # noqa: E402
+import engine.model_executor.layers.layernorm as layernorm_layers  # noqa: E402
+import engine.model_executor.layers.rotary_embedding.base as rope_layers  # noqa: E402
+import engine.v1.attention.backends.cpu_attn as cpu_attn_backend  # noqa: E402
+
+torch_paths_only = (activation_layers, layernorm_layers, rope_layers, cpu_attn_backend)
+saved_kernels = [m.cpu_kernels for m in torch_paths_only]
+for m in torch_paths_only:
+    m.cpu_kernels = lambda: None  # the plain-torch CPU paths, visible to the dispatch mode
+
 
 def counted_forward(*args, **kwargs):
     with counter:
@@ -580,6 +594,8 @@ llm_engine.step()          # the prefill
 counter.counts.clear()
 llm_engine.step()          # one decode step: count this forward
 model.forward = _forward
+for m, kernels in zip(torch_paths_only, saved_kernels):
+    m.cpu_kernels = kernels
 launching = {k: v for k, v in counter.counts.items() if k not in NO_KERNEL}
 num_layers = llm.llm_engine.model_config.get_num_layers()
 n_ops = sum(launching.values())

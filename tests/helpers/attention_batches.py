@@ -73,7 +73,8 @@ def cpu_attn_fp32(b: Any, common: CommonAttentionMetadata) -> tuple[torch.Tensor
     device = b.q.device
     cache = b.kv_cache.float().clone()
     out = torch.empty(n_real, b.H, b.D, device=device)
-    md = CPUAttentionMetadataBuilder(b.BS, device).build(common)
+    # The plain-torch path, also for decodes (not the C++ kernel of csrc/cpu).
+    md = CPUAttentionMetadataBuilder(b.BS, device, use_cpu_kernels=False).build(common)
     with sdpa_kernel(SDPBackend.MATH):  # exact float32 on every device (no TF32, no fused kernel)
         CPUAttentionBackendImpl(b.H, b.D, b.D**-0.5, b.H_KV).forward(
             None, b.q[:n_real].float(), b.k[:n_real].float(), b.v[:n_real].float(), cache, md, out

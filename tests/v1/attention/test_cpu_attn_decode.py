@@ -231,3 +231,10 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(RuntimeError, match=r"seq_lens\[1\]=9 is outside \[1, 8\]"):
         kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table,
                                        torch.tensor([5, 9], dtype=torch.int32), 0.5)
+
+
+def test_builder_can_be_held_to_the_torch_path():
+    # The reference for the other backends' tests (tests/helpers/attention_batches.py).
+    common = Step([(3, 1), (9, 1)], 1, 4, 2, seed=6).common
+    md = CPUAttentionMetadataBuilder(BS, torch.device("cpu"), use_cpu_kernels=False).build(common)
+    assert md.decode is not None and md.decode.kernel_block_table is None

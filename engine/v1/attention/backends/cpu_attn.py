@@ -128,9 +128,12 @@ class CPUAttentionMetadata:
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, use_cpu_kernels: bool = True) -> None:
         super().__init__(block_size, device)
         self.gather_buffer = GatherBuffer()
+        # False: decodes always take the gather + SDPA torch path (the plain-torch
+        # reference the tests hold the other backends to).
+        self.use_cpu_kernels = use_cpu_kernels
 
     def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
         qsl = common.query_start_loc_cpu.tolist()
@@ -172,7 +175,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
         positions = torch.arange(padded_len, device=device)
         valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
         kernel_block_table = kernel_seq_lens = None
-        if device.type == "cpu" and cpu_kernels() is not None:
+        if self.use_cpu_kernels and device.type == "cpu" and cpu_kernels() is not None:
             kernel_block_table = block_ids.to(torch.int32).contiguous()
             kernel_seq_lens = torch.tensor(lens, dtype=torch.int32)
         return CPUDecodeBatch(
