@@ -74,6 +74,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                 " is outside [1, ", W * block_size, "]");
   }
 
+  // Token t of a request whose block ids are `blocks`: its row (all KV heads) in `cache`.
+  auto token_row = [&](const float* cache, const int32_t* blocks, int64_t t) {
+    return cache + static_cast<int64_t>(blocks[t / block_size]) * block_stride + (t % block_size) * token_stride;
+  };
   // Requests are independent: split them over torch's intra-op threads.
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [H, L] for the request at hand
@@ -85,10 +89,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       // 1. scores[h, t] = scale * q_h . k_t, one token row (all KV heads) at a time,
       //    so each cache line of K is read once.
       for (int64_t t = 0; t < L; ++t) {
-        const float* k_row = kc + static_cast<int64_t>(blocks[t / block_size]) * block_stride +
-                             (t % block_size) * token_stride;
-        if (t + block_size < L) prefetch_row(kc + static_cast<int64_t>(blocks[t / block_size + 1]) * block_stride +
-                                             (t % block_size) * token_stride, token_stride);
+        const float* k_row = token_row(kc, blocks, t);
+        if (t + block_size < L) prefetch_row(token_row(kc, blocks, t + block_size), token_stride);
         for (int64_t h = 0; h < H; ++h) {
           const float* k = k_row + (h / G) * D;
           const float* qh = qi + h * q_s1;
@@ -115,10 +117,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
       float* oi = o + i * o_s0;
       for (int64_t h = 0; h < H; ++h) std::fill(oi + h * o_s1, oi + h * o_s1 + D, 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const float* v_row = vc + static_cast<int64_t>(blocks[t / block_size]) * block_stride +
-                             (t % block_size) * token_stride;
-        if (t + block_size < L) prefetch_row(vc + static_cast<int64_t>(blocks[t / block_size + 1]) * block_stride +
-                                             (t % block_size) * token_stride, token_stride);
+        const float* v_row = token_row(vc, blocks, t);
+        if (t + block_size < L) prefetch_row(token_row(vc, blocks, t + block_size), token_stride);
         for (int64_t h = 0; h < H; ++h) {
           const float p = scores[h * L + t];
           const float* v = v_row + (h / G) * D;

@@ -37,6 +37,25 @@ Rows as_rows(torch::Tensor& t) {
   return {t.data_ptr<float>(), num, hidden, stride};
 }
 
+// The weight's data, or nullptr for a norm without one (after checking it fits the rows).
+const float* weight_data(const c10::optional<torch::Tensor>& weight, int64_t hidden) {
+  if (!weight.has_value() || !weight->defined()) return nullptr;
+  check_rows(*weight, "weight");
+  TORCH_CHECK(weight->numel() == hidden, "weight must have ", hidden, " elements, got ", weight->numel());
+  return weight->data_ptr<float>();
+}
+
+// y = x * r * w (or x * r without a weight), one row.
+inline void scale_row(float* y, const float* x, float r, const float* w, int64_t hidden) {
+  if (w != nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < hidden; ++j) y[j] = (x[j] * r) * w[j];
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < hidden; ++j) y[j] = x[j] * r;
+  }
+}
+
 inline float inv_rms(const float* x, int64_t hidden, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -51,25 +70,12 @@ void rms_norm(torch::Tensor out, torch::Tensor input, c10::optional<torch::Tenso
   check_rows(input, "input");
   TORCH_CHECK(out.sizes() == input.sizes(), "out and input must have the same shape");
   Rows in = as_rows(input), o = as_rows(out);
-  const float* w = nullptr;
-  if (weight.has_value() && weight->defined()) {
-    check_rows(*weight, "weight");
-    TORCH_CHECK(weight->numel() == in.hidden, "weight must have ", in.hidden, " elements");
-    w = weight->data_ptr<float>();
-  }
+  const float* w = weight_data(weight, in.hidden);
   const float eps = static_cast<float>(epsilon);
   at::parallel_for(0, in.num, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* x = in.data + i * in.stride;
-      float* y = o.data + i * o.stride;
-      const float r = inv_rms(x, in.hidden, eps);
-      if (w != nullptr) {
-#pragma omp simd
-        for (int64_t j = 0; j < in.hidden; ++j) y[j] = (x[j] * r) * w[j];
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < in.hidden; ++j) y[j] = x[j] * r;
-      }
+      scale_row(o.data + i * o.stride, x, inv_rms(x, in.hidden, eps), w, in.hidden);
     }
   });
 }
@@ -82,12 +88,7 @@ void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual,
   TORCH_CHECK(input.sizes() == residual.sizes(), "input and residual must have the same shape, got ",
               input.sizes(), " and ", residual.sizes());
   Rows x = as_rows(input), res = as_rows(residual);
-  const float* w = nullptr;
-  if (weight.has_value() && weight->defined()) {
-    check_rows(*weight, "weight");
-    TORCH_CHECK(weight->numel() == x.hidden, "weight must have ", x.hidden, " elements");
-    w = weight->data_ptr<float>();
-  }
+  const float* w = weight_data(weight, x.hidden);
   const float eps = static_cast<float>(epsilon);
   at::parallel_for(0, x.num, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -95,14 +96,7 @@ void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual,
       float* ri = res.data + i * res.stride;
 #pragma omp simd
       for (int64_t j = 0; j < x.hidden; ++j) ri[j] += xi[j];
-      const float r = inv_rms(ri, x.hidden, eps);
-      if (w != nullptr) {
-#pragma omp simd
-        for (int64_t j = 0; j < x.hidden; ++j) xi[j] = (ri[j] * r) * w[j];
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < x.hidden; ++j) xi[j] = ri[j] * r;
-      }
+      scale_row(xi, ri, inv_rms(ri, x.hidden, eps), w, x.hidden);
     }
   });
 }
