@@ -12,9 +12,13 @@ have just evicted the interpreter from the caches). The reference
 and ~12, in place where vLLM's kernels are in place, and give **bit-identical**
 float32 results (same operations in the same order, only without
 temporaries), so greedy parity with transformers cannot move.
+The layers' ``forward_cpu`` prefers Glassbox's own C++ twins of those files
+(``csrc/cpu/``, loaded by ``engine/_cpu_ops.py``: one call per norm, RoPE or
+SiLU-and-mul) and uses these helpers where that build is unavailable or
+``GLASSBOX_CPU_KERNELS=0``.
 Sessions: 04 (worker), 06 (kernel fusion).
 
-Simpler than vLLM: plain torch, no C++; float32 only (callers fall back to
+Simpler than vLLM: plain torch; float32 only (callers fall back to
 ``forward_native`` for other dtypes, where the reference upcasts).
 """
 
