@@ -40,6 +40,7 @@ SOURCES = (
     "cpu/torch_bindings.cpp", "cpu/cpu_attn.cpp", "cpu/layernorm.cpp", "cpu/activation.cpp",
     "cpu/pos_encoding.cpp",
 )
+HEADERS = ("cpu/parallel.hpp",)  # copied beside the sources, part of the build's name
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 
@@ -47,7 +48,7 @@ def _build_name() -> str:
     """Sources and this CPU's instruction sets in the name: -march=native code
     must not be loaded on another kind of CPU sharing the cache directory."""
     digest = hashlib.sha256()
-    for rel in SOURCES:
+    for rel in SOURCES + HEADERS:
         digest.update((CSRC_DIR / rel).read_bytes())
     try:
         flags = next(
@@ -76,7 +77,7 @@ def load(verbose: bool = False) -> ModuleType:
     """Compile (or reuse the cached build of) ``csrc/cpu/`` and import it."""
     from torch.utils import cpp_extension
 
-    missing = [rel for rel in SOURCES if not (CSRC_DIR / rel).is_file()]
+    missing = [rel for rel in SOURCES + HEADERS if not (CSRC_DIR / rel).is_file()]
     if missing:
         raise FileNotFoundError(f"CPU kernel sources not found under {CSRC_DIR}: {missing}")
     # torch runs `ninja` from PATH; a venv's ninja (pip install ninja) sits beside python.
@@ -84,10 +85,21 @@ def load(verbose: bool = False) -> ModuleType:
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     build_dir = Path(os.environ.get("GLASSBOX_CACHE") or Path.home() / ".cache" / "glassbox")
     build_dir = build_dir / "torch_extensions" / _build_name()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    # Build from copies inside the build folder: ninja rebuilds when a command line
+    # changes, and the sources' own paths differ between checkouts of the same code.
+    src_dir = build_dir / "src"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for rel in SOURCES + HEADERS:
+        text = (CSRC_DIR / rel).read_bytes()
+        copy = src_dir / Path(rel).name
+        if not copy.is_file() or copy.read_bytes() != text:  # rewrite only on change (mtime)
+            copy.write_bytes(text)
+        if rel in SOURCES:
+            sources.append(str(copy))
     return cpp_extension.load(
         name=build_dir.name,
-        sources=[str(CSRC_DIR / rel) for rel in SOURCES],
+        sources=sources,
         # -ffp-contract=off: no fused multiply-adds, so products round as torch's do.
         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"],
         build_directory=str(build_dir),

@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel.hpp"
+
 #include <cstdint>
 
 namespace {
@@ -49,7 +51,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor input) {
   TORCH_CHECK(input.numel() == rows * 2 * d, "input and out disagree on the number of rows");
   const float* x = input.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(3 * d), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* gate = x + i * 2 * d;
       const float* up = gate + d;

@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -79,7 +81,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     return cache + static_cast<int64_t>(blocks[t / block_size]) * block_stride + (t % block_size) * token_stride;
   };
   // Requests are independent: split them over torch's intra-op threads.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_len = 0;
+  for (int64_t i = 0; i < n; ++i) total_len += sl[i];
+  const int64_t per_request = (n == 0 ? 0 : total_len / n) * H * D * 2;  // K and V elements read
+  at::parallel_for(0, n, grain_for(per_request), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [H, L] for the request at hand
     for (int64_t i = begin; i < end; ++i) {
       const int64_t L = sl[i];

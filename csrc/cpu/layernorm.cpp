@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel.hpp"
+
 #include <cmath>
 
 namespace {
@@ -72,7 +74,7 @@ void rms_norm(torch::Tensor out, torch::Tensor input, c10::optional<torch::Tenso
   Rows in = as_rows(input), o = as_rows(out);
   const float* w = weight_data(weight, in.hidden);
   const float eps = static_cast<float>(epsilon);
-  at::parallel_for(0, in.num, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.num, grain_for(in.hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* x = in.data + i * in.stride;
       scale_row(o.data + i * o.stride, x, inv_rms(x, in.hidden, eps), w, in.hidden);
@@ -90,7 +92,7 @@ void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual,
   Rows x = as_rows(input), res = as_rows(residual);
   const float* w = weight_data(weight, x.hidden);
   const float eps = static_cast<float>(epsilon);
-  at::parallel_for(0, x.num, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.num, grain_for(x.hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* xi = x.data + i * x.stride;
       float* ri = res.data + i * res.stride;

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel.hpp"
+
 namespace {
 
 void rotate(float* x, const float* cos, const float* sin, int64_t half, bool is_neox) {
@@ -57,7 +59,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, c10::optiona
     if (x.dim() == 3) TORCH_CHECK(x.stride(1) == head_size, name, ": heads must be contiguous in a row");
     const int64_t heads = row_elems / head_size, row_stride = x.stride(0);
     float* data = x.data_ptr<float>();
-    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T, grain_for(heads * head_size), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = cache + p[t] * rot_dim;
         const float* sin = cos + half;

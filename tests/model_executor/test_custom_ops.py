@@ -303,16 +303,18 @@ def test_env_var_forces_native(custom_ops_env):
         RMSNorm.enabled()
 
 
-def test_cpu_forward_matches_native_bit_for_bit(custom_ops_env):
-    """On the CPU the layers run forward_cpu: fewer ops, in place, bit-identical to forward_native."""
+def test_cpu_forward_matches_native(custom_ops_env):
+    """On the CPU the layers run forward_cpu (the C++ of csrc/cpu when built, else cpu_fused):
+    fewer ops, in place, equal to forward_native up to float rounding (RoPE bit for bit)."""
     g = torch.Generator().manual_seed(0)
     norm, act = _norm(16), SiluAndMul()
     rope = RotaryEmbedding(8, 8, 32, 10000.0, True, torch.float32)
     x, r = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
-    assert torch.equal(norm(x.clone()), norm.forward_native(x))
+    torch.testing.assert_close(norm(x.clone()), norm.forward_native(x), rtol=2e-6, atol=2e-6)
     ours = norm(x.clone(), r.clone())
-    assert all(torch.equal(a, b) for a, b in zip(ours, norm.forward_native(x, r)))
-    assert torch.equal(act(x), act.forward_native(x))
+    for a, b in zip(ours, norm.forward_native(x, r)):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(act(x), act.forward_native(x), rtol=2e-6, atol=2e-6)
     pos = torch.tensor([1, 2, 3, 4])
     qkv = torch.randn(4, 24, generator=g)  # q and k as column views of one qkv row, as in a model
     q_ref, k_ref = rope.forward_native(pos, qkv[:, :16], qkv[:, 16:])
