@@ -25,6 +25,7 @@ Sessions: 05 (attention backends).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -75,8 +76,6 @@ def cpu_kernels() -> ModuleType | None:
 
 def load(verbose: bool = False) -> ModuleType:
     """Compile (or reuse the cached build of) ``csrc/cpu/`` and import it."""
-    from torch.utils import cpp_extension
-
     missing = [rel for rel in SOURCES + HEADERS if not (CSRC_DIR / rel).is_file()]
     if missing:
         raise FileNotFoundError(f"CPU kernel sources not found under {CSRC_DIR}: {missing}")
@@ -90,13 +89,26 @@ def load(verbose: bool = False) -> ModuleType:
     src_dir = build_dir / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
     sources = []
+    stale = False
     for rel in SOURCES + HEADERS:
         text = (CSRC_DIR / rel).read_bytes()
         copy = src_dir / Path(rel).name
         if not copy.is_file() or copy.read_bytes() != text:  # rewrite only on change (mtime)
             copy.write_bytes(text)
+            stale = True
         if rel in SOURCES:
             sources.append(str(copy))
+    built = build_dir / f"{build_dir.name}.so"
+    if built.is_file() and not stale:
+        # Built before from these very sources: import it directly (cpp_extension.load
+        # would rewrite the ninja file and run ninja, ~0.15 s per engine process).
+        spec = importlib.util.spec_from_file_location(build_dir.name, built)
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    from torch.utils import cpp_extension  # slow to import: only when building
+
     return cpp_extension.load(
         name=build_dir.name,
         sources=sources,
