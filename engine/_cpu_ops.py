@@ -102,6 +102,8 @@ def load(verbose: bool = False) -> ModuleType:
     if built.is_file() and not stale:
         # Built before from these very sources: import it directly (cpp_extension.load
         # would rewrite the ninja file and run ninja, ~0.15 s per engine process).
+        import torch  # noqa: F401  (loads libtorch/libc10, which the extension links)
+
         spec = importlib.util.spec_from_file_location(build_dir.name, built)
         if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
