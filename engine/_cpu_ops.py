@@ -19,6 +19,7 @@ Ops (all in place into ``out``, float32, CPU tensors):
 When the kernels cannot be built (no compiler, no ninja) or
 ``GLASSBOX_CPU_KERNELS=0``, ``cpu_kernels()`` returns None and callers keep their
 plain-torch path -- same maths, slower; the reason is logged once.
+``with kernels_disabled():`` does the same for a block of code.
 Sessions: 05 (attention backends).
 """
 
@@ -30,6 +31,8 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -45,12 +48,12 @@ HEADERS = ("cpu/parallel.hpp",)  # copied beside the sources, part of the build'
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 
-def _build_name() -> str:
+def _build_name(texts: list[bytes]) -> str:
     """Sources and this CPU's instruction sets in the name: -march=native code
     must not be loaded on another kind of CPU sharing the cache directory."""
     digest = hashlib.sha256()
-    for rel in SOURCES + HEADERS:
-        digest.update((CSRC_DIR / rel).read_bytes())
+    for text in texts:
+        digest.update(text)
     try:
         flags = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
@@ -61,9 +64,30 @@ def _build_name() -> str:
     return f"glassbox_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
-@lru_cache(maxsize=1)
+# > 0 inside ``kernels_disabled()``: every caller gets None, i.e. its torch path.
+_disabled_depth = 0
+
+
+@contextmanager
+def kernels_disabled() -> Iterator[None]:
+    """Within the block, ``cpu_kernels()`` returns None everywhere: the layers and
+    ``CPU_ATTN`` take their plain-torch paths (tests comparing the two paths,
+    notebooks counting torch ops; a C++ call is invisible to a dispatch mode)."""
+    global _disabled_depth
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1
+
+
 def cpu_kernels() -> ModuleType | None:
     """The compiled module, or None (disabled or not buildable here)."""
+    return None if _disabled_depth else _load_once()
+
+
+@lru_cache(maxsize=1)
+def _load_once() -> ModuleType | None:
     if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
         return None
     try:
@@ -83,15 +107,15 @@ def load(verbose: bool = False) -> ModuleType:
     if shutil.which("ninja") is None:
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     build_dir = Path(os.environ.get("GLASSBOX_CACHE") or Path.home() / ".cache" / "glassbox")
-    build_dir = build_dir / "torch_extensions" / _build_name()
+    texts = [(CSRC_DIR / rel).read_bytes() for rel in SOURCES + HEADERS]
+    build_dir = build_dir / "torch_extensions" / _build_name(texts)
     # Build from copies inside the build folder: ninja rebuilds when a command line
     # changes, and the sources' own paths differ between checkouts of the same code.
     src_dir = build_dir / "src"
     src_dir.mkdir(parents=True, exist_ok=True)
     sources = []
     stale = False
-    for rel in SOURCES + HEADERS:
-        text = (CSRC_DIR / rel).read_bytes()
+    for rel, text in zip(SOURCES + HEADERS, texts):
         copy = src_dir / Path(rel).name
         if not copy.is_file() or copy.read_bytes() != text:  # rewrite only on change (mtime)
             copy.write_bytes(text)

@@ -568,19 +568,11 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+from engine._cpu_ops import kernels_disabled  # noqa: E402
+
 counter = CountOps()
 model = runner.model
 _forward = model.forward
-
-import engine.model_executor.layers.activation as activation_layers  # noqa: E402
-import engine.model_executor.layers.layernorm as layernorm_layers  # noqa: E402
-import engine.model_executor.layers.rotary_embedding.base as rope_layers  # noqa: E402
-import engine.v1.attention.backends.cpu_attn as cpu_attn_backend  # noqa: E402
-
-torch_paths_only = (activation_layers, layernorm_layers, rope_layers, cpu_attn_backend)
-saved_kernels = [m.cpu_kernels for m in torch_paths_only]
-for m in torch_paths_only:
-    m.cpu_kernels = lambda: None  # the plain-torch CPU paths, visible to the dispatch mode
 
 
 def counted_forward(*args, **kwargs):
@@ -592,10 +584,9 @@ model.forward = counted_forward
 llm_engine.add_request("count", "Counting kernels", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 llm_engine.step()          # the prefill
 counter.counts.clear()
-llm_engine.step()          # one decode step: count this forward
+with kernels_disabled():   # the plain-torch CPU paths, visible to the dispatch mode
+    llm_engine.step()      # one decode step: count this forward
 model.forward = _forward
-for m, kernels in zip(torch_paths_only, saved_kernels):
-    m.cpu_kernels = kernels
 launching = {k: v for k, v in counter.counts.items() if k not in NO_KERNEL}
 num_layers = llm.llm_engine.model_config.get_num_layers()
 n_ops = sum(launching.values())

@@ -114,18 +114,16 @@ def test_silu_and_mul_equals_native(shape):
 
 
 @pytest.fixture(params=["cpp", "torch"])
-def cpu_path(request, monkeypatch):
+def cpu_path(request):
     """``cpp``: the layers call csrc/cpu (built by make setup); ``torch``: cpu_fused."""
-    import engine.model_executor.layers.activation as activation
-    import engine.model_executor.layers.layernorm as layernorm
-    import engine.model_executor.layers.rotary_embedding.base as rope_base
+    from engine._cpu_ops import cpu_kernels, kernels_disabled
 
     if request.param == "torch":
-        for module in (activation, layernorm, rope_base):
-            monkeypatch.setattr(module, "cpu_kernels", lambda: None)
+        with kernels_disabled():
+            yield request.param
     else:
-        assert layernorm.cpu_kernels() is not None, "run `python -m engine._cpu_ops -v` to see why"
-    return request.param
+        assert cpu_kernels() is not None, "run `python -m engine._cpu_ops -v` to see why"
+        yield request.param
 
 
 def test_layers_dispatch_to_forward_cpu_on_cpu_and_match_native(cpu_path):

@@ -33,16 +33,17 @@ BS, D, NUM_BLOCKS = 4, 8, 96
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def decode_path(request, monkeypatch):
-    import engine.v1.attention.backends.cpu_attn as cpu_attn
+def decode_path(request):
+    from engine._cpu_ops import cpu_kernels, kernels_disabled
 
     if request.param == "torch":
-        monkeypatch.setattr(cpu_attn, "cpu_kernels", lambda: None)
+        with kernels_disabled():
+            yield request.param
     else:
-        assert cpu_attn.cpu_kernels() is not None, (
+        assert cpu_kernels() is not None, (
             "the CPU kernels did not build here: run `python -m engine._cpu_ops -v` to see why"
         )
-    return request.param
+        yield request.param
 
 
 def dense(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

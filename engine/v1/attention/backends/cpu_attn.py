@@ -172,12 +172,12 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             block_ids = block_table[:n, :max_blocks]
         else:
             block_ids = block_table[torch.tensor(ids, device=device), :max_blocks]
-        positions = torch.arange(padded_len, device=device)
-        valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+        valid = torch.arange(padded_len, device=device)[None, :] < lens_t[:, None]
         kernel_block_table = kernel_seq_lens = None
         if self.use_cpu_kernels and device.type == "cpu" and cpu_kernels() is not None:
             kernel_block_table = block_ids.to(torch.int32).contiguous()
-            kernel_seq_lens = torch.tensor(lens, dtype=torch.int32)
+            kernel_seq_lens = lens_t
         return CPUDecodeBatch(
             num_decodes=n,
             max_blocks=max_blocks,
