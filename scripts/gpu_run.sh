@@ -6,10 +6,25 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 source "$(dirname "$0")/gpu_env.sh"
+save_caches() {
+  # The FlashInfer and Triton kernels built in this call, for the next one (see
+  # gpu_env.sh; copy them into .gpu_carry/). Triton's intermediate stages (.ttir,
+  # .ttgir, .llir, .ptx, .source) are left out: a cached kernel loads from its
+  # cubin and metadata alone. A file over 16 MB would not come back.
+  [ -d "$HOME/.cache/flashinfer" ] && tar -czf "$OUT/fi_jit_cache.tgz" -C "$HOME/.cache" flashinfer
+  [ -d "$HOME/.triton/cache" ] && tar -czf "$OUT/triton_cache.tgz" \
+    --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' --exclude='*.source' \
+    -C "$HOME/.triton" cache
+  for f in "$OUT/fi_jit_cache.tgz" "$OUT/triton_cache.tgz"; do
+    [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 16000000 ] && echo "$f is over 16 MB: not kept" && rm -f "$f"
+  done
+  return 0
+}
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=15 -m gpu tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
+  save_caches  # now, so a later timeout still returns them
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # Eager throughput is left out (--parts eager adds it). transformers runs the first 64
@@ -17,14 +32,9 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # than one call may last.
   python3 benchmarks/gpu_throughput.py --out "$OUT" --parts throughput,hf,latency --hf-num-prompts 64 --hf-timeout-s 200 2>&1 | tee -a "$OUT/bench.log" || rc=1
   python3 benchmarks/gpu_profile_step.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  python3 benchmarks/gpu_profile_step.py --out "$OUT" --batch 256 --steps 20 2>&1 | tee -a "$OUT/bench.log" || rc=1
   python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 7 --max-tokens 96 \
     --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
 fi
-# The FlashInfer and Triton kernels built in this call, for the next one (see
-# gpu_env.sh; copy them into .gpu_carry/). A file over 16 MB would not come back.
-[ -d "$HOME/.cache/flashinfer" ] && tar -czf "$OUT/fi_jit_cache.tgz" -C "$HOME/.cache" flashinfer
-[ -d "$HOME/.triton/cache" ] && tar -czf "$OUT/triton_cache.tgz" -C "$HOME/.triton" cache
-for f in "$OUT/fi_jit_cache.tgz" "$OUT/triton_cache.tgz"; do
-  [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 16000000 ] && echo "$f is over 16 MB: not kept" && rm -f "$f"
-done
+save_caches
 exit $rc
