@@ -24,13 +24,14 @@ interleaves them by time into ``<path>`` at shutdown.
 Cost: ``emit`` only appends ``(kind, ts, step, fields)`` to an in-memory
 list; the events are JSON-encoded (msgspec, one call per batch) and written
 when the list holds ``buffer_size`` events, on ``flush()`` (EngineCore
-flushes after every step) and on ``close()``. So a hook costs about a
+flushes once per step, while the device runs the forward it has just
+launched, and when no request is left) and on ``close()``. So a hook costs about a
 microsecond, not the several a dict copy + ``json`` encode + ``write`` per
 event cost. Two consequences: a hook must pass values it will not mutate
 afterwards (fresh lists, scalars -- every hook in the engine does), and a
 process that dies without closing its tracer (SIGKILL, ``os._exit``, a
 segfault) loses the events still in the list, at most ``buffer_size`` (in
-the engine core, at most the current step). A tracer that is never closed
+the engine core, at most the last step and a half). A tracer that is never closed
 is flushed when it is garbage collected or the interpreter exits.
 
 ``replay.py`` rebuilds the scheduler and KV-cache state at any step from a

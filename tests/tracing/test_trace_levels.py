@@ -224,3 +224,37 @@ def test_sampler_pending_trace_is_emitted_before_the_next_call(tmp_path):
     sampler.emit_pending_trace()  # nothing pending: a no-op
     tracer.close()
     assert [e["token_id"] for e in load_trace(path) if e["kind"] == "sampler.sampled"] == [1, 0]
+
+
+@pytest.mark.parametrize("temperatures", [(0.0, 0.8, 0.0), (0.0, 0.0, 0.0), (0.9, 0.8, 1.0)],
+                         ids=["mixed", "all_greedy", "all_random"])
+@pytest.mark.parametrize("traced", [("a", "b", "c"), (None, "b", "c")], ids=["all_rows", "some_rows"])
+def test_sampler_lifecycle_events_with_and_without_host_tokens(tmp_path, temperatures, traced):
+    """``sampler.sampled`` at lifecycle: the same events whether the caller
+    hands over its host copy of the tokens (the model runner does) or the
+    sampler copies them itself; greedy flags right for mixed, all-greedy and
+    all-random batches (the last two come from the host, not the device)."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)) * 2
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)]
+    events = {}
+    for how in ("host", "device"):
+        path = str(tmp_path / f"{how}.jsonl")
+        tracer = Tracer(path, "lifecycle")
+        gens = {i: torch.Generator().manual_seed(i) for i, p in enumerate(params) if p.temperature > 0}
+        meta = build_sampling_metadata(params, [[1]] * 3, [[], [], []], gens, 40, "cpu")
+        sampler = Sampler(tracer=tracer)
+        out = sampler(logits.clone(), meta, trace_req_ids=list(traced))
+        tokens = out.sampled_token_ids.squeeze(-1).tolist()
+        sampler.emit_pending_trace(tokens if how == "host" else None)
+        tracer.close()
+        events[how] = [{k: v for k, v in e.items() if k not in ("ts", "seq", "pid")}
+                       for e in load_trace(path)]
+        raw_logprobs = logits.log_softmax(-1)
+        assert [e["request_id"] for e in events[how]] == [r for r in traced if r is not None]
+        for e in events[how]:
+            row = e["row"]
+            assert e["token_id"] == tokens[row]
+            assert e["greedy"] is (temperatures[row] == 0.0)
+            assert math.isclose(e["logprob"], raw_logprobs[row, e["token_id"]].item(), rel_tol=1e-5)
+            assert "stages" not in e and "rank" not in e  # full only
+    assert events["host"] == events["device"]

@@ -144,6 +144,8 @@ class EngineCore:
     def execute_model_with_error_logging(self, scheduler_output) -> ModelRunnerOutput:
         try:
             output = self.model_executor.execute_model(scheduler_output)
+            # On a GPU the forward was only launched: write the trace while it runs.
+            if self.tracer.lifecycle: self.tracer.flush()  # noqa: E701
             if output is None:
                 output = self.model_executor.sample_tokens()
             return output
@@ -158,7 +160,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         model_output = self.execute_model_with_error_logging(scheduler_output)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self.tracer.lifecycle: self.tracer.flush()  # noqa: E701
+        # This step's own events wait for the next step's forward, unless none follows.
+        if self.tracer.lifecycle and not self.scheduler.has_requests(): self.tracer.flush()  # noqa: E701
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def reset_prefix_cache(self) -> bool:

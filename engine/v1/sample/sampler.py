@@ -67,7 +67,9 @@ class PendingSampledTrace:
 
     req_ids: list[str | None]  # the traced rows' request ids
     rows: list[int]  # their rows in the batch
-    device_values: list[torch.Tensor]  # tokens, chosen logprobs, greedy flags (+ full extras)
+    tokens: torch.Tensor  # their sampled tokens [R] (copied only if the caller has none)
+    greedy: torch.Tensor | bool  # bool [R], or one value for every row
+    device_values: list[torch.Tensor]  # chosen logprobs [R] (+ full: ranks, stage candidates)
     stage_names: list[str]
 
 
@@ -298,23 +300,31 @@ class Sampler(nn.Module):
         sampling_metadata: SamplingMetadata,
     ) -> None:
         """Compute what the ``sampler.sampled`` events need, on the device, and
-        keep it: ``emit_pending_trace`` brings it to the host in one copy after
-        the model runner's own ``.tolist()`` of the sampled tokens has waited
-        for the device. Copying here instead would stall the host until the
-        forward finished, before it had launched the rest of the step."""
+        keep it: ``emit_pending_trace`` brings it to the host after the model
+        runner's own ``.tolist()`` of the sampled tokens has waited for the
+        device (and takes the tokens from that list). Copying here instead
+        would stall the host until the forward finished, before it had
+        launched the rest of the step. At ``lifecycle`` the device work is
+        two kernels (log-softmax, gather) and the greedy flags come from the
+        host when the batch is all greedy or all random."""
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
             self._trace.stages = self._trace.rows = None
             return
-        tokens, temperature = sampled, sampling_metadata.temperature
+        tokens = sampled
         row_logits = raw_logits if raw_logprobs is None else raw_logprobs
+        index = None
         if len(rows) < len(trace_req_ids):
             index = torch.tensor(rows, dtype=torch.long, device=sampled.device)
-            tokens, temperature = tokens.index_select(0, index), temperature.index_select(0, index)
-            row_logits = row_logits.index_select(0, index)
+            tokens, row_logits = tokens.index_select(0, index), row_logits.index_select(0, index)
         row_logprobs = self.compute_logprobs(row_logits) if raw_logprobs is None else row_logits
         chosen = row_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        device_values = [tokens, chosen, temperature < _SAMPLING_EPS]
+        if sampling_metadata.all_greedy or sampling_metadata.all_random:
+            greedy: torch.Tensor | bool = sampling_metadata.all_greedy
+        else:
+            temperature = sampling_metadata.temperature
+            greedy = (temperature if index is None else temperature.index_select(0, index)) < _SAMPLING_EPS
+        device_values = [chosen]
         stage_names: list[str] = []
         if self.tracer.full and self._trace.stages is not None:
             device_values.append((row_logprobs >= chosen.unsqueeze(-1)).sum(dim=-1))
@@ -324,29 +334,51 @@ class Sampler(nn.Module):
             device_values.append(torch.stack([ids for _, _, ids in self._trace.stages]))
         self._trace.stages = self._trace.rows = None
         self._trace.pending = PendingSampledTrace(
-            [trace_req_ids[r] for r in rows], rows, device_values, stage_names
+            [trace_req_ids[r] for r in rows], rows, tokens, greedy, device_values, stage_names
         )
 
-    def emit_pending_trace(self) -> None:
+    def emit_pending_trace(self, sampled_token_ids: Sequence[int] | None = None) -> None:
         """One ``sampler.sampled`` event per traced row of the last call.
-        Every value comes to the host in one copy (``host_lists``)."""
+
+        ``sampled_token_ids``: the caller's host copy of the sampled tokens
+        (one per batch row); without it they are copied from the device too.
+        Every device value comes to the host in one copy (``host_lists``)."""
         pending, self._trace.pending = self._trace.pending, None
         if pending is None:
             return
-        token_list, logprob_list, greedy, *full_values = host_lists(*pending.device_values)
+        device_values = list(pending.device_values)
+        greedy = pending.greedy
+        if not isinstance(greedy, bool):
+            device_values.append(greedy)
+        if sampled_token_ids is None:
+            device_values.append(pending.tokens)
+        host = host_lists(*device_values)
+        token_list = (
+            host.pop() if sampled_token_ids is None
+            else [sampled_token_ids[r] for r in pending.rows]
+        )
+        greedy_list = [greedy] * len(pending.rows) if isinstance(greedy, bool) else host.pop()
+        logprob_list, *full_values = host
+        emit = self.tracer.emit
+        if not full_values:
+            for request_id, row, token_id, logprob, is_greedy in zip(
+                pending.req_ids, pending.rows, token_list, logprob_list, greedy_list
+            ):
+                emit("sampler.sampled", request_id=request_id, row=row, token_id=token_id,
+                     logprob=logprob, greedy=is_greedy)
+            return
+        ranks, stage_probs, stage_ids = full_values  # [R], [stages][R][C] twice
         for j, (request_id, row) in enumerate(zip(pending.req_ids, pending.rows)):
-            fields = dict(
+            emit(
+                "sampler.sampled",
                 request_id=request_id,
                 row=row,
                 token_id=token_list[j],
                 logprob=logprob_list[j],
-                greedy=greedy[j],
-            )
-            if full_values:
-                fields["rank"] = full_values[0][j]
-                stage_probs, stage_ids = full_values[1], full_values[2]  # [stages][R][C]
-                fields["stages"] = [
+                greedy=greedy_list[j],
+                rank=ranks[j],
+                stages=[
                     {"stage": name, "token_ids": stage_ids[i][j], "probs": stage_probs[i][j]}
                     for i, name in enumerate(pending.stage_names)
-                ]
-            self.tracer.emit("sampler.sampled", **fields)
+                ],
+            )

@@ -125,6 +125,8 @@ class GPUModelRunner:
         self.execute_model_state: ExecuteModelState | None = None
         # Tracing on CUDA: the forward's timing, emitted once sampling has synced.
         self._pending_forward_trace: PendingForwardTrace | None = None
+        # CUDA start/end events of the traced forward (created on first use).
+        self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attn_metadata_builder = None
@@ -358,7 +360,6 @@ class GPUModelRunner:
         )
         metadata = self.attn_metadata_builder.build(common)
         cudagraph_mode = mode.name
-        if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, host_inputs, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
         forward_timer = self._start_forward_timer() if self.tracer.lifecycle else None
         if mode == CUDAGraphMode.FULL:
             # Replay: the graph reads this step's values from the buffers.
@@ -377,6 +378,8 @@ class GPUModelRunner:
                 hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
         logits = self.model.compute_logits(hidden_states[logits_indices])
         if self.tracer.lifecycle: self._trace_forward(scheduler_output.step, forward_timer, num_tokens, logits)  # noqa: E701
+        # After the launch: on a GPU the host describes the batch while the device runs it.
+        if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, host_inputs, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
         self.execute_model_state = ExecuteModelState(
             scheduler_output, logits, list(self.input_batch.req_ids), discard_rows
         )
@@ -403,7 +406,7 @@ class GPUModelRunner:
         sampler_output = self.sampler(state.logits, metadata, trace_req_ids=trace_req_ids)
         sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()  # waits for the device
         if self._pending_forward_trace is not None: self._emit_pending_forward_trace()  # noqa: E701
-        if self.tracer.lifecycle: self.sampler.emit_pending_trace()  # noqa: E701
+        if self.tracer.lifecycle: self.sampler.emit_pending_trace(sampled)  # noqa: E701
         logprobs = (
             sampler_output.logprobs_tensors.tolists()
             if sampler_output.logprobs_tensors is not None
@@ -516,7 +519,11 @@ class GPUModelRunner:
         """(wall-clock ns, perf-counter ns, CUDA start event or None) at launch."""
         start_event = None
         if self.device.type == "cuda":
-            start_event = torch.cuda.Event(enable_timing=True)
+            if self._forward_events is None:  # one pair, reused: the last step's was read
+                self._forward_events = (
+                    torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                )
+            start_event = self._forward_events[0]
             start_event.record()
         return time.time_ns(), time.perf_counter_ns(), start_event
 
@@ -543,7 +550,8 @@ class GPUModelRunner:
                 num_tokens=num_tokens, num_logits=int(logits.shape[0]), start_ts=start_ts,
             )
             return
-        end_event = torch.cuda.Event(enable_timing=True)
+        assert self._forward_events is not None
+        end_event = self._forward_events[1]
         end_event.record()
         self._pending_forward_trace = PendingForwardTrace(
             step, start_ts, start_event, end_event, num_tokens, int(logits.shape[0])
