@@ -20,7 +20,10 @@ fi
 # FlashInfer's JIT builds (~45-90 s per kernel family on a fresh machine) from an
 # earlier call: gpu_run.sh leaves them in $OUT/fi_jit_cache.tgz; copied to
 # .gpu_carry/, they travel back and ninja finds the kernels up to date.
-if [ -f .gpu_carry/fi_jit_cache.tgz ]; then
+# Over 16 MB it comes back split (fi_jit_cache.tgz.part-aa, -ab, ...): joined here.
+if ls .gpu_carry/fi_jit_cache.tgz.part-* >/dev/null 2>&1; then
+  mkdir -p "$HOME/.cache" && cat .gpu_carry/fi_jit_cache.tgz.part-* | tar -xzf - -C "$HOME/.cache"
+elif [ -f .gpu_carry/fi_jit_cache.tgz ]; then
   mkdir -p "$HOME/.cache" && tar -xzf .gpu_carry/fi_jit_cache.tgz -C "$HOME/.cache"
 fi
 # The same for Triton's compiled kernels (our attention and custom-op kernels).

@@ -11,11 +11,14 @@ save_caches() {
   # gpu_env.sh; copy them into .gpu_carry/). Triton's intermediate stages (.ttir,
   # .ttgir, .llir, .ptx, .source) are left out: a cached kernel loads from its
   # cubin and metadata alone. A file over 16 MB would not come back.
-  [ -d "$HOME/.cache/flashinfer" ] && tar -czf "$OUT/fi_jit_cache.tgz" -C "$HOME/.cache" flashinfer
+  # FlashInfer's cache passes 16 MB: it comes back in parts (gpu_env.sh joins them).
+  rm -f "$OUT"/fi_jit_cache.tgz.part-*
+  [ -d "$HOME/.cache/flashinfer" ] && tar -czf - -C "$HOME/.cache" flashinfer \
+    | split -b 15000000 - "$OUT/fi_jit_cache.tgz.part-"
   [ -d "$HOME/.triton/cache" ] && tar -czf "$OUT/triton_cache.tgz" \
     --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' --exclude='*.source' \
     -C "$HOME/.triton" cache
-  for f in "$OUT/fi_jit_cache.tgz" "$OUT/triton_cache.tgz"; do
+  for f in "$OUT/triton_cache.tgz"; do
     [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 16000000 ] && echo "$f is over 16 MB: not kept" && rm -f "$f"
   done
   return 0
@@ -24,7 +27,7 @@ rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=15 -m gpu tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
-  save_caches  # now, so a later timeout still returns them
+  [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # Eager throughput is left out (--parts eager adds it). transformers runs the first 64
@@ -32,9 +35,11 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # than one call may last.
   python3 benchmarks/gpu_throughput.py --out "$OUT" --parts throughput,hf,latency --hf-num-prompts 64 --hf-timeout-s 200 2>&1 | tee -a "$OUT/bench.log" || rc=1
   python3 benchmarks/gpu_profile_step.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
-  python3 benchmarks/gpu_profile_step.py --out "$OUT" --batch 256 --steps 20 2>&1 | tee -a "$OUT/bench.log" || rc=1
   python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 7 --max-tokens 96 \
     --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
 fi
-save_caches
+[ "${SAVE_CACHES:-1}" = 1 ] && save_caches
+# At most 8 files come back from a call: the logs and results travel as one archive.
+(cd "$OUT" && ls | grep -v -e '^fi_jit_cache' -e '^triton_cache' > .results_list \
+  && tar -czf results.tgz -T .results_list && xargs rm -f < .results_list && rm -f .results_list)
 exit $rc
