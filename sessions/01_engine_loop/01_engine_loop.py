@@ -280,8 +280,11 @@ print(f"(the first token left the core at the end of step {step})")
 #   queue and called `Scheduler.add_request`.
 # * `kv.cache_hit` (a miss here: nothing cached yet), `kv.allocated`,
 #   `sched.admitted`, `sched.step` — `schedule()`.
-# * `runner.batch`, `runner.forward`, `sampler.sampled` — `execute_model` then
-#   `sample_tokens` on the in-process worker.
+# * `runner.forward`, `runner.batch`, `sampler.sampled` — `execute_model` then
+#   `sample_tokens` on the in-process worker. `runner.batch` describes the
+#   inputs `_prepare_inputs` laid out *before* the forward, but it is written
+#   just *after* the forward was launched: on a GPU the host builds that
+#   description while the device computes, instead of making it wait.
 # * `sched.update` — `update_from_output` appended the token.
 # * `output.sent` — `_put_output` handed the batch to the **output thread**,
 #   which pushes it to the front end.
@@ -321,8 +324,8 @@ print("hop order   :", " / ".join(dict.fromkeys(k for k, _ in h0)))
 PHASE = {
     "sched.queued": "take input",
     "sched.step": "schedule",
-    "runner.batch": "prepare inputs",
     "runner.forward": "forward",
+    "runner.batch": "describe batch",
     "sampler.sampled": "sample",
     "sched.update": "update",
     "output.sent": "send outputs",
@@ -370,8 +373,9 @@ for p in sorted({" -> ".join(p) for p in rhythm.values()}, key=len, reverse=True
     print(p)
 
 # %% [markdown]
-# * `schedule -> prepare inputs -> forward -> sample -> update -> send outputs`
-#   is an ordinary step.
+# * `schedule -> forward -> describe batch -> sample -> update -> send outputs`
+#   is an ordinary step (the inputs were prepared between `schedule` and
+#   `forward`; that hook only writes its event later, see above).
 # * The same line ending in `take input` is a step after which a new request
 #   was waiting on `input_queue`: the busy loop took it before the next
 #   `schedule()`.
