@@ -5,7 +5,7 @@ is tracing, and by how much when someone is? Four modes run the same
 workload on the same engine configuration, in one process:
 
   * ``noop``   -- tracing off, and the hook entry points (``Tracer.emit``,
-    ``Tracer.set_step``) replaced by bare no-op functions (monkeypatched on
+    ``Tracer.emit_rows``, ``Tracer.set_step``) replaced by bare no-op functions (monkeypatched on
     the class): the baseline, the closest thing to "no hooks at all";
   * ``off``    -- tracing off, the real tracer: every hook is one attribute
     test (``if tracer.lifecycle:``) and nothing else runs;
@@ -240,10 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--split", action="store_true",
-                        help="also time LEVEL-hooks (the hooks run, Tracer.emit is a no-op: "
-                             "the hooks' own work) and, on CUDA, LEVEL-nosync "
-                             "(torch.cuda.synchronize a no-op; runner.forward now times with CUDA "
-                             "events and no longer synchronizes, so this should match LEVEL)")
+                        help="also time LEVEL-hooks: the hooks run, Tracer.emit / emit_rows are "
+                             "no-ops (the hooks' own work, without the tracer's)")
     parser.add_argument("--out", help="write the results JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -251,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = MODES
     if args.split:
         modes += ("lifecycle-hooks", "full-hooks")
-        if args.device != "cpu":
-            modes += ("lifecycle-nosync", "full-nosync")
     trace_dir = tempfile.mkdtemp(prefix="glassbox-trace-overhead-")
     engines = {
         mode: build_engine(args.model, mode, trace_dir, args.device, args.max_num_seqs)
@@ -261,22 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engines["off"].model_config.vocab_size
     requests = workload(engines["off"], args.num_prompts, args.max_tokens, vocab)
     counter = [0]
-    real_emit, real_set_step = Tracer.emit, Tracer.set_step
-
-    real_synchronize = torch.cuda.synchronize
+    real_emit, real_emit_rows, real_set_step = Tracer.emit, Tracer.emit_rows, Tracer.set_step
 
     def run(mode: str) -> tuple[float, float, int, list]:
         if mode == "noop":
-            Tracer.emit, Tracer.set_step = _noop, _noop  # type: ignore[method-assign]
+            Tracer.emit, Tracer.emit_rows, Tracer.set_step = _noop, _noop, _noop  # type: ignore[method-assign]
         elif mode.endswith("-hooks"):
-            Tracer.emit = _noop  # type: ignore[method-assign]
-        elif mode.endswith("-nosync"):
-            torch.cuda.synchronize = _noop
+            Tracer.emit, Tracer.emit_rows = _noop, _noop  # type: ignore[method-assign]
         try:
             return timed_run(engines[mode], requests, counter)
         finally:
-            Tracer.emit, Tracer.set_step = real_emit, real_set_step  # type: ignore[method-assign]
-            torch.cuda.synchronize = real_synchronize
+            Tracer.emit, Tracer.emit_rows, Tracer.set_step = real_emit, real_emit_rows, real_set_step  # type: ignore[method-assign]
 
     # Warm-up: one untimed run per mode; all modes must produce the same tokens.
     reference = None

@@ -29,14 +29,23 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   rc=${PIPESTATUS[0]}
   [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
+if [ "$WHAT" = bench ] && [ -n "${GPU_TESTS_K:-}" ]; then
+  # A few GPU tests picked by name before the benchmarks (when a whole test run does not fit).
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -k "$GPU_TESTS_K" tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
+  rc=${PIPESTATUS[0]}
+fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  # Tracing first (issue 5): its overhead at each level (with the hooks-only split), then
+  # where the lifecycle level's host time goes (a cProfile of off against lifecycle).
+  python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 15 --max-tokens 96 --split \
+    --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
+  python3 benchmarks/tracing_profile.py --model smollm2-dummy --device cuda --max-tokens 96 --top 40 \
+    --out "$OUT/tracing_profile_gpu.json" 2>&1 | grep -v INFO | tee "$OUT/tracing_profile_gpu.txt" || rc=1
   # Eager throughput is left out (--parts eager adds it). transformers runs the first 64
   # requests and Glassbox the same 64 for the ratio: all 256 take transformers longer
   # than one call may last.
   python3 benchmarks/gpu_throughput.py --out "$OUT" --parts throughput,hf,latency --hf-num-prompts 64 --hf-timeout-s 200 2>&1 | tee -a "$OUT/bench.log" || rc=1
   python3 benchmarks/gpu_profile_step.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
-  python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 7 --max-tokens 96 \
-    --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
 # At most 8 files come back from a call: the logs and results travel as one archive.

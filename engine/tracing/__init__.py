@@ -105,6 +105,16 @@ def _glassbox_version() -> str:
     return str(version) if version is not None else "unknown"
 
 
+class _Rows:
+    """The fields of the events of one ``Tracer.emit_rows`` call: column name
+    -> one value per event. Kept as is until the batch is encoded."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: dict[str, list[Any]]) -> None:
+        self.columns = columns
+
+
 class _TraceWriter:
     """The file side of a ``Tracer``: the event list, its encoder and the file.
 
@@ -120,7 +130,7 @@ class _TraceWriter:
         self.file: BinaryIO | None = open(path, "wb", buffering=0)
         self.pid = pid
         self.seq = 0  # seq of the last event written
-        self.events: list[tuple[str, int, int | None, dict[str, Any]]] = []
+        self.events: list[tuple[str, int, int | None, dict[str, Any] | _Rows]] = []
         self.lock = threading.Lock()
         self.encoder = msgspec.json.Encoder(enc_hook=_jsonable)
         header = {
@@ -151,11 +161,21 @@ class _TraceWriter:
                 del events[:n]  # events appended meanwhile stay for the next batch
                 self._write(self._encode(batch))
 
-    def _encode(self, batch: list[tuple[str, int, int | None, dict[str, Any]]]) -> bytes:
+    def _encode(self, batch: list[tuple[str, int, int | None, dict[str, Any] | _Rows]]) -> bytes:
         pid, seq = self.pid, self.seq
         records = []
         append = records.append
         for kind, ts, step, fields in batch:
+            if type(fields) is _Rows:  # emit_rows: one event per row
+                names = list(fields.columns)
+                for values in zip(*fields.columns.values()):
+                    seq += 1
+                    record = {"ts": ts, "pid": pid, "seq": seq, "kind": kind}
+                    if step is not None and "step" not in fields.columns:
+                        record["step"] = step
+                    record.update(zip(names, values))
+                    append(record)
+                continue
             seq += 1
             if step is None or "step" in fields:
                 append({"ts": ts, "pid": pid, "seq": seq, "kind": kind, **fields})
@@ -210,7 +230,7 @@ class Tracer:
         self.buffer_size = buffer_size
         self._writer: _TraceWriter | None = None
         # The writer's event list while the tracer is open, None otherwise.
-        self._events: list[tuple[str, int, int | None, dict[str, Any]]] | None = None
+        self._events: list[tuple[str, int, int | None, dict[str, Any] | _Rows]] | None = None
         if self.lifecycle:
             assert path is not None
             self._writer = _TraceWriter(path, self.pid, self.level)
@@ -230,6 +250,24 @@ class Tracer:
         if events is None:
             return
         events.append((kind, _time_ns(), self.step, fields))
+        if len(events) >= self.buffer_size:
+            writer = self._writer
+            if writer is not None:
+                writer.write_pending()
+
+    def emit_rows(self, kind: str, columns: dict[str, list[Any]], /) -> None:
+        """Record one event per row: event ``j`` holds ``columns[name][j]``
+        for every column, in the columns' order. The same events as a loop
+        of ``emit`` calls, for the cost of one: the per-row dicts are built
+        when the batch is encoded, which ``EngineCore`` does while the next
+        forward runs. For per-request events of a step (``sampler.sampled``)."""
+        events = self._events
+        if events is None:
+            return
+        lengths = {len(values) for values in columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"{kind}: columns of different lengths {sorted(lengths)}")
+        events.append((kind, _time_ns(), self.step, _Rows(columns)))
         if len(events) >= self.buffer_size:
             writer = self._writer
             if writer is not None:

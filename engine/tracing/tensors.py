@@ -8,6 +8,8 @@ trace of a step would make dozens of them (the sampler's top candidates per
 stage, the runner's input summaries). ``host_lists`` gathers the pieces on
 the device, copies them once, and splits them again on the host; on the CPU
 it is plain ``tolist``. The values are exactly what ``tolist`` would give.
+``HostListsCopy`` does the same with the copy queued without waiting and
+read later, after the caller's own wait for the device.
 
 Used by the sampler (``engine/v1/sample/sampler.py``) and the model runner
 (``engine/v1/worker/gpu_model_runner.py``) at trace level ``full`` (the
@@ -26,6 +28,34 @@ import torch
 SUMMARY_VALUES = 32
 
 
+def _flat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces (1-D) end to end, in a dtype that holds all their values."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if all(not p.is_floating_point() for p in pieces):
+        # Integers and bools: one integer dtype for all.
+        return torch.cat([p.to(torch.int64) if p.dtype == torch.bool else p for p in pieces])
+    # Mixed: float64 holds every float32/bf16 value and every integer below
+    # 2**53 exactly, so the split gives back the very same numbers.
+    # (Pieces of one dtype let ``cat`` copy them all in one kernel.)
+    return torch.cat([p.to(torch.float64) for p in pieces])
+
+
+def _split(tensors: tuple[torch.Tensor, ...], gathered: list[int], host: torch.Tensor | None) -> list[Any]:
+    """``tolist`` of every tensor; those at ``gathered`` read from ``host``."""
+    out: list[Any] = [None] * len(tensors)
+    start = 0
+    for i in gathered:
+        assert host is not None
+        n = tensors[i].numel()
+        out[i] = host[start : start + n].to(tensors[i].dtype).reshape(tensors[i].shape).tolist()
+        start += n
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = t.tolist()
+    return out
+
+
 def host_lists(*tensors: torch.Tensor, gather: bool | None = None) -> list[Any]:
     """``[t.tolist() for t in tensors]``, with one device-to-host copy for all
     the tensors that live on a device (instead of one per tensor).
@@ -38,26 +68,37 @@ def host_lists(*tensors: torch.Tensor, gather: bool | None = None) -> list[Any]:
         on_device = list(range(len(tensors))) if gather else []
     if len(on_device) <= 1:
         return [t.tolist() for t in tensors]
-    pieces = [tensors[i].detach().reshape(-1) for i in on_device]
-    if all(not p.is_floating_point() for p in pieces):
-        # Integers and bools: one integer dtype for all.
-        flat = torch.cat([p.to(torch.int64) if p.dtype == torch.bool else p for p in pieces])
-    else:
-        # Mixed: float64 holds every float32/bf16 value and every integer below
-        # 2**53 exactly, so the split below gives back the very same numbers.
-        # (Pieces of one dtype let ``cat`` copy them all in one kernel.)
-        flat = torch.cat([p.to(torch.float64) for p in pieces])
-    host = flat.cpu()  # the one copy (it waits for the device)
-    out: list[Any] = [None] * len(tensors)
-    start = 0
-    for i, piece in zip(on_device, pieces):
-        n = piece.numel()
-        out[i] = host[start : start + n].to(tensors[i].dtype).reshape(tensors[i].shape).tolist()
-        start += n
-    for i, t in enumerate(tensors):
-        if out[i] is None:
-            out[i] = t.tolist()
-    return out
+    host = _flat([tensors[i].detach().reshape(-1) for i in on_device]).cpu()  # waits for the device
+    return _split(tensors, on_device, host)
+
+
+class HostListsCopy:
+    """``host_lists`` in two halves: the copy is queued now and read later.
+
+    On CUDA the constructor queues one non-blocking copy of the device
+    tensors into pinned host memory and returns at once; ``lists()`` waits
+    for that copy (a CUDA event) and splits it. Queued before the caller's
+    own synchronising copy (the model runner's ``.tolist()`` of the sampled
+    tokens), it is complete by the time that returns: the trace's values
+    cost no second wait for the device. Elsewhere ``lists()`` is
+    ``host_lists``."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+        self.host: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        self.gathered = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+        if self.gathered:
+            flat = _flat([tensors[i].detach().reshape(-1) for i in self.gathered])
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def lists(self) -> list[Any]:
+        if self.ready is not None:
+            self.ready.synchronize()  # at once if the caller has synchronised since
+        return _split(self.tensors, self.gathered, self.host)
 
 
 def tensor_summaries(
@@ -95,4 +136,4 @@ def tensor_summaries(
     return out
 
 
-__all__ = ["SUMMARY_VALUES", "host_lists", "tensor_summaries"]
+__all__ = ["SUMMARY_VALUES", "HostListsCopy", "host_lists", "tensor_summaries"]

@@ -113,3 +113,23 @@ def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
     core.shutdown()
     # Three decodes are padded to the 4-graph.
     assert (3, CUDAGraphMode.FULL, 4) in modes
+
+
+def test_host_lists_copy_of_cuda_tensors_equals_tolist():
+    """The sampler's trace values reach the host through one queued,
+    non-blocking copy into pinned memory; read back they are ``tolist``'s."""
+    from engine.tracing.tensors import HostListsCopy
+
+    tensors = [
+        torch.randn(16, device="cuda"),
+        torch.randint(0, 50_000, (2, 16, 5), device="cuda"),
+        torch.rand(2, 16, 5, device="cuda", dtype=torch.bfloat16),
+        torch.rand(16, device="cuda") < 0.5,
+        torch.tensor([1.5, 2.5]),  # a CPU tensor is read as it is
+    ]
+    copy = HostListsCopy(*tensors)
+    assert copy.host is not None and copy.host.is_pinned()
+    assert copy.lists() == [t.tolist() for t in tensors]
+    single = HostListsCopy(tensors[0])  # one piece: copied in its own dtype, no cast
+    assert single.host is not None and single.host.dtype == torch.float32
+    assert single.lists() == [tensors[0].tolist()]

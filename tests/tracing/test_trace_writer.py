@@ -30,7 +30,7 @@ from engine.tracing import (
     load_trace,
     merge_trace_parts,
 )
-from engine.tracing.tensors import host_lists, tensor_summaries
+from engine.tracing.tensors import HostListsCopy, host_lists, tensor_summaries
 from tests.tracing.scenario import make_engine, run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +154,50 @@ def test_the_encoding_is_the_json_the_per_event_encoder_wrote(tmp_path):
     assert "é✓" in Path(path).read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("buffer_size", [1, DEFAULT_BUFFER_SIZE])
+def test_emit_rows_writes_what_a_loop_of_emits_writes(tmp_path, buffer_size):
+    """``emit_rows`` defers building the per-row dicts to the encoder; the
+    lines are those of one ``emit`` per row (ts apart), seq numbers running
+    on across ordinary events, a ``step`` column winning over the tracer's."""
+    columns = {"request_id": ["a", "b", "c"], "row": [0, 2, 5], "token_id": [7, 8, 9],
+               "logprob": [-0.5, -1.25, 0.0], "greedy": [True, False, True]}
+    written = {}
+    for how in ("rows", "loop"):
+        path = tmp_path / f"{how}.jsonl"
+        tracer = Tracer(str(path), "lifecycle", buffer_size=buffer_size)
+        tracer.set_step(3)
+        tracer.emit("sched.step", num_running=3)
+        if how == "rows":
+            tracer.emit_rows("sampler.sampled", columns)
+            tracer.emit_rows("sampler.sampled", {"request_id": [], "row": []})  # no rows: no lines
+            tracer.emit_rows("x.rows", {"step": [10, 11], "v": [1, 2]})
+        else:
+            for j in range(3):
+                tracer.emit("sampler.sampled", **{k: v[j] for k, v in columns.items()})
+            tracer.emit("x.rows", step=10, v=1)
+            tracer.emit("x.rows", step=11, v=2)
+        tracer.emit("sched.update", num_running=0)
+        tracer.close()
+        written[how] = [{k: v for k, v in e.items() if k != "ts"} for e in _lines(path)[1:]]
+    assert written["rows"] == written["loop"]
+    assert [e["seq"] for e in written["rows"]] == list(range(1, 8))
+    assert [list(e) for e in written["rows"]][1] == ["pid", "seq", "kind", "step", *columns]
+
+
+def test_emit_rows_refuses_columns_of_different_lengths(tmp_path):
+    tracer = Tracer(str(tmp_path / "r.jsonl"), "lifecycle")
+    with pytest.raises(ValueError, match=r"sampler.sampled: columns of different lengths \[2, 3\]"):
+        tracer.emit_rows("sampler.sampled", {"request_id": ["a", "b"], "row": [0, 1, 2]})
+    tracer.close()
+    Tracer().emit_rows("sampler.sampled", {"a": [1], "b": [1, 2]})  # off: nothing is looked at
+
+
+def test_host_lists_copy_equals_tolist_on_the_cpu():
+    tensors = [torch.tensor([0.5, -1.25]), torch.tensor([[1, 2], [3, 4]]), torch.tensor([True])]
+    assert HostListsCopy(*tensors).lists() == [t.tolist() for t in tensors]
+    assert HostListsCopy().lists() == []
+
+
 def test_a_field_json_cannot_hold_fails_loudly_and_the_rest_is_written(tmp_path):
     path = tmp_path / "bad.jsonl"
     tracer = Tracer(str(path), "lifecycle")
@@ -235,7 +279,15 @@ def test_hooks_pass_plain_values_that_stay_put_until_written(tiny_model_dir, tmp
             _plain_json_types(value, f"{kind}.{name}", bad)
         return real_emit(self, kind, **fields)
 
+    real_emit_rows = Tracer.emit_rows
+
+    def checking_emit_rows(self, kind, columns, /):
+        for name, values in columns.items():
+            _plain_json_types(values, f"{kind}.{name}", bad)
+        return real_emit_rows(self, kind, columns)
+
     monkeypatch.setattr(Tracer, "emit", checking_emit)
+    monkeypatch.setattr(Tracer, "emit_rows", checking_emit_rows)
     runs = {}
     for name, buffer_size in (("at-once", 1), ("buffered", DEFAULT_BUFFER_SIZE)):
         trace = str(tmp_path / f"{name}.jsonl")

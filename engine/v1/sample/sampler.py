@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from engine.tracing import NULL_TRACER, Tracer
-from engine.tracing.tensors import host_lists
+from engine.tracing.tensors import HostListsCopy
 from engine.v1.sample.metadata import SamplingMetadata
 from engine.v1.sample.ops.bad_words import apply_bad_words
 from engine.v1.sample.ops.penalties import apply_all_penalties
@@ -68,8 +68,10 @@ class PendingSampledTrace:
     req_ids: list[str | None]  # the traced rows' request ids
     rows: list[int]  # their rows in the batch
     tokens: torch.Tensor  # their sampled tokens [R] (copied only if the caller has none)
-    greedy: torch.Tensor | bool  # bool [R], or one value for every row
-    device_values: list[torch.Tensor]  # chosen logprobs [R] (+ full: ranks, stage candidates)
+    greedy: bool | None  # one value for every row, or None: the flags are in ``values``
+    # Queued to the host: chosen logprobs [R] (+ full: ranks [R], stage
+    # probs and ids [stages, R, C]) (+ greedy flags [R] when ``greedy`` is None).
+    values: HostListsCopy
     stage_names: list[str]
 
 
@@ -300,13 +302,14 @@ class Sampler(nn.Module):
         sampling_metadata: SamplingMetadata,
     ) -> None:
         """Compute what the ``sampler.sampled`` events need, on the device, and
-        keep it: ``emit_pending_trace`` brings it to the host after the model
-        runner's own ``.tolist()`` of the sampled tokens has waited for the
-        device (and takes the tokens from that list). Copying here instead
-        would stall the host until the forward finished, before it had
-        launched the rest of the step. At ``lifecycle`` the device work is
-        two kernels (log-softmax, gather) and the greedy flags come from the
-        host when the batch is all greedy or all random."""
+        queue its copy to the host without waiting (``HostListsCopy``):
+        ``emit_pending_trace`` reads it after the model runner's own
+        ``.tolist()`` of the sampled tokens has waited for the device (and
+        takes the tokens from that list), so tracing adds no wait of its own.
+        A blocking copy here would stall the host until the forward finished,
+        before it had launched the rest of the step. At ``lifecycle`` the
+        device work is two kernels (log-softmax, gather) and the greedy flags
+        come from the host when the batch is all greedy or all random."""
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
             self._trace.stages = self._trace.rows = None
@@ -319,11 +322,6 @@ class Sampler(nn.Module):
             tokens, row_logits = tokens.index_select(0, index), row_logits.index_select(0, index)
         row_logprobs = self.compute_logprobs(row_logits) if raw_logprobs is None else row_logits
         chosen = row_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if sampling_metadata.all_greedy or sampling_metadata.all_random:
-            greedy: torch.Tensor | bool = sampling_metadata.all_greedy
-        else:
-            temperature = sampling_metadata.temperature
-            greedy = (temperature if index is None else temperature.index_select(0, index)) < _SAMPLING_EPS
         device_values = [chosen]
         stage_names: list[str] = []
         if self.tracer.full and self._trace.stages is not None:
@@ -332,53 +330,51 @@ class Sampler(nn.Module):
             # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
             device_values.append(torch.stack([probs for _, probs, _ in self._trace.stages]))
             device_values.append(torch.stack([ids for _, _, ids in self._trace.stages]))
+        greedy: bool | None = None
+        if sampling_metadata.all_greedy or sampling_metadata.all_random:
+            greedy = sampling_metadata.all_greedy
+        else:
+            temperature = sampling_metadata.temperature
+            device_values.append(
+                (temperature if index is None else temperature.index_select(0, index)) < _SAMPLING_EPS
+            )
         self._trace.stages = self._trace.rows = None
         self._trace.pending = PendingSampledTrace(
-            [trace_req_ids[r] for r in rows], rows, tokens, greedy, device_values, stage_names
+            [trace_req_ids[r] for r in rows], rows, tokens, greedy,
+            HostListsCopy(*device_values), stage_names,
         )
 
     def emit_pending_trace(self, sampled_token_ids: Sequence[int] | None = None) -> None:
-        """One ``sampler.sampled`` event per traced row of the last call.
+        """One ``sampler.sampled`` event per traced row of the last call
+        (``Tracer.emit_rows``: the per-row dicts are built when written).
 
         ``sampled_token_ids``: the caller's host copy of the sampled tokens
         (one per batch row); without it they are copied from the device too.
-        Every device value comes to the host in one copy (``host_lists``)."""
+        The other values were queued to the host by ``_record_sampled``."""
         pending, self._trace.pending = self._trace.pending, None
         if pending is None:
             return
-        device_values = list(pending.device_values)
-        greedy = pending.greedy
-        if not isinstance(greedy, bool):
-            device_values.append(greedy)
+        host = pending.values.lists()
+        greedy_list = [pending.greedy] * len(pending.rows) if pending.greedy is not None else host.pop()
         if sampled_token_ids is None:
-            device_values.append(pending.tokens)
-        host = host_lists(*device_values)
-        token_list = (
-            host.pop() if sampled_token_ids is None
-            else [sampled_token_ids[r] for r in pending.rows]
-        )
-        greedy_list = [greedy] * len(pending.rows) if isinstance(greedy, bool) else host.pop()
-        logprob_list, *full_values = host
-        emit = self.tracer.emit
-        if not full_values:
-            for request_id, row, token_id, logprob, is_greedy in zip(
-                pending.req_ids, pending.rows, token_list, logprob_list, greedy_list
-            ):
-                emit("sampler.sampled", request_id=request_id, row=row, token_id=token_id,
-                     logprob=logprob, greedy=is_greedy)
-            return
-        ranks, stage_probs, stage_ids = full_values  # [R], [stages][R][C] twice
-        for j, (request_id, row) in enumerate(zip(pending.req_ids, pending.rows)):
-            emit(
-                "sampler.sampled",
-                request_id=request_id,
-                row=row,
-                token_id=token_list[j],
-                logprob=logprob_list[j],
-                greedy=greedy_list[j],
-                rank=ranks[j],
-                stages=[
+            token_list = pending.tokens.tolist()
+        else:
+            token_list = [sampled_token_ids[r] for r in pending.rows]
+        columns = {
+            "request_id": pending.req_ids,
+            "row": pending.rows,
+            "token_id": token_list,
+            "logprob": host[0],
+            "greedy": greedy_list,
+        }
+        if len(host) > 1:  # full: the rank and the top candidates of every stage
+            columns["rank"] = host[1]
+            stage_probs, stage_ids = host[2], host[3]  # [stages][R][C] twice
+            columns["stages"] = [
+                [
                     {"stage": name, "token_ids": stage_ids[i][j], "probs": stage_probs[i][j]}
                     for i, name in enumerate(pending.stage_names)
-                ],
-            )
+                ]
+                for j in range(len(pending.rows))
+            ]
+        self.tracer.emit_rows("sampler.sampled", columns)
