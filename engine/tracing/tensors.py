@@ -75,30 +75,49 @@ def host_lists(*tensors: torch.Tensor, gather: bool | None = None) -> list[Any]:
 class HostListsCopy:
     """``host_lists`` in two halves: the copy is queued now and read later.
 
-    On CUDA the constructor queues one non-blocking copy of the device
-    tensors into pinned host memory and returns at once; ``lists()`` waits
-    for that copy (a CUDA event) and splits it. Queued before the caller's
-    own synchronising copy (the model runner's ``.tolist()`` of the sampled
-    tokens), it is complete by the time that returns: the trace's values
-    cost no second wait for the device. Elsewhere ``lists()`` is
-    ``host_lists``."""
+    On CUDA the constructor queues non-blocking copies of the device tensors
+    into pinned host memory (one per dtype among them: pieces of one dtype
+    are concatenated on the device, nothing is cast) and returns at once.
+    Queued on the current stream before the caller's own synchronising copy
+    (the model runner's ``.tolist()`` of the sampled tokens), they are
+    complete when that returns: ``lists(synchronized=True)`` then reads them
+    with no second wait for the device. ``lists()`` without that promise
+    waits for the stream first. Elsewhere ``lists()`` is ``host_lists``."""
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         self.tensors = tensors
-        self.host: torch.Tensor | None = None
-        self.ready: torch.cuda.Event | None = None
-        self.gathered = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
-        if self.gathered:
-            flat = _flat([tensors[i].detach().reshape(-1) for i in self.gathered])
-            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            self.host.copy_(flat, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+        # dtype -> (indices of its tensors, their values end to end in pinned host memory)
+        self.groups: dict[torch.dtype, tuple[list[int], torch.Tensor]] = {}
+        self.device: torch.device | None = None
+        for i, t in enumerate(tensors):
+            if t.device.type == "cuda":
+                self.device = t.device
+                self.groups.setdefault(t.dtype, ([], t))[0].append(i)
+        for dtype, (indices, _) in list(self.groups.items()):
+            pieces = [tensors[i].detach().reshape(-1) for i in indices]
+            flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            self.groups[dtype] = (indices, host)
 
-    def lists(self) -> list[Any]:
-        if self.ready is not None:
-            self.ready.synchronize()  # at once if the caller has synchronised since
-        return _split(self.tensors, self.gathered, self.host)
+    def lists(self, synchronized: bool = False) -> list[Any]:
+        """``[t.tolist() for t in tensors]``. ``synchronized``: the caller has
+        waited for the stream the copies were queued on since they were."""
+        if self.groups and not synchronized:
+            torch.cuda.current_stream(self.device).synchronize()
+        out: list[Any] = [None] * len(self.tensors)
+        for indices, host in self.groups.values():
+            start = 0
+            for i in indices:
+                t = self.tensors[i]
+                n = t.numel()
+                values = host[start : start + n]
+                out[i] = (values if t.dim() == 1 else values.reshape(t.shape)).tolist()
+                start += n
+        for i, t in enumerate(self.tensors):
+            if out[i] is None:
+                out[i] = t.tolist()
+        return out
 
 
 def tensor_summaries(

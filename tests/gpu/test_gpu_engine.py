@@ -128,8 +128,10 @@ def test_host_lists_copy_of_cuda_tensors_equals_tolist():
         torch.tensor([1.5, 2.5]),  # a CPU tensor is read as it is
     ]
     copy = HostListsCopy(*tensors)
-    assert copy.host is not None and copy.host.is_pinned()
-    assert copy.lists() == [t.tolist() for t in tensors]
-    single = HostListsCopy(tensors[0])  # one piece: copied in its own dtype, no cast
-    assert single.host is not None and single.host.dtype == torch.float32
-    assert single.lists() == [tensors[0].tolist()]
+    # One pinned host buffer per dtype among the CUDA tensors, nothing cast.
+    assert sorted(map(str, copy.groups)) == ["torch.bfloat16", "torch.bool", "torch.float32", "torch.int64"]
+    assert all(host.is_pinned() for _, host in copy.groups.values())
+    assert copy.lists() == [t.tolist() for t in tensors]  # waits for the stream itself
+    after = HostListsCopy(*tensors)
+    torch.cuda.current_stream().synchronize()
+    assert after.lists(synchronized=True) == [t.tolist() for t in tensors]

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ast
 import math
 import re
@@ -229,7 +231,8 @@ def test_sampler_pending_trace_is_emitted_before_the_next_call(tmp_path):
 @pytest.mark.parametrize("temperatures", [(0.0, 0.8, 0.0), (0.0, 0.0, 0.0), (0.9, 0.8, 1.0)],
                          ids=["mixed", "all_greedy", "all_random"])
 @pytest.mark.parametrize("traced", [("a", "b", "c"), (None, "b", "c")], ids=["all_rows", "some_rows"])
-def test_sampler_lifecycle_events_with_and_without_host_tokens(tmp_path, temperatures, traced):
+@pytest.mark.parametrize("host_temperatures", [False, True], ids=["device_flags", "host_flags"])
+def test_sampler_lifecycle_events_with_and_without_host_tokens(tmp_path, temperatures, traced, host_temperatures):
     """``sampler.sampled`` at lifecycle: the same events whether the caller
     hands over its host copy of the tokens (the model runner does) or the
     sampler copies them itself; greedy flags right for mixed, all-greedy and
@@ -242,6 +245,8 @@ def test_sampler_lifecycle_events_with_and_without_host_tokens(tmp_path, tempera
         tracer = Tracer(path, "lifecycle")
         gens = {i: torch.Generator().manual_seed(i) for i, p in enumerate(params) if p.temperature > 0}
         meta = build_sampling_metadata(params, [[1]] * 3, [[], [], []], gens, 40, "cpu")
+        if host_temperatures:  # as the persistent batch builds it: greedy flags from the host
+            meta = dataclasses.replace(meta, temperature_cpu=meta.temperature.numpy().copy())
         sampler = Sampler(tracer=tracer)
         out = sampler(logits.clone(), meta, trace_req_ids=list(traced))
         tokens = out.sampled_token_ids.squeeze(-1).tolist()

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams, SamplingType
@@ -82,6 +83,11 @@ class SamplingMetadata:
 
     # The min-tokens, logit-bias and min-p processors this batch needs.
     logitsprocs: LogitsProcessors
+
+    # The host values ``temperature`` was copied from ([N] float32 numpy), where
+    # the builder has them (the persistent batch does). Read only by tracing:
+    # ``sampler.sampled``'s greedy flags come from here without a device read.
+    temperature_cpu: np.ndarray | None = None
 
 
 def _check_token_ids(field: str, row: int, token_ids: Iterable[int], vocab_size: int) -> None:

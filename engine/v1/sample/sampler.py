@@ -68,7 +68,9 @@ class PendingSampledTrace:
     req_ids: list[str | None]  # the traced rows' request ids
     rows: list[int]  # their rows in the batch
     tokens: torch.Tensor  # their sampled tokens [R] (copied only if the caller has none)
-    greedy: bool | None  # one value for every row, or None: the flags are in ``values``
+    # One value for every row, one per traced row (from the host), or None:
+    # the flags are the last of ``values``.
+    greedy: bool | list[bool] | None
     # Queued to the host: chosen logprobs [R] (+ full: ranks [R], stage
     # probs and ids [stages, R, C]) (+ greedy flags [R] when ``greedy`` is None).
     values: HostListsCopy
@@ -309,7 +311,9 @@ class Sampler(nn.Module):
         A blocking copy here would stall the host until the forward finished,
         before it had launched the rest of the step. At ``lifecycle`` the
         device work is two kernels (log-softmax, gather) and the greedy flags
-        come from the host when the batch is all greedy or all random."""
+        come from the host (``temperature_cpu``, or the batch being all greedy
+        or all random); only metadata without host temperatures reads them
+        from the device."""
         rows = [i for i, rid in enumerate(trace_req_ids) if rid is not None]
         if not rows:
             self._trace.stages = self._trace.rows = None
@@ -330,9 +334,11 @@ class Sampler(nn.Module):
             # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
             device_values.append(torch.stack([probs for _, probs, _ in self._trace.stages]))
             device_values.append(torch.stack([ids for _, _, ids in self._trace.stages]))
-        greedy: bool | None = None
+        greedy: bool | list[bool] | None = None
         if sampling_metadata.all_greedy or sampling_metadata.all_random:
             greedy = sampling_metadata.all_greedy
+        elif sampling_metadata.temperature_cpu is not None:
+            greedy = (sampling_metadata.temperature_cpu[rows] < _SAMPLING_EPS).tolist()
         else:
             temperature = sampling_metadata.temperature
             device_values.append(
@@ -349,17 +355,26 @@ class Sampler(nn.Module):
         (``Tracer.emit_rows``: the per-row dicts are built when written).
 
         ``sampled_token_ids``: the caller's host copy of the sampled tokens
-        (one per batch row); without it they are copied from the device too.
-        The other values were queued to the host by ``_record_sampled``."""
+        (one per batch row), made after the sampler call returned (so the
+        stream has been waited for); without it they are copied from the
+        device here. The other values were queued to the host by
+        ``_record_sampled``."""
         pending, self._trace.pending = self._trace.pending, None
         if pending is None:
             return
-        host = pending.values.lists()
-        greedy_list = [pending.greedy] * len(pending.rows) if pending.greedy is not None else host.pop()
         if sampled_token_ids is None:
-            token_list = pending.tokens.tolist()
+            token_list = pending.tokens.tolist()  # waits for the device
         else:
             token_list = [sampled_token_ids[r] for r in pending.rows]
+        # Either way the stream has been waited for since the copy was queued.
+        host = pending.values.lists(synchronized=True)
+        greedy = pending.greedy
+        if greedy is None:
+            greedy_list = host.pop()
+        elif isinstance(greedy, bool):
+            greedy_list = [greedy] * len(pending.rows)
+        else:
+            greedy_list = greedy
         columns = {
             "request_id": pending.req_ids,
             "row": pending.rows,

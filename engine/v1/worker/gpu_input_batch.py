@@ -417,6 +417,7 @@ class InputBatch:
             allowed_token_ids_mask=allowed_token_ids_mask,
             bad_words_token_ids=dict(self.bad_words_token_ids),
             logitsprocs=self._make_logitsprocs(),
+            temperature_cpu=self.temperature_cpu[:num_reqs],
         )
 
     def _make_prompt_token_ids_cpu_tensor(self) -> torch.Tensor:
