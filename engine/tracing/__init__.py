@@ -24,14 +24,14 @@ interleaves them by time into ``<path>`` at shutdown.
 Cost: ``emit`` only appends ``(kind, ts, step, fields)`` to an in-memory
 list; the events are JSON-encoded (msgspec, one call per batch) and written
 when the list holds ``buffer_size`` events, on ``flush()`` (EngineCore
-flushes once per step, while the device runs the forward it has just
-launched, and when no request is left) and on ``close()``. So a hook costs about a
+flushes while the device runs the forward it has just launched, once
+``STEP_FLUSH_MIN_EVENTS`` have gathered, and when no request is left) and
+on ``close()``. So a hook costs about a
 microsecond, not the several a dict copy + ``json`` encode + ``write`` per
 event cost. Two consequences: a hook must pass values it will not mutate
 afterwards (fresh lists, scalars -- every hook in the engine does), and a
 process that dies without closing its tracer (SIGKILL, ``os._exit``, a
-segfault) loses the events still in the list, at most ``buffer_size`` (in
-the engine core, at most the last step and a half). A tracer that is never closed
+segfault) loses the events still in the list, at most ``buffer_size``. A tracer that is never closed
 is flushed when it is garbage collected or the interpreter exits.
 
 ``replay.py`` rebuilds the scheduler and KV-cache state at any step from a
@@ -70,6 +70,8 @@ HEADER_KIND = "trace.header"
 # Events kept in memory before they are encoded and written (see the module
 # docstring): a few hundred KB of Python objects; a crash loses at most these.
 DEFAULT_BUFFER_SIZE = 1024
+# EngineCore's flush in the forward window writes once this many events wait.
+STEP_FLUSH_MIN_EVENTS = 256
 
 
 class TraceLevel(enum.IntEnum):
@@ -273,10 +275,17 @@ class Tracer:
             if writer is not None:
                 writer.write_pending()
 
-    def flush(self) -> None:
+    def flush(self, min_events: int = 0) -> None:
         """Encode and write every event emitted so far (the file is complete
-        up to here: another process can ``load_trace`` it)."""
-        if self._writer is not None:
+        up to here: another process can ``load_trace`` it) -- if at least
+        ``min_events`` are waiting (an ``emit_rows`` call counts as one).
+
+        ``EngineCore`` flushes with ``STEP_FLUSH_MIN_EVENTS`` while each
+        forward runs: a batch of a few steps costs one write and encodes
+        while the encoder is warm, instead of a write and a cold start for
+        every step."""
+        events = self._events
+        if events is not None and len(events) >= min_events and self._writer is not None:
             self._writer.write_pending()
 
     def close(self) -> None:
@@ -429,6 +438,7 @@ from engine.tracing.replay import (  # noqa: E402
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
+    "STEP_FLUSH_MIN_EVENTS",
     "HEADER_KIND",
     "NULL_TRACER",
     "TRACE_FORMAT_VERSION",

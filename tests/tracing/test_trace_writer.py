@@ -83,6 +83,8 @@ def test_events_are_buffered_until_a_flush_point(tmp_path):
     tracer.emit("sched.queued", request_id="r3")  # the fourth: the buffer is written
     assert [e.get("request_id") for e in _lines(path)[1:]] == ["r0", "r1", "r2", "r3"]
     tracer.emit("kv.freed", request_id="r0", step=3)  # an explicit step wins
+    tracer.flush(min_events=2)  # EngineCore's per-step call: one event waits, not written yet
+    assert len(_lines(path)) == 5
     tracer.flush()  # flush(): everything, readable by another process
     events = load_trace(str(path))
     assert [e["seq"] for e in events] == [1, 2, 3, 4, 5]
