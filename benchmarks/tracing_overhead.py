@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     # On a GPU the host mostly waits for the device: wall time is what counts there.
     headline = "cpu_time" if args.device == "cpu" else "wall_clock"
     overhead = cpu_overhead if headline == "cpu_time" else wall_overhead
+    for mode in ("lifecycle", "full"):
+        engines[mode].tracer.flush()  # the engine core writes in batches: the files are whole now
     trace_sizes = {
         m: os.path.getsize(os.path.join(trace_dir, f"{m}.jsonl")) for m in ("lifecycle", "full")
     }
