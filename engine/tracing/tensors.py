@@ -82,28 +82,34 @@ class HostListsCopy:
     (the model runner's ``.tolist()`` of the sampled tokens), they are
     complete when that returns: ``lists(synchronized=True)`` then reads them
     with no second wait for the device. ``lists()`` without that promise
-    waits for the stream first. Elsewhere ``lists()`` is ``host_lists``."""
+    waits for the stream first. Elsewhere ``lists()`` is ``host_lists``.
 
-    def __init__(self, *tensors: torch.Tensor) -> None:
+    ``gather=True`` groups and copies CPU tensors too (into ordinary memory):
+    the tests check the grouping and the split on the CPU."""
+
+    def __init__(self, *tensors: torch.Tensor, gather: bool = False) -> None:
         self.tensors = tensors
-        # dtype -> (indices of its tensors, their values end to end in pinned host memory)
+        # dtype -> (indices of its tensors, their values end to end in host memory)
         self.groups: dict[torch.dtype, tuple[list[int], torch.Tensor]] = {}
-        self.device: torch.device | None = None
+        self.device: torch.device | None = None  # the CUDA device, if any tensor is on one
         for i, t in enumerate(tensors):
             if t.device.type == "cuda":
                 self.device = t.device
-                self.groups.setdefault(t.dtype, ([], t))[0].append(i)
+            elif not gather:
+                continue
+            self.groups.setdefault(t.dtype, ([], t))[0].append(i)
         for dtype, (indices, _) in list(self.groups.items()):
             pieces = [tensors[i].detach().reshape(-1) for i in indices]
             flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
+            on_cuda = flat.device.type == "cuda"
+            host = torch.empty(flat.shape, dtype=dtype, pin_memory=on_cuda)
+            host.copy_(flat, non_blocking=on_cuda)
             self.groups[dtype] = (indices, host)
 
     def lists(self, synchronized: bool = False) -> list[Any]:
         """``[t.tolist() for t in tensors]``. ``synchronized``: the caller has
         waited for the stream the copies were queued on since they were."""
-        if self.groups and not synchronized:
+        if self.device is not None and not synchronized:
             torch.cuda.current_stream(self.device).synchronize()
         out: list[Any] = [None] * len(self.tensors)
         for indices, host in self.groups.values():

@@ -195,8 +195,24 @@ def test_emit_rows_refuses_columns_of_different_lengths(tmp_path):
 
 
 def test_host_lists_copy_equals_tolist_on_the_cpu():
-    tensors = [torch.tensor([0.5, -1.25]), torch.tensor([[1, 2], [3, 4]]), torch.tensor([True])]
+    tensors = [
+        torch.tensor([0.5, -1.25]),
+        torch.tensor([[1, 2], [3, 4]]),
+        torch.tensor([True]),
+        torch.tensor([[[1.5, 2.0]], [[3.0, -4.0]]], dtype=torch.bfloat16),
+        torch.tensor([7, 8, 9]),
+        torch.tensor(3.25),
+        torch.tensor([2.0]),
+    ]
     assert HostListsCopy(*tensors).lists() == [t.tolist() for t in tensors]
+    assert HostListsCopy(*tensors).groups == {}  # nothing on a device: nothing copied
+    gathered = HostListsCopy(*tensors, gather=True)
+    # One buffer per dtype, its tensors end to end in order; nothing cast.
+    assert {dtype: idx for dtype, (idx, _) in gathered.groups.items()} == {
+        torch.float32: [0, 5, 6], torch.int64: [1, 4], torch.bool: [2], torch.bfloat16: [3],
+    }
+    assert gathered.groups[torch.float32][1].tolist() == [0.5, -1.25, 3.25, 2.0]
+    assert gathered.lists() == [t.tolist() for t in tensors]
     assert HostListsCopy().lists() == []
 
 
