@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         d_cum = cumtime - (base[3] if base else 0.0)
         d_calls = ncalls - (base[1] if base else 0)
         rows.append((d_tot, d_cum, d_calls, _where(key)))
-    rows.sort(reverse=True)
-    if args.cum:
-        rows.sort(key=lambda r: r[1], reverse=True)
+    rows.sort(key=lambda r: r[1] if args.cum else r[0], reverse=True)
     total_off = sum(v[2] for v in off.values()) / num_steps * 1e6
     total_on = sum(v[2] for v in on.values()) / num_steps * 1e6
     print(f"profiled host time per step: off {total_off:.0f} us, {args.level} {total_on:.0f} us")

@@ -281,11 +281,11 @@ class Tracer:
         ``min_events`` are waiting (an ``emit_rows`` call counts as one).
 
         ``EngineCore`` flushes with ``STEP_FLUSH_MIN_EVENTS`` while each
-        forward runs: a batch of a few steps costs one write and encodes
-        while the encoder is warm, instead of a write and a cold start for
-        every step."""
-        events = self._events
-        if events is not None and len(events) >= min_events and self._writer is not None:
+        forward runs: one write for the events of a few steps instead of a
+        write every step."""
+        events = self._events  # None once closed (and then the writer is gone too)
+        if events is not None and len(events) >= min_events:
+            assert self._writer is not None
             self._writer.write_pending()
 
     def close(self) -> None:

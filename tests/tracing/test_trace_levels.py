@@ -15,9 +15,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import ast
+import dataclasses
 import math
 import re
 from pathlib import Path

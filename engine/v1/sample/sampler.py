@@ -68,9 +68,8 @@ class PendingSampledTrace:
     req_ids: list[str | None]  # the traced rows' request ids
     rows: list[int]  # their rows in the batch
     tokens: torch.Tensor  # their sampled tokens [R] (copied only if the caller has none)
-    # One value for every row, one per traced row (from the host), or None:
-    # the flags are the last of ``values``.
-    greedy: bool | list[bool] | None
+    # One flag per traced row, known on the host; None: the last of ``values``.
+    greedy: list[bool] | None
     # Queued to the host: chosen logprobs [R] (+ full: ranks [R], stage
     # probs and ids [stages, R, C]) (+ greedy flags [R] when ``greedy`` is None).
     values: HostListsCopy
@@ -334,11 +333,11 @@ class Sampler(nn.Module):
             # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
             device_values.append(torch.stack([probs for _, probs, _ in self._trace.stages]))
             device_values.append(torch.stack([ids for _, _, ids in self._trace.stages]))
-        greedy: bool | list[bool] | None = None
-        if sampling_metadata.all_greedy or sampling_metadata.all_random:
-            greedy = sampling_metadata.all_greedy
-        elif sampling_metadata.temperature_cpu is not None:
+        greedy: list[bool] | None = None
+        if sampling_metadata.temperature_cpu is not None:
             greedy = (sampling_metadata.temperature_cpu[rows] < _SAMPLING_EPS).tolist()
+        elif sampling_metadata.all_greedy or sampling_metadata.all_random:
+            greedy = [sampling_metadata.all_greedy] * len(rows)
         else:
             temperature = sampling_metadata.temperature
             device_values.append(
@@ -368,13 +367,7 @@ class Sampler(nn.Module):
             token_list = [sampled_token_ids[r] for r in pending.rows]
         # Either way the stream has been waited for since the copy was queued.
         host = pending.values.lists(synchronized=True)
-        greedy = pending.greedy
-        if greedy is None:
-            greedy_list = host.pop()
-        elif isinstance(greedy, bool):
-            greedy_list = [greedy] * len(pending.rows)
-        else:
-            greedy_list = greedy
+        greedy_list = host.pop() if pending.greedy is None else pending.greedy
         columns = {
             "request_id": pending.req_ids,
             "row": pending.rows,
