@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, then the GPU benchmarks.
-# Usage (on a CUDA machine, from the repo root):  OUT=/some/dir bash scripts/gpu_run.sh [tests|bench|all]
+# Usage (on a CUDA machine, from the repo root):  OUT=/some/dir bash scripts/gpu_run.sh [tests|bench|tracing|all]
+# (`tracing`: only the tracing overhead benchmark and its profile, issue 5's figures.)
 # Packages the GPU image lacks travel with the call: see scripts/gpu_env.sh.
 # Environment: SAVE_CACHES=0 skips returning the FlashInfer/Triton kernel caches (default 1);
-# GPU_TESTS_K="expr" with `bench` first runs the gpu tests whose names match (pytest -k);
-# TRACING_PROFILE=1|0 runs benchmarks/tracing_profile.py (default: in `bench` only).
+# GPU_TESTS_K="expr" with `bench` or `tracing` first runs the gpu tests whose names match (pytest -k);
+# TRACING_PROFILE=1|0 runs benchmarks/tracing_profile.py (default: in `bench` and `tracing`, not `all`).
 set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
@@ -32,22 +33,24 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   rc=${PIPESTATUS[0]}
   [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
-if [ "$WHAT" = bench ] && [ -n "${GPU_TESTS_K:-}" ]; then
+if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ]; } && [ -n "${GPU_TESTS_K:-}" ]; then
   # A few GPU tests picked by name before the benchmarks (when a whole test run does not fit).
   python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -k "$GPU_TESTS_K" tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
-if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+if [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = all ]; then
   # Tracing first (issue 5): its overhead at each level (with the hooks-only split), then
   # where the lifecycle level's host time goes (a cProfile of off against lifecycle).
   python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 15 --max-tokens 96 --split \
     --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
-  # The profile (~40 s) by default only in `bench`: `all` stays inside one call's 600 s on a
+  # The profile (~40 s) by default not in `all`: `all` stays inside one call's 600 s on a
   # machine without kernel caches (~500 s measured). TRACING_PROFILE=1|0 overrides.
-  if [ "${TRACING_PROFILE:-$([ "$WHAT" = bench ] && echo 1 || echo 0)}" = 1 ]; then
+  if [ "${TRACING_PROFILE:-$([ "$WHAT" = all ] && echo 0 || echo 1)}" = 1 ]; then
     python3 benchmarks/tracing_profile.py --model smollm2-dummy --device cuda --max-tokens 96 --top 40 \
       --out "$OUT/tracing_profile_gpu.json" 2>&1 | grep -v INFO | tee "$OUT/tracing_profile_gpu.txt" || rc=1
   fi
+fi
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # Eager throughput is left out (--parts eager adds it). transformers runs the first 64
   # requests and Glassbox the same 64 for the ratio: all 256 take transformers longer
   # than one call may last.
