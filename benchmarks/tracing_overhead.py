@@ -20,7 +20,9 @@ Targets: ``off`` within 1 % of ``noop``; ``lifecycle`` at most 5 % slower;
 Also reported: ``tracer_us_per_event``, what one ``Tracer.emit`` costs with
 everything it leads to (the event kept, encoded in a batch, written), measured
 by emitting the recorded trace's events again into a fresh tracer -- the
-tracer alone, without the hooks' own work of building their fields.
+tracer alone, without the hooks' own work of building their fields; and
+``garbage_collections``, the collections that ran during each mode's timed
+runs (events kept too long show up there: see ``Tracer.flush``).
 
 Workload: 16 prompts (``--num-prompts``, with ``--max-num-seqs`` of them
 running at once) sharing a 48-token prefix (so the prefix cache, KV
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -228,6 +231,40 @@ def machine() -> dict[str, Any]:
     return info
 
 
+class GCAccount:
+    """Garbage collections during the timed runs, per mode and generation:
+    how many and their total time (``gc.callbacks``). Events the tracer keeps
+    are container objects the collector counts, so a tracer that holds them
+    too long shows up here (see ``Tracer.flush``)."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.totals: dict[str, dict[int, list[float]]] = {}
+        self._start = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if self.mode is None:
+            return
+        if phase == "start":
+            self._start = time.perf_counter_ns()
+            return
+        per_gen = self.totals.setdefault(self.mode, {})
+        count_ms = per_gen.setdefault(info["generation"], [0, 0.0])
+        count_ms[0] += 1
+        count_ms[1] += (time.perf_counter_ns() - self._start) / 1e6
+
+    def report(self, modes: tuple[str, ...], rounds: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for mode in modes:
+            per_gen = self.totals.get(mode, {})
+            out[mode] = {
+                f"gen{g}": {"collections": int(c), "ms": round(ms, 2)}
+                for g, (c, ms) in sorted(per_gen.items())
+            }
+            out[mode]["ms_per_run"] = round(sum(ms for _, ms in per_gen.values()) / rounds, 3)
+        return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M), 'tiny', or a path")
@@ -280,10 +317,14 @@ def main(argv: list[str] | None = None) -> int:
 
     samples: dict[str, list[float]] = {m: [] for m in modes}
     wall_samples: dict[str, list[float]] = {m: [] for m in modes}
+    gc_account = GCAccount()
+    gc.callbacks.append(gc_account)
     for r in range(args.rounds):
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         for mode in order:
+            gc_account.mode = mode
             cpu, elapsed, num_tokens, outputs = run(mode)
+            gc_account.mode = None
             assert outputs == reference
             samples[mode].append(num_tokens / cpu)
             wall_samples[mode].append(num_tokens / elapsed)
@@ -292,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{num_tokens / elapsed:8.1f} tok/s wall",
                 flush=True,
             )
+    gc.callbacks.remove(gc_account)
 
     median = {m: statistics.median(v) for m, v in samples.items()}
     wall_median = {m: statistics.median(v) for m, v in wall_samples.items()}
@@ -363,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
             "step_cpu_ms": round(step_ns / 1e6, 3),
             "percent": off_bound,
             "how": "2 x lifecycle events per step x cost of one disabled `if tracer.lifecycle:` / step time",
+        },
+        "garbage_collections": {
+            **gc_account.report(modes, args.rounds),
+            "how": "gc.callbacks during the timed runs: collections per generation and their "
+                   "total time; ms_per_run = all generations, per run of the workload",
         },
         "trace_bytes_per_run": {m: trace_sizes[m] // (args.rounds + 1) for m in trace_sizes},
         "tracer_us_per_event": {

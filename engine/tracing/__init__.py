@@ -24,9 +24,12 @@ interleaves them by time into ``<path>`` at shutdown.
 Cost: ``emit`` only appends ``(kind, ts, step, fields)`` to an in-memory
 list; the events are JSON-encoded (msgspec, one call per batch) and written
 when the list holds ``buffer_size`` events, on ``flush()`` (EngineCore
-flushes while the device runs the forward it has just launched, once
-``STEP_FLUSH_MIN_EVENTS`` have gathered, and when no request is left) and
-on ``close()``. So a hook costs about a
+flushes every step, while the device runs the forward it has just launched)
+and on ``close()``. Flushing every step, not every few, also keeps the
+garbage collector out of it: events kept past a collection are container
+objects it must scan and promote, and a few hundred of them (a few steps'
+worth) were enough to trigger collections every step and, now and then, a
+full one (see ``flush``). So a hook costs about a
 microsecond, not the several a dict copy + ``json`` encode + ``write`` per
 event cost. Two consequences: a hook must pass values it will not mutate
 afterwards (fresh lists, scalars -- every hook in the engine does), and a
@@ -70,8 +73,6 @@ HEADER_KIND = "trace.header"
 # Events kept in memory before they are encoded and written (see the module
 # docstring): a few hundred KB of Python objects; a crash loses at most these.
 DEFAULT_BUFFER_SIZE = 1024
-# EngineCore's flush in the forward window writes once this many events wait.
-STEP_FLUSH_MIN_EVENTS = 256
 
 
 class TraceLevel(enum.IntEnum):
@@ -275,16 +276,21 @@ class Tracer:
             if writer is not None:
                 writer.write_pending()
 
-    def flush(self, min_events: int = 0) -> None:
+    def flush(self) -> None:
         """Encode and write every event emitted so far (the file is complete
-        up to here: another process can ``load_trace`` it) -- if at least
-        ``min_events`` are waiting (an ``emit_rows`` call counts as one).
+        up to here: another process can ``load_trace`` it).
 
-        ``EngineCore`` flushes with ``STEP_FLUSH_MIN_EVENTS`` while each
-        forward runs: one write for the events of a few steps instead of a
-        write every step."""
+        ``EngineCore`` calls it every step while the forward runs. Waiting for
+        a few steps' events first saves writes but costs more than it saves:
+        CPython's garbage collector counts every container object allocated
+        and not yet freed, so events held past ~700 of them (about 250
+        ``lifecycle`` events, fewer at ``full``) start a young-generation
+        collection that scans them and moves the survivors to an older
+        generation; enough promotions start a full collection of the
+        process's heap (~0.1 s with torch loaded). Written every step, a
+        step's events are freed before the collector ever sees them."""
         events = self._events  # None once closed (and then the writer is gone too)
-        if events is not None and len(events) >= min_events:
+        if events:
             assert self._writer is not None
             self._writer.write_pending()
 
@@ -438,7 +444,6 @@ from engine.tracing.replay import (  # noqa: E402
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
-    "STEP_FLUSH_MIN_EVENTS",
     "HEADER_KIND",
     "NULL_TRACER",
     "TRACE_FORMAT_VERSION",

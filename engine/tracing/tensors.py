@@ -42,9 +42,20 @@ class HostListsCopy:
     as they are.
 
     ``gather=True`` groups and copies CPU tensors too (into ordinary memory):
-    the tests check the grouping and the split on the CPU."""
+    the tests check the grouping and the split on the CPU.
 
-    def __init__(self, *tensors: torch.Tensor, gather: bool = False) -> None:
+    ``staging``: a dict the caller keeps between calls, dtype -> a pinned
+    buffer, grown when too small and otherwise reused: a fresh pinned
+    allocation costs more host time than the rest of a small copy. Only for
+    a caller that has read the previous copy (``lists``) before it makes the
+    next, as the sampler does every step."""
+
+    def __init__(
+        self,
+        *tensors: torch.Tensor,
+        gather: bool = False,
+        staging: dict[torch.dtype, torch.Tensor] | None = None,
+    ) -> None:
         self.tensors = tensors
         cuda = [t.device for t in tensors if t.device.type == "cuda"]
         self.device: torch.device | None = cuda[0] if cuda else None  # waited for by lists()
@@ -58,7 +69,14 @@ class HostListsCopy:
             pieces = [tensors[i].detach().reshape(-1) for i in indices]
             flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             on_cuda = flat.device.type == "cuda"
-            host = torch.empty(flat.shape, dtype=dtype, pin_memory=on_cuda)
+            if staging is None:
+                host = torch.empty(flat.shape, dtype=dtype, pin_memory=on_cuda)
+            else:
+                buffer = staging.get(dtype)
+                if buffer is None or buffer.numel() < flat.numel():
+                    size = max(flat.numel(), 2 * buffer.numel() if buffer is not None else 0)
+                    buffer = staging[dtype] = torch.empty(size, dtype=dtype, pin_memory=on_cuda)
+                host = buffer[: flat.numel()]
             host.copy_(flat, non_blocking=on_cuda)
             self.groups[dtype] = (indices, host)
 

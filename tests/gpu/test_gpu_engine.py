@@ -135,3 +135,9 @@ def test_host_lists_copy_of_cuda_tensors_equals_tolist():
     after = HostListsCopy(*tensors)
     torch.cuda.current_stream().synchronize()
     assert after.lists(synchronized=True) == [t.tolist() for t in tensors]
+    # Reused pinned buffers (the sampler's staging): each copy reads back its own values.
+    staging: dict[torch.dtype, torch.Tensor] = {}
+    for step in range(3):
+        values = [torch.randn(16, device="cuda") + step, torch.randint(0, 9, (4,), device="cuda")]
+        assert HostListsCopy(*values, staging=staging).lists() == [t.tolist() for t in values]
+    assert all(buffer.is_pinned() for buffer in staging.values())

@@ -83,8 +83,7 @@ def test_events_are_buffered_until_a_flush_point(tmp_path):
     tracer.emit("sched.queued", request_id="r3")  # the fourth: the buffer is written
     assert [e.get("request_id") for e in _lines(path)[1:]] == ["r0", "r1", "r2", "r3"]
     tracer.emit("kv.freed", request_id="r0", step=3)  # an explicit step wins
-    tracer.flush(min_events=2)  # EngineCore's per-step call: one event waits, not written yet
-    assert len(_lines(path)) == 5
+    assert len(_lines(path)) == 5  # kept until a flush point
     tracer.flush()  # flush(): everything, readable by another process
     events = load_trace(str(path))
     assert [e["seq"] for e in events] == [1, 2, 3, 4, 5]
@@ -214,6 +213,23 @@ def test_host_lists_copy_equals_tolist_on_the_cpu():
     assert gathered.groups[torch.float32][1].tolist() == [0.5, -1.25, 3.25, 2.0]
     assert gathered.lists() == [t.tolist() for t in tensors]
     assert HostListsCopy().lists() == []
+
+
+def test_host_lists_copy_reuses_its_staging_buffers():
+    """With ``staging`` (the sampler's per-step copies) each dtype's host buffer
+    is allocated once, grown when a later copy needs more, else reused."""
+    staging: dict[torch.dtype, torch.Tensor] = {}
+    first = [torch.tensor([0.5, -1.25, 2.0]), torch.tensor([1, 2])]
+    assert HostListsCopy(*first, gather=True, staging=staging).lists() == [t.tolist() for t in first]
+    buffers = {dtype: t.data_ptr() for dtype, t in staging.items()}
+    assert {dtype: t.numel() for dtype, t in staging.items()} == {torch.float32: 3, torch.int64: 2}
+    smaller = [torch.tensor([4.0]), torch.tensor([9, 8])]
+    assert HostListsCopy(*smaller, gather=True, staging=staging).lists() == [[4.0], [9, 8]]
+    assert {dtype: t.data_ptr() for dtype, t in staging.items()} == buffers  # reused
+    larger = [torch.arange(5, dtype=torch.float32), torch.tensor([7])]
+    assert HostListsCopy(*larger, gather=True, staging=staging).lists() == [t.tolist() for t in larger]
+    assert staging[torch.float32].numel() == 6  # grown: twice the old size, at least what is needed
+    assert staging[torch.int64].data_ptr() == buffers[torch.int64]
 
 
 def test_a_field_json_cannot_hold_fails_loudly_and_the_rest_is_written(tmp_path):

@@ -42,7 +42,7 @@ import msgspec
 import zmq
 
 from engine.config import GlassboxConfig
-from engine.tracing import STEP_FLUSH_MIN_EVENTS, Tracer, part_path
+from engine.tracing import Tracer, part_path
 from engine.v1.core.kv_cache_utils import get_kv_cache_config, get_request_block_hasher
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import (
@@ -145,8 +145,8 @@ class EngineCore:
         try:
             output = self.model_executor.execute_model(scheduler_output)
             # On a GPU the forward was only launched: write the trace while it runs
-            # (once a few steps' events have gathered: one write for several steps).
-            if self.tracer.lifecycle: self.tracer.flush(STEP_FLUSH_MIN_EVENTS)  # noqa: E701
+            # (every step: see Tracer.flush for why not every few).
+            if self.tracer.lifecycle: self.tracer.flush()  # noqa: E701
             if output is None:
                 output = self.model_executor.sample_tokens()
             return output

@@ -103,6 +103,9 @@ class Sampler(nn.Module):
         # A plain holder, not Module attributes: nn.Module.__setattr__ is slow
         # enough to show in a traced step's cost.
         self._trace = SamplerTraceState()
+        # Pinned host buffers for the trace values' copy, reused every step
+        # (``HostListsCopy``'s ``staging``: the last copy is read first).
+        self._trace_staging: dict[torch.dtype, torch.Tensor] = {}
 
     def forward(
         self,
@@ -346,7 +349,7 @@ class Sampler(nn.Module):
         self._trace.stages = self._trace.rows = None
         self._trace.pending = PendingSampledTrace(
             [trace_req_ids[r] for r in rows], rows, tokens, greedy,
-            HostListsCopy(*device_values), stage_names,
+            HostListsCopy(*device_values, staging=self._trace_staging), stage_names,
         )
 
     def emit_pending_trace(self, sampled_token_ids: Sequence[int] | None = None) -> None:
