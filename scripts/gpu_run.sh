@@ -41,7 +41,7 @@ fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = all ]; then
   # Tracing first (issue 5): its overhead at each level (with the hooks-only split), then
   # where the lifecycle level's host time goes (a cProfile of off against lifecycle).
-  python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 15 --max-tokens 96 --split \
+  python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 25 --max-tokens 96 --split \
     --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
   # The profile (~40 s) by default not in `all`: `all` stays inside one call's 600 s on a
   # machine without kernel caches (~500 s measured). TRACING_PROFILE=1|0 overrides.
