@@ -5,11 +5,13 @@ hook that reads several small device tensors should not call ``.tolist()`` or
 ``.item()`` on each: on a GPU every such call is a device-to-host copy that
 waits for the device, a few to tens of microseconds each, and a ``full``
 trace of a step would make dozens of them (the sampler's top candidates per
-stage, the runner's input summaries). ``HostListsCopy`` concatenates the
+stage). ``HostListsCopy`` concatenates the
 pieces of each dtype on the device, queues one non-blocking copy per dtype
 and splits them again on the host once the device has been waited for
 (``host_lists`` waits at once); on the CPU it is plain ``tolist``. The
-values are exactly what ``tolist`` would give.
+values are exactly what ``tolist`` would give. ``array_summaries`` describes
+host arrays (the runner's inputs, read from the arrays the device buffers
+were filled from, so no device work at all).
 
 Used by the sampler (``engine/v1/sample/sampler.py``) and the model runner
 (``engine/v1/worker/gpu_model_runner.py``) at trace level ``full`` (the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 # Values kept of a long tensor in a summary: the first and the last this many.
@@ -108,39 +111,35 @@ def host_lists(*tensors: torch.Tensor, gather: bool | None = None) -> list[Any]:
     return HostListsCopy(*tensors, gather=bool(gather)).lists()
 
 
-def tensor_summaries(
-    gather: bool | None = None, /, **tensors: torch.Tensor
-) -> dict[str, dict[str, Any]]:
-    """Per tensor: ``{shape, dtype, min, max, values}`` -- or ``head`` and
+def array_summaries(**arrays: np.ndarray) -> dict[str, dict[str, Any]]:
+    """Per host array: ``{shape, dtype, min, max, values}`` -- or ``head`` and
     ``tail`` (``SUMMARY_VALUES`` each) instead of ``values`` when it is long;
-    a small 2-D tensor keeps its rows. One wait for the device for all."""
-    pieces: list[torch.Tensor] = []
-    layout: list[tuple[str, torch.Tensor, list[str]]] = []
-    for name, t in tensors.items():
-        flat = t.detach().reshape(-1)
-        keys: list[str] = []
-        if flat.numel():
-            lo, hi = torch.aminmax(flat)
-            pieces += [lo, hi]
-            keys += ["min", "max"]
-        if t.dim() == 2 and t.shape[0] * t.shape[1] <= 4 * SUMMARY_VALUES:
-            pieces.append(t.detach())
-            keys.append("values")
-        elif flat.numel() <= 2 * SUMMARY_VALUES:
-            pieces.append(flat)
-            keys.append("values")
-        else:
-            pieces += [flat[:SUMMARY_VALUES], flat[-SUMMARY_VALUES:]]
-            keys += ["head", "tail"]
-        layout.append((name, t, keys))
-    values = iter(host_lists(*pieces, gather=gather))
+    a small 2-D array keeps its rows; no ``min`` / ``max`` when empty.
+
+    Numpy, not torch: the model runner describes the host arrays its device
+    buffers were filled from, and on these small arrays a numpy reduction
+    costs a fraction of a torch CPU op's dispatch (the ``full`` trace makes
+    ~20 of them per step)."""
     out: dict[str, dict[str, Any]] = {}
-    for name, t, keys in layout:
-        summary: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        for key in keys:
-            summary[key] = next(values)
+    for name, a in arrays.items():
+        dtype = _DTYPE_NAMES.get(a.dtype) or a.dtype.name  # .name runs Python code in numpy
+        summary: dict[str, Any] = {"shape": list(a.shape), "dtype": dtype}
+        if a.size <= 2 * SUMMARY_VALUES or (a.ndim == 2 and a.size <= 4 * SUMMARY_VALUES):
+            values = a.tolist()
+            flat = values if a.ndim == 1 else a.reshape(-1).tolist()
+            if flat:  # builtin min/max of a short list beat two numpy reductions
+                summary["min"], summary["max"] = min(flat), max(flat)
+            summary["values"] = values if a.ndim == 2 else flat
+        else:
+            flat_array = a.reshape(-1)
+            summary["min"], summary["max"] = flat_array.min().item(), flat_array.max().item()
+            summary["head"] = flat_array[:SUMMARY_VALUES].tolist()
+            summary["tail"] = flat_array[-SUMMARY_VALUES:].tolist()
         out[name] = summary
     return out
 
 
-__all__ = ["SUMMARY_VALUES", "HostListsCopy", "host_lists", "tensor_summaries"]
+_DTYPE_NAMES = {np.dtype(t): np.dtype(t).name for t in (np.int32, np.int64, np.float32, np.bool_)}
+
+
+__all__ = ["SUMMARY_VALUES", "HostListsCopy", "array_summaries", "host_lists"]

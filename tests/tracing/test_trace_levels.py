@@ -187,6 +187,33 @@ def test_sampler_stage_trace_unit(tmp_path):
     assert torch.equal(again.sampled_token_ids, out.sampled_token_ids)
 
 
+def test_processed_stage_reuses_raw_only_when_nothing_edits_the_logits(tmp_path):
+    """Without masks, bad words, min-tokens, logit bias or penalties the
+    ``processed`` stage is the ``raw`` one (its snapshot is reused); with a
+    penalty it is the softmax top-k of the penalised logits."""
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(3)) * 3
+    for penalty in (1.0, 1.8):
+        path = str(tmp_path / f"p{penalty}.jsonl")
+        tracer = Tracer(path, "full")
+        params = [SamplingParams(temperature=0.0, repetition_penalty=penalty)] * 2
+        history = [[int(logits[0].argmax()), int(logits[1].argmax())]] * 2
+        meta = build_sampling_metadata(params, history, [[], []], {}, 32, "cpu")
+        assert Sampler.edits_logits(meta) is (penalty != 1.0)
+        sampler = Sampler(tracer=tracer)
+        sampler(logits.clone(), meta, trace_req_ids=["a", "b"])
+        sampler.emit_pending_trace()
+        tracer.close()
+        for event in load_trace(path):
+            raw, processed = event["stages"]
+            assert (raw["stage"], processed["stage"]) == ("raw", "processed")
+            if penalty == 1.0:
+                assert processed["token_ids"] == raw["token_ids"] and processed["probs"] == raw["probs"]
+            else:
+                # The most likely raw token was in the prompt: the penalty demotes it.
+                assert processed["token_ids"][0] != raw["token_ids"][0]
+                assert event["token_id"] == processed["token_ids"][0]
+
+
 _GUARD = re.compile(r"^\s*if [^:]*\.(lifecycle|full)\b[^:]*:\s*\S")
 
 

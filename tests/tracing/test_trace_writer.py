@@ -30,7 +30,7 @@ from engine.tracing import (
     load_trace,
     merge_trace_parts,
 )
-from engine.tracing.tensors import HostListsCopy, host_lists, tensor_summaries
+from engine.tracing.tensors import HostListsCopy, array_summaries, host_lists
 from tests.tracing.scenario import make_engine, run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -351,21 +351,27 @@ def test_host_lists_gathered_equal_tolist():
     assert host_lists(*ints, gather=True) == [t.tolist() for t in ints]
 
 
-def test_tensor_summaries():
-    summaries = tensor_summaries(
-        True,
-        long=torch.arange(100, dtype=torch.int32),
-        short=torch.tensor([5, -3, 9]),
-        table=torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
-        empty=torch.zeros(0, dtype=torch.int64),
+def test_array_summaries():
+    summaries = array_summaries(
+        long=np.arange(100, dtype=np.int32),
+        short=np.array([5, -3, 9], dtype=np.int64),
+        table=np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32),
+        wide=np.arange(300, dtype=np.int32).reshape(2, 150),
+        empty=np.zeros(0, dtype=np.int64),
     )
     assert summaries["long"] == {"shape": [100], "dtype": "int32", "min": 0, "max": 99,
                                  "head": list(range(32)), "tail": list(range(68, 100))}
     assert summaries["short"] == {"shape": [3], "dtype": "int64", "min": -3, "max": 9,
                                   "values": [5, -3, 9]}
     assert summaries["table"]["values"] == [[1, 2, 3], [4, 5, 6]]
+    assert summaries["wide"]["head"] == list(range(32)) and summaries["wide"]["tail"] == list(range(268, 300))
     assert summaries["empty"] == {"shape": [0], "dtype": "int64", "values": []}
-    assert tensor_summaries(False, short=torch.tensor([5, -3, 9])) == {"short": summaries["short"]}
+    # Plain Python values: JSON-encodable, and what torch's tolist() gives for the same data.
+    assert all(type(v) is int for v in summaries["long"]["head"] + [summaries["long"]["min"]])
+    assert summaries["table"] == {
+        "shape": [2, 3], "dtype": "int32", "min": 1, "max": 6,
+        "values": torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32).tolist(),
+    }
 
 
 def test_the_tracing_package_is_a_leaf():

@@ -139,7 +139,7 @@ class Sampler(nn.Module):
 
         # 3. Masks, argmax-changing processors, penalties.
         logits = self.apply_logits_processors(logits, sampling_metadata)
-        if self.tracer.full: self._trace_stage("processed", logits)  # noqa: E701
+        if self.tracer.full: self._trace_stage("processed", logits, unchanged=not self.edits_logits(sampling_metadata))  # noqa: E701
 
         # 4. Greedy and/or random sampling.
         sampled = self.sample(logits, sampling_metadata)  # int64 [N]
@@ -180,6 +180,16 @@ class Sampler(nn.Module):
             logits = processor.apply(logits)
 
         return self.apply_penalties(logits, sampling_metadata)
+
+    @staticmethod
+    def edits_logits(sampling_metadata: SamplingMetadata) -> bool:
+        """Whether ``apply_logits_processors`` changes anything this step."""
+        return (
+            sampling_metadata.allowed_token_ids_mask is not None
+            or bool(sampling_metadata.bad_words_token_ids)
+            or bool(sampling_metadata.logitsprocs.non_argmax_invariant)
+            or not sampling_metadata.no_penalties
+        )
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
@@ -285,10 +295,16 @@ class Sampler(nn.Module):
         self._trace.stages = []
         self._trace_stage("raw", logits)
 
-    def _trace_stage(self, stage: str, logits: torch.Tensor) -> None:
+    def _trace_stage(self, stage: str, logits: torch.Tensor, unchanged: bool = False) -> None:
         """Keep the top candidates of the traced rows as this stage left them
-        (on the device: ``_emit_sampled`` copies them to the host once)."""
+        (on the device: ``_emit_sampled`` copies them to the host once).
+        ``unchanged``: the stage left the logits as the previous one did, so
+        its candidates are the previous stage's (no softmax or top-k to run)."""
         if self._trace.stages is None:
+            return
+        if unchanged and self._trace.stages:
+            _, top_probs, top_ids = self._trace.stages[-1]
+            self._trace.stages.append((stage, top_probs, top_ids))
             return
         if self._trace.rows is not None:
             logits = logits.index_select(0, self._trace.rows)

@@ -49,7 +49,7 @@ from engine.config import GlassboxConfig
 from engine.config.compilation import CUDAGraphMode
 from engine.forward_context import set_forward_context
 from engine.tracing import NULL_TRACER, Tracer
-from engine.tracing.tensors import tensor_summaries
+from engine.tracing.tensors import array_summaries
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
 from engine.utils.torch_utils import resolve_dtype
@@ -62,6 +62,9 @@ from engine.v1.sample.sampler import Sampler
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
+
+# The integer dtypes of the runner's input buffers, as numpy names them.
+_NUMPY_DTYPES = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
 
 
 @dataclass
@@ -499,22 +502,24 @@ class GPUModelRunner:
                 step=scheduler_output.step,
                 # From the host arrays the device buffers were filled from
                 # (same values, in the device buffers' dtypes): no device work.
-                **tensor_summaries(
+                **array_summaries(
                     input_ids=self._as_device_dtype(host_inputs.input_ids[:num_tokens], self.input_ids),
                     positions=self._as_device_dtype(host_inputs.positions[:num_tokens], self.positions),
-                    query_start_loc=common.query_start_loc_cpu,
-                    seq_lens=common.seq_lens_cpu,
+                    query_start_loc=common.query_start_loc_cpu.numpy(),
+                    seq_lens=common.seq_lens_cpu.numpy(),
                     slot_mapping=self._as_device_dtype(
                         host_inputs.slot_mapping[: common.num_actual_tokens], self.slot_mapping
                     ),
-                    block_table=torch.from_numpy(batch.block_table.block_table_np[: common.num_reqs]),
-                    logits_indices=torch.from_numpy(host_inputs.logits_indices),
+                    block_table=batch.block_table.block_table_np[: common.num_reqs],
+                    logits_indices=host_inputs.logits_indices,
                 ),
             )
 
     @staticmethod
-    def _as_device_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(host).to(device_buffer.dtype)
+    def _as_device_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> np.ndarray:
+        """``host`` in the dtype of the device buffer it was copied into."""
+        dtype = _NUMPY_DTYPES[device_buffer.dtype]
+        return host if host.dtype == dtype else host.astype(dtype)
 
     def _start_forward_timer(self) -> tuple[int, int, torch.cuda.Event | None]:
         """(wall-clock ns, perf-counter ns, CUDA start event or None) at launch."""
