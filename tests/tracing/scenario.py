@@ -23,7 +23,7 @@ from typing import Any
 
 from engine.engine.arg_utils import EngineArgs
 from engine.sampling_params import SamplingParams
-from engine.tracing import EngineState
+from engine.tracing import EngineState, TraceReplay
 from engine.v1.core.kv_cache_utils import get_block_hash
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine.llm_engine import LLMEngine
@@ -130,6 +130,31 @@ def record_scenario(model_dir, trace_path: str, trace_level: str, real_model: bo
         return run_scenario(engine, real_model=real_model)
     finally:
         engine.shutdown()
+
+
+def replay_scenario_against_live_engine(
+    model_dir, trace_path: str, real_model: bool = False, **engine_kwargs
+) -> list[str]:
+    """Run the scripted scenario at ``lifecycle`` and, after every step and
+    every add / abort, rebuild the state from the trace written so far and
+    compare it with the live scheduler and BlockPool. Returns the labels
+    checked."""
+    engine = make_engine(model_dir, trace_path, "lifecycle", real_model=real_model, **engine_kwargs)
+    scheduler = scheduler_of(engine)
+    checked: list[str] = []
+
+    def compare(label: str) -> None:
+        engine.tracer.flush()
+        replay = TraceReplay(trace_path, snapshot_interval=4)
+        assert replay.last_step == scheduler.step_counter
+        assert_replay_matches_engine(replay.state_at(replay.last_step), scheduler, label)
+        checked.append(label)
+
+    try:
+        run_scenario(engine, real_model=real_model, after_each_change=compare)
+    finally:
+        engine.shutdown()
+    return checked
 
 
 def assert_replay_matches_engine(state: EngineState, scheduler: Scheduler, label: str = "") -> None:

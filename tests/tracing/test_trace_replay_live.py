@@ -11,32 +11,13 @@ from __future__ import annotations
 import pytest
 
 from engine.tracing import TraceReplay, load_trace
-from tests.tracing.scenario import (
-    assert_replay_matches_engine,
-    make_engine,
-    run_scenario,
-    scheduler_of,
-)
+from tests.tracing.scenario import make_engine, replay_scenario_against_live_engine, run_scenario
 
 
 @pytest.mark.parametrize("real_model", [False, True], ids=["counting", "tiny-llama"])
 def test_replay_equals_live_block_pool_after_every_step(tiny_model_dir, tmp_path, real_model):
     trace = str(tmp_path / "run.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "lifecycle", real_model=real_model)
-    scheduler = scheduler_of(engine)
-    checked: list[str] = []
-
-    def compare(label: str) -> None:
-        engine.tracer.flush()
-        replay = TraceReplay(trace, snapshot_interval=4)
-        assert replay.last_step == scheduler.step_counter
-        assert_replay_matches_engine(replay.state_at(replay.last_step), scheduler, label)
-        checked.append(label)
-
-    try:
-        run_scenario(engine, real_model=real_model, after_each_change=compare)
-    finally:
-        engine.shutdown()
+    checked = replay_scenario_against_live_engine(tiny_model_dir, trace, real_model=real_model)
     assert sum(label.startswith("step") for label in checked) >= 10
 
     # The run really went through every path the replay must model.
