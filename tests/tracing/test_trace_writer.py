@@ -110,6 +110,33 @@ if {crash}:
 """
 
 
+def test_the_engine_core_writes_every_step_while_the_forward_runs(tiny_model_dir, tmp_path):
+    """The engine core flushes once per step, right after launching the
+    forward: when the model runs, every event up to that step's scheduling
+    is in the file, and the tracer holds only what came after. (Holding
+    several steps' events lets the garbage collector scan and promote them:
+    see ``Tracer.flush``.)"""
+    trace = str(tmp_path / "run.jsonl")
+    engine = make_engine(tiny_model_dir, trace, "lifecycle", real_model=True)
+    core = engine.engine_core.engine_core
+    seen: list[tuple[int, int, int]] = []
+    original = core.model_executor.sample_tokens
+
+    def sample_tokens_after_the_flush(*args, **kwargs):
+        steps = [e["step"] for e in load_trace(trace) if e["kind"] == "sched.step"]
+        seen.append((core.scheduler.step_counter, steps[-1], len(engine.tracer._events)))
+        return original(*args, **kwargs)
+
+    core.model_executor.sample_tokens = sample_tokens_after_the_flush
+    try:
+        run_scenario(engine, real_model=True)
+    finally:
+        engine.shutdown()
+    assert len(seen) >= 10
+    for step, last_written_step, held in seen:
+        assert last_written_step == step and held == 0, (step, last_written_step, held)
+
+
 @pytest.mark.parametrize("crash", [True, False], ids=["crash", "exit-unclosed"])
 def test_what_a_process_that_never_closes_its_tracer_leaves(tmp_path, crash):
     path = tmp_path / "child.jsonl"
