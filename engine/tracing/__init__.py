@@ -34,7 +34,8 @@ microsecond, not the several a dict copy + ``json`` encode + ``write`` per
 event cost. Two consequences: a hook must pass values it will not mutate
 afterwards (fresh lists, scalars -- every hook in the engine does), and a
 process that dies without closing its tracer (SIGKILL, ``os._exit``, a
-segfault) loses the events still in the list, at most ``buffer_size``. A tracer that is never closed
+segfault) loses the events still in the list, at most ``buffer_size`` (in
+the engine core, at most the last step and a half). A tracer that is never closed
 is flushed when it is garbage collected or the interpreter exits.
 
 ``replay.py`` rebuilds the scheduler and KV-cache state at any step from a

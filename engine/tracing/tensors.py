@@ -7,8 +7,8 @@ waits for the device, a few to tens of microseconds each, and a ``full``
 trace of a step would make dozens of them (the sampler's top candidates per
 stage). ``HostListsCopy`` concatenates the
 pieces of each dtype on the device, queues one non-blocking copy per dtype
-and splits them again on the host once the device has been waited for
-(``host_lists`` waits at once); on the CPU it is plain ``tolist``. The
+and splits them again on the host once the device has been waited for;
+on the CPU it is plain ``tolist``. The
 values are exactly what ``tolist`` would give. ``array_summaries`` describes
 host arrays (the runner's inputs, read from the arrays the device buffers
 were filled from, so no device work at all).
@@ -103,14 +103,6 @@ class HostListsCopy:
         return out
 
 
-def host_lists(*tensors: torch.Tensor, gather: bool | None = None) -> list[Any]:
-    """``[t.tolist() for t in tensors]`` with one wait for the device for all
-    the tensors that live on one (``HostListsCopy`` read at once), instead of
-    a wait per tensor. ``gather=True`` copies CPU tensors the same way (the
-    tests check that path on the CPU)."""
-    return HostListsCopy(*tensors, gather=bool(gather)).lists()
-
-
 def array_summaries(**arrays: np.ndarray) -> dict[str, dict[str, Any]]:
     """Per host array: ``{shape, dtype, min, max, values}`` -- or ``head`` and
     ``tail`` (``SUMMARY_VALUES`` each) instead of ``values`` when it is long;
@@ -142,4 +134,4 @@ def array_summaries(**arrays: np.ndarray) -> dict[str, dict[str, Any]]:
 _DTYPE_NAMES = {np.dtype(t): np.dtype(t).name for t in (np.int32, np.int64, np.float32, np.bool_)}
 
 
-__all__ = ["SUMMARY_VALUES", "HostListsCopy", "array_summaries", "host_lists"]
+__all__ = ["SUMMARY_VALUES", "HostListsCopy", "array_summaries"]

@@ -30,7 +30,7 @@ from engine.tracing import (
     load_trace,
     merge_trace_parts,
 )
-from engine.tracing.tensors import HostListsCopy, array_summaries, host_lists
+from engine.tracing.tensors import HostListsCopy, array_summaries
 from tests.tracing.scenario import make_engine, run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -373,9 +373,9 @@ def test_host_lists_gathered_equal_tolist():
         torch.tensor(2**40),
         torch.tensor([7], dtype=torch.int32),
     ]
-    assert host_lists(*tensors, gather=True) == [t.tolist() for t in tensors]
+    assert HostListsCopy(*tensors, gather=True).lists() == [t.tolist() for t in tensors]
     ints = [torch.tensor([1, 2], dtype=torch.int32), torch.tensor([True]), torch.tensor(-5)]
-    assert host_lists(*ints, gather=True) == [t.tolist() for t in ints]
+    assert HostListsCopy(*ints, gather=True).lists() == [t.tolist() for t in ints]
 
 
 def test_array_summaries():

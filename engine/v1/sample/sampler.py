@@ -165,6 +165,8 @@ class Sampler(nn.Module):
         self, logits: torch.Tensor, sampling_metadata: SamplingMetadata
     ) -> torch.Tensor:
         """Everything that can change a greedy row's answer, in vLLM's order."""
+        if not self.edits_logits(sampling_metadata):
+            return logits
         if sampling_metadata.allowed_token_ids_mask is not None:
             logits.masked_fill_(sampling_metadata.allowed_token_ids_mask, float("-inf"))
 
@@ -183,7 +185,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def edits_logits(sampling_metadata: SamplingMetadata) -> bool:
-        """Whether ``apply_logits_processors`` changes anything this step."""
+        """Whether ``apply_logits_processors`` changes anything this step (it
+        returns at once otherwise; the ``full`` trace then reuses the ``raw``
+        snapshot for the ``processed`` stage). A new processor must be named
+        here, or it is never applied."""
         return (
             sampling_metadata.allowed_token_ids_mask is not None
             or bool(sampling_metadata.bad_words_token_ids)
