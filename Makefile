@@ -1,6 +1,7 @@
 # Glassbox developer entry points.
 #   make setup   install system packages, .venv, torch (CPU), glassbox[test]
-#   make test    run the test suite (+ session notebooks via nbval, once any exist)
+#   make test    ruff (lint + format check), then the test suite and the session notebooks (nbval)
+#   make lint    ruff only
 #   make run     the main job
 #   make test-gpu  GPU tests + GPU benchmarks, on a CUDA machine (results under $$OUT)
 
@@ -13,13 +14,21 @@ PYTHON := .venv/bin/python
 NOTEBOOKS := $(shell find sessions -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort)
 NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg $(NOTEBOOKS))
 
-.PHONY: setup test run test-gpu
+# What ruff checks (line length 100, rules in pyproject.toml).
+LINT_PATHS := engine tui tests benchmarks scripts
+
+.PHONY: setup test lint run test-gpu
 
 setup:
 	bash scripts/setup.sh
 
-test:
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests $(NBVAL_ARGS)
+# Lint first (seconds), then every test; the 15 slowest are listed at the end.
+test: lint
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 tests $(NBVAL_ARGS)
+
+lint:
+	$(PYTHON) -m ruff check $(LINT_PATHS)
+	$(PYTHON) -m ruff format --check $(LINT_PATHS)
 
 run:
 	.venv/bin/glassbox trace "What is the capital of France?"

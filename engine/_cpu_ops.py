@@ -5,8 +5,9 @@ and friends), which call ``torch.ops._C`` ops compiled from ``csrc/cpu/`` when v
 is built for the CPU. Read it for how a pure-Python project gets a C++ kernel
 without a build step: ``torch.utils.cpp_extension.load`` compiles the sources
 with the system's C++ compiler (about 25 s, once per machine and source
-version) into ``$GLASSBOX_CACHE/torch_extensions`` (default ``~/.cache/glassbox``) and imports the result.
-``make setup`` builds it, so tests and the first engine never wait for it.
+version) into ``$GLASSBOX_CACHE/torch_extensions`` (default ``~/.cache/glassbox``)
+and imports the result. ``make setup`` builds it, so tests and the first engine
+never wait for it.
 
 Ops (all in place into ``out``, float32, CPU tensors):
 
@@ -41,7 +42,10 @@ logger = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "GLASSBOX_CPU_KERNELS"
 SOURCES = (
-    "cpu/torch_bindings.cpp", "cpu/cpu_attn.cpp", "cpu/layernorm.cpp", "cpu/activation.cpp",
+    "cpu/torch_bindings.cpp",
+    "cpu/cpu_attn.cpp",
+    "cpu/layernorm.cpp",
+    "cpu/activation.cpp",
     "cpu/pos_encoding.cpp",
 )
 HEADERS = ("cpu/parallel.hpp",)  # copied beside the sources, part of the build's name
@@ -56,7 +60,9 @@ def _build_name(texts: list[bytes]) -> str:
         digest.update(text)
     try:
         flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
         )
     except (OSError, StopIteration):
         flags = ""
@@ -93,8 +99,11 @@ def _load_once() -> ModuleType | None:
     try:
         return load(verbose=False)
     except Exception as e:  # no compiler, no ninja, a compile error: keep the torch path
-        logger.warning("CPU kernels unavailable (%s: %s); using the plain-torch paths",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        logger.warning(
+            "CPU kernels unavailable (%s: %s); using the plain-torch paths",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return None
 
 
@@ -105,7 +114,9 @@ def load(verbose: bool = False) -> ModuleType:
         raise FileNotFoundError(f"CPU kernel sources not found under {CSRC_DIR}: {missing}")
     # torch runs `ninja` from PATH; a venv's ninja (pip install ninja) sits beside python.
     if shutil.which("ninja") is None:
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        os.environ["PATH"] = (
+            os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        )
     build_dir = Path(os.environ.get("GLASSBOX_CACHE") or Path.home() / ".cache" / "glassbox")
     texts = [(CSRC_DIR / rel).read_bytes() for rel in SOURCES + HEADERS]
     build_dir = build_dir / "torch_extensions" / _build_name(texts)

@@ -155,7 +155,9 @@ def _rms_norm_kernel(
 def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """``out = input / sqrt(mean(input**2, -1) + epsilon) * weight`` (out: same shape)."""
     if out.shape != input.shape:
-        raise ValueError(f"out shape {tuple(out.shape)} must equal input shape {tuple(input.shape)}")
+        raise ValueError(
+            f"out shape {tuple(out.shape)} must equal input shape {tuple(input.shape)}"
+        )
     if weight.shape != (input.shape[-1],):
         raise ValueError(f"weight must have shape ({input.shape[-1]},), got {tuple(weight.shape)}")
     _check_same_dtype(out=out, input=input, weight=weight)
@@ -167,8 +169,18 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsil
         return
     block, num_warps = _norm_block("rms_norm", input)
     _rms_norm_kernel[(num_rows,)](
-        out, input, weight, rows_per_group, out_gs, out_rs, in_gs, in_rs,
-        input.shape[-1], epsilon, BLOCK=block, num_warps=num_warps,
+        out,
+        input,
+        weight,
+        rows_per_group,
+        out_gs,
+        out_rs,
+        in_gs,
+        in_rs,
+        input.shape[-1],
+        epsilon,
+        BLOCK=block,
+        num_warps=num_warps,
     )
 
 
@@ -225,8 +237,15 @@ def fused_add_rms_norm(
         return
     block, num_warps = _norm_block("fused_add_rms_norm", input)
     _fused_add_rms_norm_kernel[(x2d.shape[0],)](
-        x2d, r2d, weight, x2d.stride(0), r2d.stride(0), hidden, epsilon,
-        BLOCK=block, num_warps=num_warps,
+        x2d,
+        r2d,
+        weight,
+        x2d.stride(0),
+        r2d.stride(0),
+        hidden,
+        epsilon,
+        BLOCK=block,
+        num_warps=num_warps,
     )
 
 
@@ -257,8 +276,9 @@ def _pair_offsets(HALF_PAD: tl.constexpr, half, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _rotate_pairs(head_ptr, x1, x2, cache_row_ptr, half, IS_NEOX: tl.constexpr,
-                  HALF_PAD: tl.constexpr):
+def _rotate_pairs(
+    head_ptr, x1, x2, cache_row_ptr, half, IS_NEOX: tl.constexpr, HALF_PAD: tl.constexpr
+):
     # x1, x2: [HALF_PAD] float32 values of the paired features (already in the
     # input dtype's precision); writes the rotated pairs back to head_ptr.
     i1, i2, i = _pair_offsets(HALF_PAD, half, IS_NEOX)
@@ -302,11 +322,12 @@ def _rotary_embedding_kernel(
     mask = i < half
     x1 = tl.load(head_ptr + i1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(head_ptr + i2, mask=mask, other=0.0).to(tl.float32)
-    _rotate_pairs(head_ptr, x1, x2, cos_sin_cache_ptr + pos * cache_stride, half,
-                  IS_NEOX, HALF_PAD)
+    _rotate_pairs(head_ptr, x1, x2, cos_sin_cache_ptr + pos * cache_stride, half, IS_NEOX, HALF_PAD)
 
 
-def _head_layout(name: str, t: torch.Tensor, num_tokens: int, head_size: int) -> tuple[int, int, int]:
+def _head_layout(
+    name: str, t: torch.Tensor, num_tokens: int, head_size: int
+) -> tuple[int, int, int]:
     """(num_heads, token_stride, head_stride) of a [T, H * D] or [T, H, D] tensor."""
     _check_last_dim_contiguous(name, t)
     if t.dim() == 2 and t.shape[0] == num_tokens and t.shape[1] % head_size == 0:
@@ -358,9 +379,20 @@ def rotary_embedding(
         return
     half = rotary_dim // 2
     _rotary_embedding_kernel[(num_tokens, num_q_heads + num_k_heads)](
-        positions, query, key_arg, cos_sin_cache, q_ts, q_hs, k_ts, k_hs,
-        cos_sin_cache.stride(0), num_q_heads, half,
-        IS_NEOX=bool(is_neox), HALF_PAD=triton.next_power_of_2(half), num_warps=1,
+        positions,
+        query,
+        key_arg,
+        cos_sin_cache,
+        q_ts,
+        q_hs,
+        k_ts,
+        k_hs,
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        half,
+        IS_NEOX=bool(is_neox),
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=1,
     )
 
 
@@ -416,8 +448,7 @@ def _fused_qk_norm_rope_kernel(
     y1 = ((x1 * rstd).to(x_ty).to(tl.float32) * w1).to(x_ty).to(tl.float32)
     y2 = ((x2 * rstd).to(x_ty).to(tl.float32) * w2).to(x_ty).to(tl.float32)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    _rotate_pairs(head_ptr, y1, y2, cos_sin_cache_ptr + pos * cache_stride, half,
-                  IS_NEOX, HALF_PAD)
+    _rotate_pairs(head_ptr, y1, y2, cos_sin_cache_ptr + pos * cache_stride, half, IS_NEOX, HALF_PAD)
 
 
 def fused_qk_norm_rope(
@@ -460,10 +491,21 @@ def fused_qk_norm_rope(
     if num_tokens == 0 or num_heads_q + num_heads_k == 0:
         return
     _fused_qk_norm_rope_kernel[(num_tokens, num_heads_q + num_heads_k)](
-        qkv, q_weight, k_weight, cos_sin_cache, position_ids, qkv.stride(0),
-        cos_sin_cache.stride(0), num_heads_q, head_dim, rotary_dim, eps,
-        IS_NEOX=bool(is_neox), D_PAD=triton.next_power_of_2(head_dim),
-        HALF_PAD=triton.next_power_of_2(rotary_dim // 2), num_warps=1,
+        qkv,
+        q_weight,
+        k_weight,
+        cos_sin_cache,
+        position_ids,
+        qkv.stride(0),
+        cos_sin_cache.stride(0),
+        num_heads_q,
+        head_dim,
+        rotary_dim,
+        eps,
+        IS_NEOX=bool(is_neox),
+        D_PAD=triton.next_power_of_2(head_dim),
+        HALF_PAD=triton.next_power_of_2(rotary_dim // 2),
+        num_warps=1,
     )
 
 
@@ -508,5 +550,11 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         return
     block = min(triton.next_power_of_2(d), 1024)
     _silu_and_mul_kernel[(in2d.shape[0], triton.cdiv(d, block))](
-        out2d, in2d, out2d.stride(0), in2d.stride(0), d, BLOCK=block, num_warps=4,
+        out2d,
+        in2d,
+        out2d.stride(0),
+        in2d.stride(0),
+        d,
+        BLOCK=block,
+        num_warps=4,
     )

@@ -368,8 +368,7 @@ class SamplingParams(
 
         if 0 < self.temperature < _MAX_TEMP:
             logger.warning(
-                "temperature=%s is below %s and would risk inf/nan logits; "
-                "using %s instead.",
+                "temperature=%s is below %s and would risk inf/nan logits; using %s instead.",
                 self.temperature,
                 _MAX_TEMP,
                 _MAX_TEMP,
@@ -428,7 +427,9 @@ class SamplingParams(
 
         self.stop = [] if self.stop is None else _as_str_list("stop", self.stop)
         self.stop_token_ids = (
-            [] if self.stop_token_ids is None else _as_int_list("stop_token_ids", self.stop_token_ids)
+            []
+            if self.stop_token_ids is None
+            else _as_int_list("stop_token_ids", self.stop_token_ids)
         )
         self.bad_words = [] if self.bad_words is None else _as_str_list("bad_words", self.bad_words)
 
@@ -487,7 +488,9 @@ class SamplingParams(
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}.")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "

@@ -67,7 +67,10 @@ BAD_ENGINE_ARGS = {
         {"long_prefill_token_threshold": -1},
         "long_prefill_token_threshold",
     ),
-    "executor backend ray": ({"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
+    "executor backend ray": (
+        {"distributed_executor_backend": "ray"},
+        "distributed_executor_backend",
+    ),
 }
 
 
@@ -154,7 +157,9 @@ def test_model_config_hf_overrides(model_dir):
     assert config.get_head_size() == 32
     assert config.eos_token_id == 7
     with pytest.raises(ValueError, match="max_model_len=65"):
-        ModelConfig(model=str(model_dir), max_model_len=65, hf_overrides={"max_position_embeddings": 64})
+        ModelConfig(
+            model=str(model_dir), max_model_len=65, hf_overrides={"max_position_embeddings": 64}
+        )
 
 
 @pytest.mark.parametrize(
@@ -194,7 +199,10 @@ def test_engine_args_defaults(model_dir):
 
 def test_without_chunked_prefill_the_budget_covers_max_model_len(tmp_path):
     model = make_tiny_model_dir(tmp_path / "m", max_position_embeddings=4096)
-    assert engine_config(model, enable_chunked_prefill=False).scheduler_config.max_num_batched_tokens == 4096
+    assert (
+        engine_config(model, enable_chunked_prefill=False).scheduler_config.max_num_batched_tokens
+        == 4096
+    )
     assert engine_config(model).scheduler_config.max_num_batched_tokens == 2048
     explicit = engine_config(model, enable_chunked_prefill=False, max_num_batched_tokens=5000)
     assert explicit.scheduler_config.max_num_batched_tokens == 5000
@@ -278,7 +286,11 @@ def sized_executor(num_blocks: int, block_size: int = 16, num_layers: int = 2) -
     return type(
         "Sized",
         (_Tracked,),
-        {"instances": [], "available_memory": num_blocks * page_size * num_layers, "num_layers": num_layers},
+        {
+            "instances": [],
+            "available_memory": num_blocks * page_size * num_layers,
+            "num_layers": num_layers,
+        },
     )
 
 

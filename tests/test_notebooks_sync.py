@@ -44,23 +44,31 @@ def test_there_are_session_notebooks() -> None:
     assert NOTEBOOKS, "no session notebooks under sessions/*/"
     for d in sorted(p for p in SESSIONS.iterdir() if p.is_dir() and p.name[:2].isdigit()):
         found = [p for p in NOTEBOOKS if p.parent == d]
-        assert len(found) == 1, f"{d.relative_to(ROOT)} should hold exactly one .ipynb, has {len(found)}"
+        assert len(found) == 1, (
+            f"{d.relative_to(ROOT)} should hold exactly one .ipynb, has {len(found)}"
+        )
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_py_percent_twin_matches(notebook: Path) -> None:
     twin = notebook.with_suffix(".py")
-    assert twin.is_file(), f"{notebook.name} has no py:percent twin {twin.name} (run: jupytext --sync {notebook.name})"
-    assert "format_name: percent" in twin.read_text(encoding="utf-8"), f"{twin.name} is not in py:percent format"
+    assert twin.is_file(), (
+        f"{notebook.name} has no py:percent twin {twin.name} (run: jupytext --sync {notebook.name})"
+    )
+    assert "format_name: percent" in twin.read_text(encoding="utf-8"), (
+        f"{twin.name} is not in py:percent format"
+    )
     ipynb_cells = _cells(nbformat.read(notebook, as_version=4))
     py_cells = _cells(jupytext.read(twin))
     for i, (a, b) in enumerate(zip(ipynb_cells, py_cells)):
         assert a == b, (
             f"cell {i} differs between {notebook.name} and {twin.name}; "
-            f"edit one, then run `jupytext --sync` on it\n--- ipynb ({a[0]}):\n{a[1]}\n--- py ({b[0]}):\n{b[1]}"
+            f"edit one, then run `jupytext --sync` on it\n"
+            f"--- ipynb ({a[0]}):\n{a[1]}\n--- py ({b[0]}):\n{b[1]}"
         )
     assert len(ipynb_cells) == len(py_cells), (
-        f"{notebook.name} has {len(ipynb_cells)} cells, {twin.name} has {len(py_cells)}; run `jupytext --sync`"
+        f"{notebook.name} has {len(ipynb_cells)} cells, {twin.name} has {len(py_cells)}; "
+        "run `jupytext --sync`"
     )
 
 
@@ -82,11 +90,14 @@ def test_committed_executed_top_to_bottom(notebook: Path) -> None:
     counts = [c.get("execution_count") for c in code]
     assert counts == list(range(1, len(code) + 1)), (
         f"{notebook.name} was not committed after one clean top-to-bottom run "
-        f"(execution counts {counts}); run `jupyter nbconvert --to notebook --execute --inplace {notebook.name}`"
+        f"(execution counts {counts}); run "
+        f"`jupyter nbconvert --to notebook --execute --inplace {notebook.name}`"
     )
     for i, cell in enumerate(code):
         errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-        assert not errors, f"{notebook.name}: code cell {i} was committed with an error: {errors[0].get('ename')}"
+        assert not errors, (
+            f"{notebook.name}: code cell {i} was committed with an error: {errors[0].get('ename')}"
+        )
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids(NOTEBOOKS))
@@ -94,13 +105,18 @@ def test_enough_checked_cells(notebook: Path) -> None:
     nb = nbformat.read(notebook, as_version=4)
     checked = [c for c in nb.cells if c.cell_type == "code" and CHECK_MARKER in c.source]
     assert len(checked) >= MIN_CHECKED_CELLS, (
-        f"{notebook.name} has {len(checked)} cells marked {CHECK_MARKER!r}; at least {MIN_CHECKED_CELLS} needed"
+        f"{notebook.name} has {len(checked)} cells marked {CHECK_MARKER!r}; "
+        f"at least {MIN_CHECKED_CELLS} needed"
     )
     for cell in checked:
         outputs = cell.get("outputs", [])
         last_line = cell.source.strip().splitlines()[-1]
-        assert outputs, f"{notebook.name}: checked cell ending {last_line!r} has no stored output to compare"
-        stderr = [o for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+        assert outputs, (
+            f"{notebook.name}: checked cell ending {last_line!r} has no stored output to compare"
+        )
+        stderr = [
+            o for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"
+        ]
         assert not stderr, (
             f"{notebook.name}: checked cell ending {last_line!r} writes to stderr; "
             "move the engine run or the logging out of the checked cell"

@@ -1,4 +1,5 @@
-"""Tests for engine/outputs.py and engine/logprobs.py (twins of vllm/outputs.py, vllm/logprobs.py)."""
+"""Tests for engine/outputs.py and engine/logprobs.py (twins of vllm/outputs.py and
+vllm/logprobs.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def _lp(token_id: int, value: float) -> dict[int, Logprob]:
     return {token_id: Logprob(logprob=value, rank=1, decoded_token=str(token_id))}
 
 
-def _completion(index=0, text="", token_ids=(), logprobs=None, finish_reason=None, stop_reason=None, cum=None):
+def _completion(
+    index=0, text="", token_ids=(), logprobs=None, finish_reason=None, stop_reason=None, cum=None
+):
     return CompletionOutput(
         index=index,
         text=text,
@@ -45,16 +48,20 @@ def _request(outputs, finished=False, request_id="req-0"):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("reason", "done"), [(None, False), ("stop", True), ("length", True), ("abort", True)])
+@pytest.mark.parametrize(
+    ("reason", "done"), [(None, False), ("stop", True), ("length", True), ("abort", True)]
+)
 def test_completion_finished(reason, done):
     assert _completion(finish_reason=reason).finished() is done
 
 
 def test_completion_defaults_and_repr():
-    c = CompletionOutput(index=1, text="a'b", token_ids=(5, 6), cumulative_logprob=-1.5, logprobs=None)
+    c = CompletionOutput(
+        index=1, text="a'b", token_ids=(5, 6), cumulative_logprob=-1.5, logprobs=None
+    )
     assert c.finish_reason is None and c.stop_reason is None
     text = repr(c)
-    assert text.startswith("CompletionOutput(index=1, text=\"a'b\", token_ids=[5, 6]")
+    assert text.startswith('CompletionOutput(index=1, text="a\'b", token_ids=[5, 6]')
     assert "cumulative_logprob=-1.5" in text and "finish_reason=None" in text
 
 
@@ -82,9 +89,24 @@ def test_request_output_repr():
 
 
 def test_add_aggregate_concatenates_deltas():
-    first = _request([_completion(text="Hel", token_ids=[10, 11], logprobs=[_lp(10, -0.1), _lp(11, -0.2)], cum=-0.3)])
+    first = _request(
+        [
+            _completion(
+                text="Hel", token_ids=[10, 11], logprobs=[_lp(10, -0.1), _lp(11, -0.2)], cum=-0.3
+            )
+        ]
+    )
     second = _request(
-        [_completion(text="lo", token_ids=[12], logprobs=[_lp(12, -0.4)], cum=-0.7, finish_reason="stop", stop_reason=99)],
+        [
+            _completion(
+                text="lo",
+                token_ids=[12],
+                logprobs=[_lp(12, -0.4)],
+                cum=-0.7,
+                finish_reason="stop",
+                stop_reason=99,
+            )
+        ],
         finished=True,
     )
     first.add(second, aggregate=True)
@@ -99,9 +121,13 @@ def test_add_aggregate_concatenates_deltas():
 
 
 def test_add_aggregate_handles_tuple_token_ids_and_missing_logprobs():
-    older = CompletionOutput(index=0, text="a", token_ids=(1,), cumulative_logprob=None, logprobs=None)
+    older = CompletionOutput(
+        index=0, text="a", token_ids=(1,), cumulative_logprob=None, logprobs=None
+    )
     first = _request([older])
-    first.add(_request([_completion(text="b", token_ids=[2], logprobs=[_lp(2, -1.0)])]), aggregate=True)
+    first.add(
+        _request([_completion(text="b", token_ids=[2], logprobs=[_lp(2, -1.0)])]), aggregate=True
+    )
     assert first.outputs[0].token_ids == [1, 2]
     assert first.outputs[0].logprobs == [_lp(2, -1.0)]
     # An empty delta changes only the per-sample summary fields.
@@ -121,9 +147,13 @@ def test_add_without_aggregate_replaces_same_index():
 
 def test_add_appends_new_indices_for_n_greater_than_one():
     first = _request([_completion(index=1, text="b")])
-    first.add(_request([_completion(index=0, text="a"), _completion(index=1, text="B")]), aggregate=True)
+    first.add(
+        _request([_completion(index=0, text="a"), _completion(index=1, text="B")]), aggregate=True
+    )
     assert [(c.index, c.text) for c in first.outputs] == [(1, "bB"), (0, "a")]
-    first.add(_request([_completion(index=0, text="A"), _completion(index=2, text="c")]), aggregate=False)
+    first.add(
+        _request([_completion(index=0, text="A"), _completion(index=2, text="c")]), aggregate=False
+    )
     assert [(c.index, c.text) for c in first.outputs] == [(1, "bB"), (0, "A"), (2, "c")]
 
 
@@ -164,7 +194,9 @@ def test_create_containers():
 def test_append_sampled_token_then_top_k():
     logprobs = create_sample_logprobs()
     # Sampled token 42 had vocab rank 3; the top-2 are 7 and 9.
-    append_logprobs_for_next_position(logprobs, [42, 7, 9], [-2.0, -0.1, -0.5], ["x", "a", "b"], rank=3, num_logprobs=2)
+    append_logprobs_for_next_position(
+        logprobs, [42, 7, 9], [-2.0, -0.1, -0.5], ["x", "a", "b"], rank=3, num_logprobs=2
+    )
     (position,) = logprobs
     assert position == {
         42: Logprob(-2.0, 3, "x"),
@@ -175,19 +207,30 @@ def test_append_sampled_token_then_top_k():
 
 def test_append_sampled_token_inside_top_k_collapses():
     logprobs = create_prompt_logprobs()
-    append_logprobs_for_next_position(logprobs, [7, 7, 9], [-0.1, -0.1, -0.5], [None, None, None], rank=1, num_logprobs=2)
+    append_logprobs_for_next_position(
+        logprobs, [7, 7, 9], [-0.1, -0.1, -0.5], [None, None, None], rank=1, num_logprobs=2
+    )
     assert logprobs[0] is None
     assert logprobs[1] == {7: Logprob(-0.1, 1, None), 9: Logprob(-0.5, 2, None)}
 
 
 def test_append_full_vocab_and_zero_top_k():
     logprobs = create_sample_logprobs()
-    append_logprobs_for_next_position(logprobs, [2, 0, 1, 2], [-1.2, -0.3, -0.9, -1.2], ["c", "a", "b", "c"], rank=3, num_logprobs=-1)
+    append_logprobs_for_next_position(
+        logprobs,
+        [2, 0, 1, 2],
+        [-1.2, -0.3, -0.9, -1.2],
+        ["c", "a", "b", "c"],
+        rank=3,
+        num_logprobs=-1,
+    )
     assert {t: lp.rank for t, lp in logprobs[0].items()} == {0: 1, 1: 2, 2: 3}
     append_logprobs_for_next_position(logprobs, [5], [-0.2], ["z"], rank=4, num_logprobs=0)
     assert logprobs[1] == {5: Logprob(-0.2, 4, "z")}
 
 
 def test_append_rejects_mismatched_lengths():
-    with pytest.raises(ValueError, match="token_ids and logprobs must have the same length, got 2 and 1"):
+    with pytest.raises(
+        ValueError, match="token_ids and logprobs must have the same length, got 2 and 1"
+    ):
         append_logprobs_for_next_position([], [1, 2], [-0.1], [None, None], rank=1, num_logprobs=1)

@@ -29,7 +29,7 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls.append((text, add_special_tokens))
         ids: list[int] = []
-        for i, piece in enumerate(re.findall(r" ?[^ ]+| ", text)):
+        for piece in re.findall(r" ?[^ ]+| ", text):
             if piece.startswith(" "):
                 word = piece[1:]
                 if "Ġ" + word in self.vocab:
@@ -112,7 +112,10 @@ BAD_VALUES = [
     ({"min_p": 1.01}, "min_p must be in [0, 1], got 1.01"),
     ({"max_tokens": 0}, "max_tokens must be at least 1 (or None), got 0"),
     ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1"),
-    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens must be less than or equal to max_tokens=4, got 5"),
+    (
+        {"max_tokens": 4, "min_tokens": 5},
+        "min_tokens must be less than or equal to max_tokens=4, got 5",
+    ),
     ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2"),
     ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5"),
     ({"stop": ["ok", ""]}, "stop cannot contain an empty string"),
@@ -168,7 +171,9 @@ BAD_TYPES = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "message"), BAD_TYPES, ids=[f"{f}={v!r}" for f, v, _ in BAD_TYPES])
+@pytest.mark.parametrize(
+    ("field", "value", "message"), BAD_TYPES, ids=[f"{f}={v!r}" for f, v, _ in BAD_TYPES]
+)
 def test_bad_type_raises_named_value_error(field, value, message):
     with pytest.raises(ValueError) as excinfo:
         SamplingParams(**{field: value})
@@ -269,7 +274,10 @@ def test_tiny_temperature_is_raised_with_warning(caplog):
 def test_output_text_buffer_length():
     assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
     assert SamplingParams(stop="x").output_text_buffer_length == 0
-    assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True).output_text_buffer_length == 0
+    assert (
+        SamplingParams(stop=["abcd"], include_stop_str_in_output=True).output_text_buffer_length
+        == 0
+    )
     assert SamplingParams().output_text_buffer_length == 0
 
 
@@ -281,7 +289,10 @@ def test_all_stop_token_ids_starts_from_stop_token_ids():
 def test_skip_reading_prefix_cache_follows_prompt_logprobs():
     assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
     assert SamplingParams(logprobs=3).skip_reading_prefix_cache is False
-    assert SamplingParams(prompt_logprobs=2, skip_reading_prefix_cache=False).skip_reading_prefix_cache is False
+    assert (
+        SamplingParams(prompt_logprobs=2, skip_reading_prefix_cache=False).skip_reading_prefix_cache
+        is False
+    )
 
 
 # --------------------------------------------------------------------------
@@ -346,7 +357,12 @@ def test_from_optional_replaces_none_with_defaults():
 
 def test_from_optional_passes_values_through_and_validates():
     p = SamplingParams.from_optional(
-        n=2, temperature=0.3, top_k=5, stop="END", max_tokens=None, output_kind=RequestOutputKind.DELTA
+        n=2,
+        temperature=0.3,
+        top_k=5,
+        stop="END",
+        max_tokens=None,
+        output_kind=RequestOutputKind.DELTA,
     )
     assert (p.n, p.temperature, p.top_k, p.stop, p.max_tokens) == (2, 0.3, 5, ["END"], None)
     assert p.output_kind is RequestOutputKind.DELTA
@@ -411,7 +427,9 @@ def test_generation_config_without_tokenizer_eos():
 
 
 def test_generation_config_bad_values():
-    with pytest.raises(ValueError, match=r"generation_config\['eos_token_id'\] must contain only integers"):
+    with pytest.raises(
+        ValueError, match=r"generation_config\['eos_token_id'\] must contain only integers"
+    ):
         SamplingParams().update_from_generation_config({"eos_token_id": ["</s>"]}, 2)
     with pytest.raises(ValueError, match="eos_token_id must be an int"):
         SamplingParams().update_from_generation_config({}, "2")
@@ -450,7 +468,9 @@ def test_bad_words_that_encode_to_nothing_are_rejected():
 def test_bad_words_out_of_vocab():
     tok = FakeTokenizer(VOCAB, max_token_id=12)
     p = SamplingParams(bad_words=["bar"])
-    with pytest.raises(ValueError, match=r"bad_words encode to token ids outside \[0, 12\].*\[14, 15\]"):
+    with pytest.raises(
+        ValueError, match=r"bad_words encode to token ids outside \[0, 12\].*\[14, 15\]"
+    ):
         p.update_from_tokenizer(tok)
 
 
@@ -602,5 +622,12 @@ def test_sampling_type_is_cached_like_vllm():
 def test_repr_lists_main_fields():
     text = repr(SamplingParams(temperature=0.2, top_k=3, stop="x", max_tokens=9, seed=5))
     assert text.startswith("SamplingParams(n=1, ")
-    for fragment in ("temperature=0.2", "top_k=3", "stop=['x']", "max_tokens=9", "seed=5", "output_kind=CUMULATIVE"):
+    for fragment in (
+        "temperature=0.2",
+        "top_k=3",
+        "stop=['x']",
+        "max_tokens=9",
+        "seed=5",
+        "output_kind=CUMULATIVE",
+    ):
         assert fragment in text

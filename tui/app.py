@@ -47,8 +47,20 @@ LIGHT_THEME = "textual-light"
 # Panels in focus order (keys 1..6).
 PANEL_IDS = ("requests", "lifecycle", "scheduler", "kv", "runner", "sampler")
 _MAIN_SCREEN_ACTIONS = frozenset(
-    {"step", "first_step", "last_step", "toggle_play", "faster", "slower", "next_event",
-     "previous_event", "follow_next", "follow_previous", "zoom", "focus_panel"}
+    {
+        "step",
+        "first_step",
+        "last_step",
+        "toggle_play",
+        "faster",
+        "slower",
+        "next_event",
+        "previous_event",
+        "follow_next",
+        "follow_previous",
+        "zoom",
+        "focus_panel",
+    }
 )
 
 
@@ -62,8 +74,13 @@ class TraceCommands(Provider):
         if app.session is None:
             return commands
         for rid in app.session.request_ids:
-            commands.append((f"Follow request {rid}", partial(app.follow_request, rid),
-                             "show this request in every panel"))
+            commands.append(
+                (
+                    f"Follow request {rid}",
+                    partial(app.follow_request, rid),
+                    "show this request in every panel",
+                )
+            )
         commands += [
             ("Play / pause", app.action_toggle_play, "step through the run automatically"),
             ("Next event of the followed request", app.action_next_event, ""),
@@ -87,8 +104,12 @@ class TraceCommands(Provider):
         numbers = [w for w in words if w.isdigit()]
         if app.session is not None and numbers:
             step = min(int(numbers[0]), app.session.last_step)
-            yield Hit(1.0, Text(f"Go to step {step}"), partial(app.go_to_step, step),
-                      help=f"of {app.session.last_step}")
+            yield Hit(
+                1.0,
+                Text(f"Go to step {step}"),
+                partial(app.go_to_step, step),
+                help=f"of {app.session.last_step}",
+            )
         matcher = self.matcher(query)
         for name, callback, help_text in self._commands():
             score = matcher.match(name)
@@ -114,8 +135,7 @@ class LoadingView(Vertical):
             size = f" ({os.path.getsize(self.path) / 1e6:.1f} MB)"
         except OSError:
             pass
-        yield Static(f"Opening {self.path}{size}: replaying the engine's state…",
-                     id="loading-text")
+        yield Static(f"Opening {self.path}{size}: replaying the engine's state…", id="loading-text")
 
     def on_mount(self) -> None:
         # The spinner only if opening takes a while: its animation competes
@@ -150,8 +170,10 @@ class TraceApp(App[None]):
         Binding("t", "toggle_theme", "Theme", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
-        *(Binding(str(i + 1), f"focus_panel('{pid}')", pid, show=False)
-          for i, pid in enumerate(PANEL_IDS)),
+        *(
+            Binding(str(i + 1), f"focus_panel('{pid}')", pid, show=False)
+            for i, pid in enumerate(PANEL_IDS)
+        ),
     ]
 
     step: reactive[int] = reactive(0, init=False)
@@ -228,9 +250,12 @@ class TraceApp(App[None]):
         except TraceLoadError as e:
             self.call_from_thread(self._loaded, None, str(e))
         except Exception as e:  # noqa: BLE001 - shown, not raised: never a traceback
-            self.call_from_thread(self._loaded, None,
-                                  f"{self.trace_path}: unexpected error while reading the "
-                                  f"trace ({type(e).__name__}: {e})")
+            self.call_from_thread(
+                self._loaded,
+                None,
+                f"{self.trace_path}: unexpected error while reading the "
+                f"trace ({type(e).__name__}: {e})",
+            )
         else:
             self.call_from_thread(self._loaded, session, None)
 
@@ -262,8 +287,11 @@ class TraceApp(App[None]):
         self.sub_title = f"{session.path or 'trace'} · {session.num_steps - 1} steps"
         follow = self._initial_follow
         if follow is not None and follow not in session.timelines:
-            self.notify(f"No request {follow!r} in this trace; following "
-                        f"{session.info.followed_request_id}", severity="warning")
+            self.notify(
+                f"No request {follow!r} in this trace; following "
+                f"{session.info.followed_request_id}",
+                severity="warning",
+            )
             follow = None
         follow = follow or session.info.followed_request_id
         step = self._initial_step
@@ -443,6 +471,10 @@ class TraceApp(App[None]):
             self.push_screen(HelpScreen())
 
 
-def run_app(trace: str | TraceSession, follow: str | None = None, step: int | None = None,
-            theme: str | None = None) -> None:
+def run_app(
+    trace: str | TraceSession,
+    follow: str | None = None,
+    step: int | None = None,
+    theme: str | None = None,
+) -> None:
     TraceApp(trace, follow=follow, step=step, theme=theme).run()

@@ -68,7 +68,8 @@ def sample_random_requests(
         raise ValueError(f"max_token_id must be >= 0, got {max_token_id}")
     rng = random.Random(seed)
     prompts = [
-        [rng.randint(0, max_token_id) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)
+        [rng.randint(0, max_token_id) for _ in range(rng.randint(*input_len))]
+        for _ in range(num_requests)
     ]
     out_lens = [rng.randint(*output_len) for _ in range(num_requests)]
     return [SampleRequest(p, n) for p, n in zip(prompts, out_lens)]

@@ -43,27 +43,46 @@ def _batch_sizes(value: str) -> list[int]:
     try:
         sizes = [int(v) for v in str(value).split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch-size must be integers separated by commas, got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--batch-size must be integers separated by commas, got {value!r}"
+        ) from None
     if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"--batch-size needs at least one size >= 1, got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"--batch-size needs at least one size >= 1, got {value!r}"
+        )
     return sizes
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from engine.entrypoints.openai.cli_args import add_engine_args
 
-    parser.add_argument("--batch-size", type=_batch_sizes, default=[1, 16, 64, 256],
-                        help="decode batch sizes, comma-separated (default 1,16,64,256)")
-    parser.add_argument("--input-len", type=int, default=512, help="prompt (context) length (default 512)")
-    parser.add_argument("--num-iters-warmup", type=int, default=4, help="decode steps before timing (default 4)")
+    parser.add_argument(
+        "--batch-size",
+        type=_batch_sizes,
+        default=[1, 16, 64, 256],
+        help="decode batch sizes, comma-separated (default 1,16,64,256)",
+    )
+    parser.add_argument(
+        "--input-len", type=int, default=512, help="prompt (context) length (default 512)"
+    )
+    parser.add_argument(
+        "--num-iters-warmup", type=int, default=4, help="decode steps before timing (default 4)"
+    )
     parser.add_argument("--num-iters", type=int, default=32, help="decode steps timed (default 32)")
-    parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement and floor on CUDA")
+    parser.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the bandwidth measurement and floor on CUDA",
+    )
     parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
     add_engine_args(parser)
     # Prefix caching would let later batch sizes reuse earlier prompts' KV.
     parser.set_defaults(
-        skip_tokenizer_init=True, enable_prefix_caching=False, max_num_batched_tokens=16384,
-        disable_log_stats=True, max_num_seqs=None,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=16384,
+        disable_log_stats=True,
+        max_num_seqs=None,
     )
 
 
@@ -85,25 +104,33 @@ def run_decode_latency(
 
     if input_len < 1 or num_iters < 1 or num_iters_warmup < 0:
         raise ValueError(
-            f"need input_len >= 1, num_iters >= 1, num_iters_warmup >= 0; got {input_len}, {num_iters}, "
-            f"{num_iters_warmup}"
+            "need input_len >= 1, num_iters >= 1, num_iters_warmup >= 0; "
+            f"got {input_len}, {num_iters}, {num_iters_warmup}"
         )
     config = engine_args.create_engine_config()
     if max(batch_sizes) > config.scheduler_config.max_num_seqs:
         raise ValueError(
-            f"batch size {max(batch_sizes)} exceeds max_num_seqs={config.scheduler_config.max_num_seqs}"
+            f"batch size {max(batch_sizes)} exceeds "
+            f"max_num_seqs={config.scheduler_config.max_num_seqs}"
         )
     if input_len + num_iters_warmup + num_iters + 2 > config.model_config.max_model_len:
-        raise ValueError(f"--input-len {input_len} plus the steps exceeds max_model_len={config.model_config.max_model_len}")
+        raise ValueError(
+            f"--input-len {input_len} plus the steps exceeds "
+            f"max_model_len={config.model_config.max_model_len}"
+        )
     rng = random.Random(seed)
     max_token_id = min(10000, config.model_config.vocab_size - 1)
     core = EngineCore(config, Executor.get_class(config), log_stats=False)
     results: dict[str, dict[str, Any]] = {}
     try:
         for b in batch_sizes:
-            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=num_iters_warmup + num_iters + 2)
+            params = SamplingParams(
+                temperature=0, ignore_eos=True, max_tokens=num_iters_warmup + num_iters + 2
+            )
             requests = [
-                Request(f"b{b}-{i}", [rng.randint(0, max_token_id) for _ in range(input_len)], params)
+                Request(
+                    f"b{b}-{i}", [rng.randint(0, max_token_id) for _ in range(input_len)], params
+                )
                 for i in range(b)
             ]
             for r in requests:
@@ -114,13 +141,16 @@ def run_decode_latency(
                 core.step()
                 steps += 1
                 if steps > MAX_PREFILL_STEPS:
-                    raise RuntimeError(f"batch {b}: not every request was decoding after {steps} steps")
+                    raise RuntimeError(
+                        f"batch {b}: not every request was decoding after {steps} steps"
+                    )
             for _ in range(num_iters_warmup):
                 core.step()
             scheduler = core.scheduler
             if len(scheduler.running) != b or scheduler.waiting:
                 raise RuntimeError(
-                    f"batch {b}: {len(scheduler.running)} running and {len(scheduler.waiting)} waiting "
+                    f"batch {b}: {len(scheduler.running)} running and "
+                    f"{len(scheduler.waiting)} waiting "
                     "before timing; the KV cache may be too small for this batch"
                 )
             times_ms = []
@@ -165,7 +195,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         bandwidth = measure_copy_bandwidth()
         result["copy_bandwidth_GBps"] = bandwidth / 1e9
     per_batch = run_decode_latency(
-        engine_args, args.batch_size, args.input_len, args.num_iters, args.num_iters_warmup, args.seed
+        engine_args,
+        args.batch_size,
+        args.input_len,
+        args.num_iters,
+        args.num_iters_warmup,
+        args.seed,
     )
     if bandwidth is not None:
         import torch
@@ -178,13 +213,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         config = engine_args.create_engine_config()
         model_bytes = count_model_bytes(config.model_config, getattr(torch, engine["dtype"]))
         for entry in per_batch.values():
-            floor = decode_step_floor_seconds(entry["batch_size"], args.input_len, model_bytes, bandwidth)
+            floor = decode_step_floor_seconds(
+                entry["batch_size"], args.input_len, model_bytes, bandwidth
+            )
             entry["floor_ms"] = floor * 1e3
     result["decode_latency"] = per_batch
     for b, entry in per_batch.items():
         floor = f", floor {entry['floor_ms']:.3f} ms" if "floor_ms" in entry else ""
         print(
-            f"batch {b:>4} ctx {args.input_len}: mean {entry['mean_ms']:.3f} ms, median {entry['median_ms']:.3f} ms, "
+            f"batch {b:>4} ctx {args.input_len}: mean {entry['mean_ms']:.3f} ms, "
+            f"median {entry['median_ms']:.3f} ms, "
             f"p90 {entry['p90_ms']:.3f} ms per decode step{floor}"
         )
     if args.output_json:

@@ -55,11 +55,18 @@ def count_model_bytes(model_config: Any, dtype: torch.dtype) -> ModelBytes:
     tied = output is not None and output.weight is embedding
     read = num_params if tied else num_params - embedding.numel()
     itemsize = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * model_config.get_num_layers() * model_config.get_num_kv_heads() * model_config.get_head_size()
+    kv = (
+        2
+        * model_config.get_num_layers()
+        * model_config.get_num_kv_heads()
+        * model_config.get_head_size()
+    )
     return ModelBytes(num_params, read * itemsize, kv * itemsize)
 
 
-def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 * 1024**3, iters: int = 10) -> float:
+def measure_copy_bandwidth(
+    device: torch.device | str = "cuda", nbytes: int = 2 * 1024**3, iters: int = 10
+) -> float:
     """Bytes per second (read + write) of a device-to-device tensor copy."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -79,16 +86,26 @@ def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 
     return 2 * nbytes / seconds
 
 
-def throughput_bound_seconds(requests: Sequence[SampleRequest], model: ModelBytes, bandwidth: float) -> float:
+def throughput_bound_seconds(
+    requests: Sequence[SampleRequest], model: ModelBytes, bandwidth: float
+) -> float:
     decode_steps = max(r.expected_output_len for r in requests)
     kv_reads = sum(
-        r.prompt_len * r.expected_output_len + r.expected_output_len * (r.expected_output_len - 1) // 2
+        r.prompt_len * r.expected_output_len
+        + r.expected_output_len * (r.expected_output_len - 1) // 2
         for r in requests
     )
     prompt_writes = sum(r.prompt_len for r in requests)
-    total = model.weight_bytes_per_step * decode_steps + (kv_reads + prompt_writes) * model.kv_bytes_per_token
+    total = (
+        model.weight_bytes_per_step * decode_steps
+        + (kv_reads + prompt_writes) * model.kv_bytes_per_token
+    )
     return total / bandwidth
 
 
-def decode_step_floor_seconds(batch_size: int, context_len: int, model: ModelBytes, bandwidth: float) -> float:
-    return (model.weight_bytes_per_step + batch_size * context_len * model.kv_bytes_per_token) / bandwidth
+def decode_step_floor_seconds(
+    batch_size: int, context_len: int, model: ModelBytes, bandwidth: float
+) -> float:
+    return (
+        model.weight_bytes_per_step + batch_size * context_len * model.kv_bytes_per_token
+    ) / bandwidth

@@ -48,26 +48,57 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from engine.entrypoints.openai.cli_args import add_engine_args
 
     parser.add_argument(
-        "--backend", choices=["glassbox", "hf"], default="glassbox",
+        "--backend",
+        choices=["glassbox", "hf"],
+        default="glassbox",
         help="glassbox (this engine) or hf (transformers continuous batching on the same requests)",
     )
-    parser.add_argument("--num-prompts", type=int, default=256, help="number of requests (default 256)")
-    parser.add_argument("--input-len", default="100-1024", help="prompt length N or MIN-MAX, inclusive (default 100-1024)")
-    parser.add_argument("--output-len", default="100-1024", help="output length N or MIN-MAX, inclusive (default 100-1024)")
     parser.add_argument(
-        "--max-token-id", type=int, default=10000,
-        help="prompt token ids are drawn from 0..MAX (default 10000; capped at the vocabulary size - 1)",
+        "--num-prompts", type=int, default=256, help="number of requests (default 256)"
     )
-    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
-    parser.add_argument("--num-warmups", type=int, default=1, help="short warm-up generations before timing (default 1)")
-    parser.add_argument("--hf-timeout-s", type=float, default=None, help="--backend hf: stop after this many seconds")
-    parser.add_argument("--no-roofline", action="store_true", help="skip the bandwidth measurement and bound on CUDA")
+    parser.add_argument(
+        "--input-len",
+        default="100-1024",
+        help="prompt length N or MIN-MAX, inclusive (default 100-1024)",
+    )
+    parser.add_argument(
+        "--output-len",
+        default="100-1024",
+        help="output length N or MIN-MAX, inclusive (default 100-1024)",
+    )
+    parser.add_argument(
+        "--max-token-id",
+        type=int,
+        default=10000,
+        help=(
+            "prompt token ids are drawn from 0..MAX "
+            "(default 10000; capped at the vocabulary size - 1)"
+        ),
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)"
+    )
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=1,
+        help="short warm-up generations before timing (default 1)",
+    )
+    parser.add_argument(
+        "--hf-timeout-s",
+        type=float,
+        default=None,
+        help="--backend hf: stop after this many seconds",
+    )
+    parser.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the bandwidth measurement and bound on CUDA",
+    )
     parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
     add_engine_args(parser)
     # nano-vllm's budget; prompts are token ids, so no tokenizer is needed.
-    parser.set_defaults(
-        skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=16384
-    )
+    parser.set_defaults(skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=16384)
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> Any:
@@ -75,7 +106,9 @@ def engine_args_from_cli(args: argparse.Namespace) -> Any:
     from engine.entrypoints.openai.cli_args import resolve_executor_backend
 
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
-    kwargs["distributed_executor_backend"] = resolve_executor_backend(kwargs["distributed_executor_backend"])
+    kwargs["distributed_executor_backend"] = resolve_executor_backend(
+        kwargs["distributed_executor_backend"]
+    )
     return EngineArgs(**kwargs)
 
 
@@ -119,16 +152,24 @@ def run_glassbox(
     max_model_len = engine_args.create_engine_config().model_config.max_model_len
     longest = max(r.prompt_len + r.expected_output_len for r in requests)
     if longest > max_model_len:
-        raise ValueError(f"a request needs {longest} tokens but max_model_len is {max_model_len}; raise --max-model-len")
+        raise ValueError(
+            f"a request needs {longest} tokens but max_model_len is {max_model_len}; "
+            "raise --max-model-len"
+        )
     start_engine = time.perf_counter()
     llm = LLM(**fields)
     startup = time.perf_counter() - start_engine
     try:
         for i in range(num_warmups):
-            llm.generate([{"prompt_token_ids": requests[i % len(requests)].prompt_token_ids[:16]}],
-                         SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": requests[i % len(requests)].prompt_token_ids[:16]}],
+                SamplingParams(max_tokens=8, ignore_eos=True),
+                use_tqdm=False,
+            )
         params = [
-            SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=r.expected_output_len)
+            SamplingParams(
+                temperature=temperature, ignore_eos=True, max_tokens=r.expected_output_len
+            )
             for r in requests
         ]
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -137,7 +178,9 @@ def run_glassbox(
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        metrics = {} if engine_args.disable_log_stats else {m.name: m.value for m in llm.get_metrics()}
+        metrics = (
+            {} if engine_args.disable_log_stats else {m.name: m.value for m in llm.get_metrics()}
+        )
     finally:
         llm.shutdown()
     result = _summary(requests, elapsed, output_tokens)
@@ -169,7 +212,9 @@ def describe_engine(engine_args: Any) -> dict[str, Any]:
         "device": device,
         "dtype": str(resolve_dtype(config.model_config.dtype, device)).removeprefix("torch."),
         "attention_backend": get_attn_backend(config).get_name(),
-        "cudagraph_mode": config.compilation_config.cudagraph_mode.name if device == "cuda" else "NONE",
+        "cudagraph_mode": config.compilation_config.cudagraph_mode.name
+        if device == "cuda"
+        else "NONE",
         "enforce_eager": engine_args.enforce_eager,
         "max_num_seqs": config.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
@@ -238,7 +283,9 @@ def run_hf(
     torch.manual_seed(seed)
     if load_format == "dummy":
         with torch.device(device):
-            hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch_dtype)
+            hf_model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(model), dtype=torch_dtype
+            )
     else:
         hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(device)
     hf_model.eval()
@@ -260,7 +307,9 @@ def run_hf(
         # No graphs on CPU, and a cache sized to the requests (left alone,
         # transformers sizes it from free memory, which on a host is most of RAM).
         cb_values["use_cuda_graph"] = False
-        cb_values["num_blocks"] = sum(-(-(r.prompt_len + r.expected_output_len) // page_size) for r in requests) + 8
+        cb_values["num_blocks"] = (
+            sum(-(-(r.prompt_len + r.expected_output_len) // page_size) for r in requests) + 8
+        )
     try:
         from transformers.generation import ContinuousBatchingConfig
     except ImportError:
@@ -273,11 +322,18 @@ def run_hf(
     results: dict[str, Any] = {}
     completed = True
     with hf_model.continuous_batching_context_manager(
-        generation_config=generation_config, continuous_batching_config=cb_config, block=True, timeout=30
+        generation_config=generation_config,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
     ) as manager:
         start = time.perf_counter()
         for i, r in enumerate(requests):
-            manager.add_request(input_ids=r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.expected_output_len)
+            manager.add_request(
+                input_ids=r.prompt_token_ids,
+                request_id=f"r{i}",
+                max_new_tokens=r.expected_output_len,
+            )
         while len(results) < len(requests):
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 completed = False
@@ -285,11 +341,15 @@ def run_hf(
             result = manager.get_result(timeout=1)
             if result is None:
                 if not manager.is_running():
-                    raise RuntimeError(f"transformers' batching thread stopped after {len(results)} results")
+                    raise RuntimeError(
+                        f"transformers' batching thread stopped after {len(results)} results"
+                    )
                 continue
             if result.is_finished():
                 if result.error is not None:
-                    raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+                    raise RuntimeError(
+                        f"transformers request {result.request_id} failed: {result.error}"
+                    )
                 results[result.request_id] = result
         elapsed = time.perf_counter() - start
         attn_implementation = hf_model.config._attn_implementation  # as switched for batching
@@ -300,16 +360,26 @@ def run_hf(
         completed=completed,
         num_requests_submitted=len(requests),
         num_requests_finished=len(results),
-        all_lengths_as_requested=all(lengths[i] == requests[i].expected_output_len for i in lengths),
+        all_lengths_as_requested=all(
+            lengths[i] == requests[i].expected_output_len for i in lengths
+        ),
         transformers_version=transformers.__version__,
         attn_implementation=attn_implementation,
         dtype=str(torch_dtype).removeprefix("torch."),
         device=device,
-        continuous_batching_config={k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
-                                    for k, v in dataclasses.asdict(cb_config).items()}
-        if dataclasses.is_dataclass(cb_config) else cb_used,
-        generation_config={"temperature": temperature, "top_k": 0, "top_p": 1.0, "eos_token_id": -1,
-                           "per_request_max_new_tokens": True},
+        continuous_batching_config={
+            k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
+            for k, v in dataclasses.asdict(cb_config).items()
+        }
+        if dataclasses.is_dataclass(cb_config)
+        else cb_used,
+        generation_config={
+            "temperature": temperature,
+            "top_k": 0,
+            "top_p": 1.0,
+            "eos_token_id": -1,
+            "per_request_max_new_tokens": True,
+        },
     )
     del hf_model
     if device == "cuda":
@@ -320,7 +390,9 @@ def run_hf(
 # ----------------------------------------------------------------------------
 # Roofline and provenance
 # ----------------------------------------------------------------------------
-def roofline_for(requests: list[SampleRequest], engine_args: Any, bandwidth: float) -> dict[str, Any]:
+def roofline_for(
+    requests: list[SampleRequest], engine_args: Any, bandwidth: float
+) -> dict[str, Any]:
     from engine.benchmarks.roofline import count_model_bytes, throughput_bound_seconds
     from engine.utils.torch_utils import resolve_dtype
 
@@ -347,7 +419,11 @@ def provenance() -> dict[str, Any]:
     }
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=False,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
             cwd=os.path.dirname(os.path.abspath(__file__)),
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -392,14 +468,24 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         result["engine"] = engine
         result.update(run_glassbox(requests, engine_args, args.temperature, args.num_warmups))
     else:
-        result.update(run_hf(
-            requests, engine["model"], device=engine["device"], dtype=engine_args.dtype,
-            load_format=engine_args.load_format, temperature=args.temperature,
-            max_batch_tokens=engine["max_num_batched_tokens"], max_requests_per_batch=engine["max_num_seqs"],
-            timeout_s=args.hf_timeout_s, seed=args.seed,
-        ))
+        result.update(
+            run_hf(
+                requests,
+                engine["model"],
+                device=engine["device"],
+                dtype=engine_args.dtype,
+                load_format=engine_args.load_format,
+                temperature=args.temperature,
+                max_batch_tokens=engine["max_num_batched_tokens"],
+                max_requests_per_batch=engine["max_num_seqs"],
+                timeout_s=args.hf_timeout_s,
+                seed=args.seed,
+            )
+        )
     if roofline is not None:
-        roofline["fraction_reached"] = result["output_tokens_per_second"] / roofline["output_tokens_per_second"]
+        roofline["fraction_reached"] = (
+            result["output_tokens_per_second"] / roofline["output_tokens_per_second"]
+        )
         result["roofline"] = roofline
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -411,7 +497,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if roofline is not None:
         print(
             f"Roofline: {roofline['output_tokens_per_second']:.0f} output tokens/s at "
-            f"{roofline['copy_bandwidth_GBps']:.0f} GB/s; reached {roofline['fraction_reached']:.1%}"
+            f"{roofline['copy_bandwidth_GBps']:.0f} GB/s; "
+            f"reached {roofline['fraction_reached']:.1%}"
         )
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -52,8 +52,7 @@ class CacheConfig:
             or not 0.0 < self.gpu_memory_utilization <= 1.0
         ):
             raise ValueError(
-                "gpu_memory_utilization must be in (0, 1], "
-                f"got {self.gpu_memory_utilization!r}"
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
         if self.num_gpu_blocks_override is not None and (
             not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 2

@@ -78,7 +78,8 @@ class CompilationConfig:
             )
         if any(not isinstance(s, int) or s < 1 for s in self.cudagraph_capture_sizes):
             raise ValueError(
-                f"cudagraph_capture_sizes must be positive integers, got {self.cudagraph_capture_sizes!r}"
+                "cudagraph_capture_sizes must be positive integers, "
+                f"got {self.cudagraph_capture_sizes!r}"
             )
         self.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
 
@@ -88,4 +89,6 @@ class CompilationConfig:
             self.cudagraph_mode = CUDAGraphMode.NONE
         if not self.cudagraph_capture_sizes:
             self.cudagraph_capture_sizes = default_capture_sizes(max_num_seqs)
-        self.cudagraph_capture_sizes = [s for s in self.cudagraph_capture_sizes if s <= max_num_seqs]
+        self.cudagraph_capture_sizes = [
+            s for s in self.cudagraph_capture_sizes if s <= max_num_seqs
+        ]

@@ -16,6 +16,4 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
-            )
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

@@ -75,7 +75,9 @@ class ModelConfig:
         if self.max_model_len is None:
             self.max_model_len = derived
         elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+            raise ValueError(
+                f"max_model_len must be a positive integer, got {self.max_model_len!r}"
+            )
         elif self.max_model_len > derived:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is larger than the model's maximum "

@@ -44,9 +44,7 @@ class SchedulerConfig:
                 f"got {self.long_prefill_token_threshold!r}"
             )
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}"
-            )
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Same rule as vLLM: without chunking a whole prompt must fit in one step.
             raise ValueError(

@@ -39,9 +39,10 @@ class LLM:
     """Offline inference over one model.
 
     ``model`` is an HF checkpoint folder (or hub id when online); left out, it
-    is the embedded SmolLM2-135M-Instruct. Every keyword is an ``EngineArgs`` field, under vLLM's name (``block_size``,
-    ``enable_prefix_caching``, ``num_gpu_blocks_override``,
-    ``max_num_batched_tokens``, ``scheduling_policy``, ...), plus ``device``.
+    is the embedded SmolLM2-135M-Instruct. Every keyword is an ``EngineArgs``
+    field, under vLLM's name (``block_size``, ``enable_prefix_caching``,
+    ``num_gpu_blocks_override``, ``max_num_batched_tokens``,
+    ``scheduling_policy``, ...), plus ``device``.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -90,7 +91,9 @@ class LLM:
         prompt_list = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = self._per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
+        params_list = self._per_prompt(
+            "sampling_params", sampling_params, len(prompt_list), SamplingParams
+        )
         if priority is not None:
             if not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list):
                 raise ValueError(
@@ -118,7 +121,11 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             for message in conversation:
-                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                if (
+                    not isinstance(message, dict)
+                    or "role" not in message
+                    or "content" not in message
+                ):
                     raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -156,9 +163,13 @@ class LLM:
                 raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts")
             for v in value:
                 if not isinstance(v, kind):
-                    raise ValueError(f"{name} entries must be {kind.__name__}, got {type(v).__name__}")
+                    raise ValueError(
+                        f"{name} entries must be {kind.__name__}, got {type(v).__name__}"
+                    )
             return list(value)
-        raise ValueError(f"{name} must be {kind.__name__} or a list of them, got {type(value).__name__}")
+        raise ValueError(
+            f"{name} must be {kind.__name__} or a list of them, got {type(value).__name__}"
+        )
 
     def _validate_and_add_requests(
         self,

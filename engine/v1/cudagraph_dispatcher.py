@@ -46,7 +46,9 @@ class CudagraphDispatcher:
             return []
         return [BatchDescriptor(num_tokens=s, num_reqs=s, uniform=True) for s in self.capture_sizes]
 
-    def dispatch(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
+    def dispatch(
+        self, num_tokens: int, uniform_decode: bool
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """(runtime mode, padded batch descriptor) for this step's batch."""
         eager = BatchDescriptor(num_tokens=num_tokens)
         if not uniform_decode or self.mode.decode_mode() != CUDAGraphMode.FULL:

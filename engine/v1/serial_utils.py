@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from inspect import isclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import zmq
@@ -34,7 +34,7 @@ CUSTOM_TYPE_RAW_VIEW = 3
 # Arrays at least this large go out as their own frame instead of inline.
 DEFAULT_SIZE_THRESHOLD = 256
 
-bytestr = Union[bytes, bytearray, memoryview, zmq.Frame]
+bytestr = bytes | bytearray | memoryview | zmq.Frame
 
 
 def _torch_tensor_type() -> type | None:

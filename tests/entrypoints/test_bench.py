@@ -18,16 +18,35 @@ from engine.benchmarks.datasets import parse_len_range, sample_random_requests
 from engine.entrypoints.cli.main import build_parser
 
 TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2, "intermediate_size": 64,
-    "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000,
-    "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
-    "attention_bias": False, "hidden_act": "silu", "eos_token_id": 151645,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "eos_token_id": 151645,
 }
 
 
@@ -50,7 +69,9 @@ def test_workload_is_nano_vllms():
     assert len(requests) == 256
     assert sum(r.expected_output_len for r in requests) == 133_966  # nano-vllm README
     assert sum(r.prompt_len for r in requests) == 142_827
-    assert all(100 <= r.prompt_len <= 1024 and 100 <= r.expected_output_len <= 1024 for r in requests)
+    assert all(
+        100 <= r.prompt_len <= 1024 and 100 <= r.expected_output_len <= 1024 for r in requests
+    )
     assert max(t for r in requests for t in r.prompt_token_ids) <= 10_000
 
 
@@ -74,31 +95,59 @@ def test_roofline_matches_the_first_h200_run(tmp_path):
     from engine.config.model import ModelConfig
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_0_6B))
-    model = count_model_bytes(ModelConfig(model=str(tmp_path), skip_tokenizer_init=True), torch.bfloat16)
+    model = count_model_bytes(
+        ModelConfig(model=str(tmp_path), skip_tokenizer_init=True), torch.bfloat16
+    )
     assert model.num_params == 596_049_920  # perf.md section 6
-    assert model.weight_bytes_per_step == 2 * 596_049_920  # tied embeddings: the LM head reads them all
+    assert (
+        model.weight_bytes_per_step == 2 * 596_049_920
+    )  # tied embeddings: the LM head reads them all
     assert model.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
     bandwidth = 4246.719466794773e9  # measured in that run
     seconds = throughput_bound_seconds(sample_random_requests(), model, bandwidth)
     assert seconds == pytest.approx(3.5573886611978724, rel=1e-12)
-    assert decode_step_floor_seconds(1, 512, model, 4.3e12) * 1e3 == pytest.approx(0.29088839441860465)
+    assert decode_step_floor_seconds(1, 512, model, 4.3e12) * 1e3 == pytest.approx(
+        0.29088839441860465
+    )
 
 
 def test_bench_throughput_glassbox(tiny_model, tmp_path):
     out = tmp_path / "throughput.json"
-    assert _bench("throughput", "--model", tiny_model, "--load-format", "dummy", "--num-prompts", "5",
-                  "--input-len", "8-24", "--output-len", "3-9", "--output-json", str(out)) == 0
+    assert (
+        _bench(
+            "throughput",
+            "--model",
+            tiny_model,
+            "--load-format",
+            "dummy",
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "8-24",
+            "--output-len",
+            "3-9",
+            "--output-json",
+            str(out),
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
-    expected = sample_random_requests(5, (8, 24), (3, 9), seed=0, max_token_id=TINY_CONFIG["vocab_size"] - 1)
+    expected = sample_random_requests(
+        5, (8, 24), (3, 9), seed=0, max_token_id=TINY_CONFIG["vocab_size"] - 1
+    )
     assert result["benchmark"] == "throughput" and result["backend"] == "glassbox"
-    assert result["engine"]["attention_backend"] == "CPU_ATTN" and result["engine"]["device"] == "cpu"
+    assert (
+        result["engine"]["attention_backend"] == "CPU_ATTN" and result["engine"]["device"] == "cpu"
+    )
     assert result["workload"]["max_token_id"] == 299  # capped at the vocabulary
     assert result["num_requests"] == 5
     assert result["total_output_tokens"] == sum(r.expected_output_len for r in expected)
     assert result["total_prompt_tokens"] == sum(r.prompt_len for r in expected)
     assert result["all_lengths_as_requested"] is True
     assert result["elapsed_time"] > 0
-    assert result["output_tokens_per_second"] == pytest.approx(result["total_output_tokens"] / result["elapsed_time"])
+    assert result["output_tokens_per_second"] == pytest.approx(
+        result["total_output_tokens"] / result["elapsed_time"]
+    )
     assert "roofline" not in result  # CPU: no bandwidth measurement
     for key in ("date", "commit", "torch", "transformers"):
         assert key in result
@@ -107,13 +156,33 @@ def test_bench_throughput_glassbox(tiny_model, tmp_path):
 def test_bench_throughput_hf_continuous_batching(tiny_model, tmp_path):
     pytest.importorskip("transformers.generation", reason="needs transformers' continuous batching")
     out = tmp_path / "hf.json"
-    assert _bench("throughput", "--backend", "hf", "--model", tiny_model, "--load-format", "dummy",
-                  "--num-prompts", "4", "--input-len", "8-24", "--output-len", "3-9", "--output-json", str(out)) == 0
+    assert (
+        _bench(
+            "throughput",
+            "--backend",
+            "hf",
+            "--model",
+            tiny_model,
+            "--load-format",
+            "dummy",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8-24",
+            "--output-len",
+            "3-9",
+            "--output-json",
+            str(out),
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     expected = sample_random_requests(4, (8, 24), (3, 9), seed=0, max_token_id=299)
     assert result["backend"] == "hf" and result["completed"] is True
     assert result["num_requests_finished"] == 4
-    assert result["total_output_tokens"] == sum(r.expected_output_len for r in expected)  # EOS was off
+    assert result["total_output_tokens"] == sum(
+        r.expected_output_len for r in expected
+    )  # EOS was off
     assert result["all_lengths_as_requested"] is True
     assert result["generation_config"]["per_request_max_new_tokens"] is True
     cb = result["continuous_batching_config"]
@@ -123,8 +192,26 @@ def test_bench_throughput_hf_continuous_batching(tiny_model, tmp_path):
 
 def test_bench_latency(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
-    assert _bench("latency", "--model", tiny_model, "--load-format", "dummy", "--batch-size", "1,3",
-                  "--input-len", "20", "--num-iters", "4", "--num-iters-warmup", "1", "--output-json", str(out)) == 0
+    assert (
+        _bench(
+            "latency",
+            "--model",
+            tiny_model,
+            "--load-format",
+            "dummy",
+            "--batch-size",
+            "1,3",
+            "--input-len",
+            "20",
+            "--num-iters",
+            "4",
+            "--num-iters-warmup",
+            "1",
+            "--output-json",
+            str(out),
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["benchmark"] == "latency" and result["input_len"] == 20
     assert result["engine"]["max_num_seqs"] == 3  # the largest batch, when not given

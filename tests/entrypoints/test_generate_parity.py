@@ -155,7 +155,6 @@ def _in_process_llm(path: str, **kwargs) -> LLM:
             os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"] = old
 
 
-
 @pytest.fixture(scope="module")
 def plain_llm(tiny: TinyModel) -> Iterator[LLM]:
     llm = _in_process_llm(str(tiny.path), **PLAIN_ARGS)
@@ -222,7 +221,9 @@ def test_chunked_prefill_with_preemption_matches(
             assert list(tight_pos) == list(plain_pos)
             for token_id, entry in tight_pos.items():
                 assert entry.rank == plain_pos[token_id].rank
-                assert entry.logprob == pytest.approx(ref_rows[pos, token_id].item(), abs=LOGPROB_ATOL)
+                assert entry.logprob == pytest.approx(
+                    ref_rows[pos, token_id].item(), abs=LOGPROB_ATOL
+                )
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(prompts)
     _assert_idle(tight_llm)
 
@@ -261,7 +262,9 @@ def test_logprobs_match_transformers_log_softmax(
         ref = tiny.ref(prompt)
         assert completion.logprobs is not None
         assert len(completion.logprobs) == len(completion.token_ids) == MAX_TOKENS
-        for pos, (token, position_logprobs) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        for pos, (token, position_logprobs) in enumerate(
+            zip(completion.token_ids, completion.logprobs)
+        ):
             ref_row = ref.logprobs[pos]
             where = f"{tiny.arch}, prompt of {len(prompt)} tokens, generated token {pos}"
             # The sampled token (greedy: the argmax, so rank 1) is always reported.
@@ -279,8 +282,12 @@ def test_logprobs_match_transformers_log_softmax(
                 assert entry.rank == rank, where
                 assert entry.logprob == pytest.approx(ref_value, abs=LOGPROB_ATOL), where
                 assert entry.decoded_token is None  # skip_tokenizer_init: no text
-        expected_cumulative = sum(ref.logprobs[i, t].item() for i, t in enumerate(completion.token_ids))
-        assert completion.cumulative_logprob == pytest.approx(expected_cumulative, abs=MAX_TOKENS * LOGPROB_ATOL)
+        expected_cumulative = sum(
+            ref.logprobs[i, t].item() for i, t in enumerate(completion.token_ids)
+        )
+        assert completion.cumulative_logprob == pytest.approx(
+            expected_cumulative, abs=MAX_TOKENS * LOGPROB_ATOL
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -406,7 +413,10 @@ def test_unknown_architecture_lists_supported_ones(
 # under the fused parameter's name.
 MISSING_WEIGHTS = {
     "llama": [
-        ("model.layers.1.post_attention_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"),
+        (
+            "model.layers.1.post_attention_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+        ),
         ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"),
     ],
     "qwen2": [
@@ -420,7 +430,9 @@ MISSING_WEIGHTS = {
 }
 
 
-def test_missing_weight_is_named(tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_weight_is_named(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # In-process, so the loader's own exception reaches the caller unchanged
     # (and no process is spawned per broken checkpoint).
     monkeypatch.setenv(MULTIPROCESSING_ENV, "0")

@@ -58,7 +58,14 @@ def make_batch(contexts, *, H, H_KV, D, BS, dtype, seed=0, pad_reqs=0, max_block
     padding requests (one token each, slot -1, seq_len 0) as for a CUDA-graph
     decode batch padded to its captured size."""
     kv_cache, tables, slots, q, k, v = scatter_requests(
-        contexts, H=H, H_KV=H_KV, D=D, BS=BS, dtype=dtype, device=DEVICE, seed=seed,
+        contexts,
+        H=H,
+        H_KV=H_KV,
+        D=D,
+        BS=BS,
+        dtype=dtype,
+        device=DEVICE,
+        seed=seed,
         num_pad_slots=pad_reqs,
     )
     num_tokens = len(slots)
@@ -77,14 +84,29 @@ def make_batch(contexts, *, H, H_KV, D, BS, dtype, seed=0, pad_reqs=0, max_block
     qsl_dev = torch.cat([qsl_real, qsl_real[-1:].repeat(pad_reqs)])
     seq_dev = torch.cat([seq_real, torch.zeros(pad_reqs, dtype=torch.int32)])
     common = CommonAttentionMetadata(
-        query_start_loc=qsl_dev.to(DEVICE), query_start_loc_cpu=qsl_real,
-        seq_lens=seq_dev.to(DEVICE), seq_lens_cpu=seq_real,
-        num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max(query_lens),
-        max_seq_len=int(seq_real.max()), block_table_tensor=block_table.to(DEVICE),
+        query_start_loc=qsl_dev.to(DEVICE),
+        query_start_loc_cpu=qsl_real,
+        seq_lens=seq_dev.to(DEVICE),
+        seq_lens_cpu=seq_real,
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_real.max()),
+        block_table_tensor=block_table.to(DEVICE),
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(DEVICE),
     )
-    return SimpleNamespace(q=q, k=k, v=v, kv_cache=kv_cache.to(DEVICE), common=common, contexts=contexts,
-                           H=H, H_KV=H_KV, D=D, BS=BS)
+    return SimpleNamespace(
+        q=q,
+        k=k,
+        v=v,
+        kv_cache=kv_cache.to(DEVICE),
+        common=common,
+        contexts=contexts,
+        H=H,
+        H_KV=H_KV,
+        D=D,
+        BS=BS,
+    )
 
 
 def reference(b):
@@ -94,10 +116,16 @@ def reference(b):
     c = b.common
     qsl = c.query_start_loc_cpu
     common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(DEVICE), query_start_loc_cpu=qsl, seq_lens=c.seq_lens[:r],
-        seq_lens_cpu=c.seq_lens_cpu, num_reqs=r, num_actual_tokens=n_real,
-        max_query_len=c.max_query_len, max_seq_len=c.max_seq_len,
-        block_table_tensor=c.block_table_tensor[:r], slot_mapping=c.slot_mapping[:n_real],
+        query_start_loc=qsl.to(DEVICE),
+        query_start_loc_cpu=qsl,
+        seq_lens=c.seq_lens[:r],
+        seq_lens_cpu=c.seq_lens_cpu,
+        num_reqs=r,
+        num_actual_tokens=n_real,
+        max_query_len=c.max_query_len,
+        max_seq_len=c.max_seq_len,
+        block_table_tensor=c.block_table_tensor[:r],
+        slot_mapping=c.slot_mapping[:n_real],
     )
     return cpu_attn_fp32(b, common)
 
@@ -171,7 +199,9 @@ def test_matches_cpu_attn(fi, case, dtype):
     assert_close_per_request(out, ref_out, contexts)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(16, 16, 128), (16, 4, 128), (12, 4, 64)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size", [(16, 16, 128), (16, 4, 128), (12, 4, 64)]
+)
 def test_gqa_and_head_sizes(fi, num_heads, num_kv_heads, head_size):
     shape = {"H": num_heads, "H_KV": num_kv_heads, "D": head_size, "BS": 16}
     for contexts in ([(0, 300), (100, 1), (520, 47), (1000, 1)], _decodes(6, 5)):
@@ -204,8 +234,12 @@ def test_bad_inputs_are_rejected(fi):
     with pytest.raises(ValueError, match="float32"):
         builder.bind_layers(layers(b), torch.float32)
     with pytest.raises(ValueError, match="head sizes"):
-        builder.bind_layers([SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=32, scale=0.1)], torch.bfloat16)
-    mixed = layers(b) + [SimpleNamespace(num_heads=b.H, num_kv_heads=b.H_KV, head_size=b.D, scale=0.5)]
+        builder.bind_layers(
+            [SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=32, scale=0.1)], torch.bfloat16
+        )
+    mixed = layers(b) + [
+        SimpleNamespace(num_heads=b.H, num_kv_heads=b.H_KV, head_size=b.D, scale=0.5)
+    ]
     with pytest.raises(ValueError, match="same"):
         builder.bind_layers(mixed, torch.bfloat16)
     with pytest.raises(ValueError, match="head sizes"):
@@ -220,8 +254,12 @@ def test_cuda_graph_decode_replay(fi, num_reqs):
     H, H_KV, D, BS = SHAPE["H"], SHAPE["H_KV"], SHAPE["D"], SHAPE["BS"]
     dtype = torch.bfloat16
     max_blocks = 4096 // BS
-    steps = [make_batch(_decodes(num_reqs, seed, 4000), dtype=dtype, seed=seed, max_blocks=max_blocks, **SHAPE)
-             for seed in (11, 12)]
+    steps = [
+        make_batch(
+            _decodes(num_reqs, seed, 4000), dtype=dtype, seed=seed, max_blocks=max_blocks, **SHAPE
+        )
+        for seed in (11, 12)
+    ]
     num_blocks = max(s.kv_cache.shape[1] for s in steps)
 
     kv_cache = torch.zeros(2, num_blocks, BS, H_KV, D, dtype=dtype, device=DEVICE)
@@ -238,9 +276,16 @@ def test_cuda_graph_decode_replay(fi, num_reqs):
 
     def common_for(seq_lens_cpu):
         return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu,
-            num_reqs=num_reqs, num_actual_tokens=num_reqs, max_query_len=1,
-            max_seq_len=int(seq_lens_cpu.max()), block_table_tensor=block_table, slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.cpu(),
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            num_reqs=num_reqs,
+            num_actual_tokens=num_reqs,
+            max_query_len=1,
+            max_seq_len=int(seq_lens_cpu.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
         )
 
     # Capture as the runner does: a dummy step (one-token contexts in the
@@ -275,7 +320,9 @@ def test_cuda_graph_decode_replay(fi, num_reqs):
 # ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama_head64(tmp_path_factory):
-    return save_random_llama(tmp_path_factory.mktemp("tiny_llama_head64"), hidden_size=256, intermediate_size=512)
+    return save_random_llama(
+        tmp_path_factory.mktemp("tiny_llama_head64"), hidden_size=256, intermediate_size=512
+    )
 
 
 def _prompts():
@@ -292,12 +339,22 @@ def _generate(model, backend, **kw):
     if backend is None:
         os.environ.pop("GLASSBOX_ATTENTION_BACKEND", None)
     try:
-        llm = LLM(model, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_model_len=1024,
-                  num_gpu_blocks_override=256, **kw)
+        llm = LLM(
+            model,
+            skip_tokenizer_init=True,
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=1024,
+            num_gpu_blocks_override=256,
+            **kw,
+        )
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
         used = runner.attn_backend.get_name()
-        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
-                            use_tqdm=False)
+        outs = llm.generate(
+            _prompts(),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )
         llm.shutdown()
     finally:
         for k, v in saved.items():
@@ -332,15 +389,23 @@ def assert_same_greedy(a, b):
         for j, (x, y) in enumerate(zip(tok_a, tok_b)):
             if x == y:
                 diff = abs(lp_a[j][x].logprob - lp_b[j][x].logprob)
-                assert diff < SAME_LOGPROB_MAX, f"request {i} step {j}: token {x} logprob differs by {diff:.3f}"
+                assert diff < SAME_LOGPROB_MAX, (
+                    f"request {i} step {j}: token {x} logprob differs by {diff:.3f}"
+                )
                 diffs.append(diff)
                 continue
             for run, lp in (("a", lp_a[j]), ("b", lp_b[j])):
-                assert x in lp and y in lp, f"request {i} step {j}: {x}/{y} not both in run {run}'s top-5 {lp}"
+                assert x in lp and y in lp, (
+                    f"request {i} step {j}: {x}/{y} not both in run {run}'s top-5 {lp}"
+                )
                 gap = abs(lp[x].logprob - lp[y].logprob)
-                assert gap < NEAR_TIE, f"request {i} step {j}: run {run} has {x} vs {y} {gap:.3f} apart in logprob"
+                assert gap < NEAR_TIE, (
+                    f"request {i} step {j}: run {run} has {x} vs {y} {gap:.3f} apart in logprob"
+                )
             break
-    assert len(diffs) >= total // 2, f"only {len(diffs)} of {total} positions agreed before a near tie"
+    assert len(diffs) >= total // 2, (
+        f"only {len(diffs)} of {total} positions agreed before a near tie"
+    )
     mean = sum(diffs) / len(diffs)
     assert mean < SAME_LOGPROB_MEAN, f"chosen-token logprobs differ by {mean:.3f} on average"
 
@@ -367,10 +432,20 @@ def test_engine_flashinfer_with_chunking_and_preemption(fi, tiny_llama_head64):
 
     os.environ["GLASSBOX_ATTENTION_BACKEND"] = "FLASHINFER"
     try:
-        llm = LLM(tiny_llama_head64, skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
-                  max_model_len=512, num_gpu_blocks_override=40, max_num_batched_tokens=64)
-        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
-                            use_tqdm=False)
+        llm = LLM(
+            tiny_llama_head64,
+            skip_tokenizer_init=True,
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=512,
+            num_gpu_blocks_override=40,
+            max_num_batched_tokens=64,
+        )
+        outs = llm.generate(
+            _prompts(),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )
         metrics = {m.name: m.value for m in llm.get_metrics()}
         llm.shutdown()
     finally:
@@ -411,8 +486,11 @@ def test_flashinfer_sampling_follows_the_filtered_distribution(fi, which):
     pp = None if p is None else p.repeat(draws)
     tokens, _ = sampler(batch.clone(), {}, kk, pp)
     assert tokens.dtype == torch.int64 and tokens.shape == (rows * draws,)
-    counts.view(-1).index_add_(0, torch.arange(rows * draws, device=DEVICE) % rows * vocab + tokens,
-                               torch.ones(rows * draws, device=DEVICE))
+    counts.view(-1).index_add_(
+        0,
+        torch.arange(rows * draws, device=DEVICE) % rows * vocab + tokens,
+        torch.ones(rows * draws, device=DEVICE),
+    )
     freq = counts / draws
     assert (freq[expected == 0] == 0).all(), "a filtered-out token was drawn"
     # Total variation distance from the exact filtered distribution.

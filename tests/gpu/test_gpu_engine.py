@@ -17,7 +17,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return save_random_llama(tmp_path_factory.mktemp("tiny_llama"), hidden_size=128, intermediate_size=256)
+    return save_random_llama(
+        tmp_path_factory.mktemp("tiny_llama"), hidden_size=128, intermediate_size=256
+    )
 
 
 def _prompts(n=6, seed=1):
@@ -25,10 +27,18 @@ def _prompts(n=6, seed=1):
 
 
 def _generate(model, device, dtype, **kw):
-    llm = LLM(model, skip_tokenizer_init=True, device=device, dtype=dtype,
-              max_model_len=512, num_gpu_blocks_override=256, **kw)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(
+        model,
+        skip_tokenizer_init=True,
+        device=device,
+        dtype=dtype,
+        max_model_len=512,
+        num_gpu_blocks_override=256,
+        **kw,
+    )
+    outs = llm.generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs]
 
@@ -41,10 +51,18 @@ def test_cuda_fp32_greedy_equals_cpu_fp32(tiny_llama):
 
 def test_cuda_fp32_greedy_equals_cpu_with_chunking_and_preemption(tiny_llama):
     cpu = _generate(tiny_llama, "cpu", "float32")
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32",
-              max_model_len=512, num_gpu_blocks_override=40, max_num_batched_tokens=64)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=40,
+        max_num_batched_tokens=64,
+    )
+    outs = llm.generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     metrics = {m.name: m.value for m in llm.get_metrics()}
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == cpu
@@ -59,10 +77,18 @@ def test_bf16_logprobs_close_to_transformers_bf16(tiny_llama):
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
     ref = torch.log_softmax(logits, -1)
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", max_model_len=512,
-              num_gpu_blocks_override=64)
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
+    llm = LLM(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        device="cuda",
+        max_model_len=512,
+        num_gpu_blocks_override=64,
+    )
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+        use_tqdm=False,
+    )
     llm.shutdown()
     position = out[0].outputs[0].logprobs[0]
     for token_id, lp in position.items():
@@ -73,10 +99,18 @@ def test_cuda_graphs_match_eager(tiny_llama):
     """FULL_DECODE_ONLY replay gives the same greedy tokens as eager, and the
     graph path is really taken (the dispatcher captured and chose graphs)."""
     eager = _generate(tiny_llama, "cuda", "float32", enforce_eager=True)
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32",
-              max_model_len=512, num_gpu_blocks_override=256, max_num_seqs=8)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=256,
+        max_num_seqs=8,
+    )
+    outs = llm.generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == eager
 
@@ -88,8 +122,15 @@ def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
     from engine.v1.executor.abstract import Executor
     from engine.v1.request import Request
 
-    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32",
-                      max_model_len=512, num_gpu_blocks_override=64, max_num_seqs=4)
+    args = EngineArgs(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=64,
+        max_num_seqs=4,
+    )
     config = args.create_engine_config()
     core = EngineCore(config, Executor.get_class(config))
     runner = core.model_executor.driver_worker.model_runner
@@ -105,9 +146,14 @@ def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
 
     runner.cudagraph_dispatcher.dispatch = spy
     for i, p in enumerate(_prompts(3)):
-        core.add_request(Request(f"r{i}", p["prompt_token_ids"],
-                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                                 block_hasher=core.request_block_hasher))
+        core.add_request(
+            Request(
+                f"r{i}",
+                p["prompt_token_ids"],
+                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                block_hasher=core.request_block_hasher,
+            )
+        )
     while core.scheduler.has_requests():
         core.step()
     core.shutdown()
@@ -129,7 +175,12 @@ def test_host_lists_copy_of_cuda_tensors_equals_tolist():
     ]
     copy = HostListsCopy(*tensors)
     # One pinned host buffer per dtype among the CUDA tensors, nothing cast.
-    assert sorted(map(str, copy.groups)) == ["torch.bfloat16", "torch.bool", "torch.float32", "torch.int64"]
+    assert sorted(map(str, copy.groups)) == [
+        "torch.bfloat16",
+        "torch.bool",
+        "torch.float32",
+        "torch.int64",
+    ]
     assert all(host.is_pinned() for _, host in copy.groups.values())
     assert copy.lists() == [t.tolist() for t in tensors]  # waits for the stream itself
     after = HostListsCopy(*tensors)

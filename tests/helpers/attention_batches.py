@@ -25,8 +25,16 @@ from engine.v1.attention.backends.cpu_attn import (
 
 
 def scatter_requests(
-    contexts: list[tuple[int, int]], *, H: int, H_KV: int, D: int, BS: int, dtype: torch.dtype,
-    device: torch.device, seed: int, num_pad_slots: int,
+    contexts: list[tuple[int, int]],
+    *,
+    H: int,
+    H_KV: int,
+    D: int,
+    BS: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    num_pad_slots: int,
 ) -> tuple[torch.Tensor, list[list[int]], list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Blocks, slots and q/k/v for requests given as (num_cached_tokens, num_new_tokens).
 

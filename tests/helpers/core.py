@@ -216,7 +216,10 @@ def allocate_prompt(
     hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
     num_new_tokens = request.num_tokens - request.num_computed_tokens - num_hit_tokens
     new_blocks = manager.allocate_slots(
-        request, num_new_tokens, num_new_computed_tokens=num_hit_tokens, new_computed_blocks=hit_blocks
+        request,
+        num_new_tokens,
+        num_new_computed_tokens=num_hit_tokens,
+        new_computed_blocks=hit_blocks,
     )
     if new_blocks is not None and advance:
         request.num_computed_tokens = request.num_tokens
@@ -272,7 +275,9 @@ def assert_block_pool_consistent(block_pool: BlockPool) -> None:
         blocks = [entry] if not isinstance(entry, dict) else list(entry.values())
         assert blocks, f"empty entry left in the prefix-cache map under {key.hex()[:8]}"
         for b in blocks:
-            assert b.block_hash == key, f"block {b.block_id} is mapped under a hash it does not carry"
+            assert b.block_hash == key, (
+                f"block {b.block_id} is mapped under a hash it does not carry"
+            )
             registered[b.block_id] = key
     for b in block_pool.blocks:
         if b.block_hash is not None:
@@ -347,7 +352,9 @@ def make_model_runner_output(
     ``scheduler_output.num_scheduled_tokens``).
     """
     sampled = sampled or {}
-    req_ids = list(req_order) if req_order is not None else list(scheduler_output.num_scheduled_tokens)
+    req_ids = (
+        list(req_order) if req_order is not None else list(scheduler_output.num_scheduled_tokens)
+    )
     if sorted(req_ids) != sorted(scheduler_output.num_scheduled_tokens):
         raise ValueError(f"req_order {req_ids} must be a permutation of the scheduled requests")
     sampled_token_ids: list[list[int]] = []
@@ -380,9 +387,7 @@ class StepResult:
     def outputs(self) -> dict[str, EngineCoreOutput]:
         """Every client's per-request outputs, by request id."""
         return {
-            out.request_id: out
-            for eco in self.engine_core_outputs.values()
-            for out in eco.outputs
+            out.request_id: out for eco in self.engine_core_outputs.values() for out in eco.outputs
         }
 
     @property

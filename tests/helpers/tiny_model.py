@@ -42,7 +42,9 @@ def make_tiny_model_dir(
     }
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(
-        json.dumps(generation_config if generation_config is not None else {"eos_token_id": eos_token_id})
+        json.dumps(
+            generation_config if generation_config is not None else {"eos_token_id": eos_token_id}
+        )
     )
     if with_tokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -33,12 +33,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker_interprets_triton(module: str, kernel: str) -> bool:
-    """Runs in the worker: were triton's own functions and ``module.kernel`` built for the interpreter?"""
+    """Runs in the worker: were triton's own functions and ``module.kernel`` built for
+    the interpreter?"""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     ours = getattr(importlib.import_module(module), kernel)
-    return isinstance(tl.standard.zeros, InterpretedFunction) and isinstance(ours, InterpretedFunction)
+    return isinstance(tl.standard.zeros, InterpretedFunction) and isinstance(
+        ours, InterpretedFunction
+    )
 
 
 @contextmanager
@@ -53,9 +56,9 @@ def interpreting_worker(module: str, kernel: str) -> Iterator[Callable[..., Any]
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        assert pool.submit(worker_interprets_triton, module, kernel).result(
-            timeout=TIMEOUT_S
-        ), "worker is not interpreting"
+        assert pool.submit(worker_interprets_triton, module, kernel).result(timeout=TIMEOUT_S), (
+            "worker is not interpreting"
+        )
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -74,6 +77,11 @@ def run_without_interpreter(script: str) -> subprocess.CompletedProcess[str]:
     where this process interprets them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=TIMEOUT_S, check=False,
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
     )

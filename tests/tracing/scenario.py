@@ -54,10 +54,14 @@ def words(start: int, n: int) -> str:
 SHARED_PREFIX = words(0, 10)
 
 
-def make_engine(model_dir, trace_path=None, trace_level="off", real_model=False, **kwargs) -> LLMEngine:
+def make_engine(
+    model_dir, trace_path=None, trace_level="off", real_model=False, **kwargs
+) -> LLMEngine:
     """An in-process ``LLMEngine`` (the scheduler is reachable) over the tiny model."""
     engine_kwargs = dict(SCENARIO_ENGINE_ARGS)
-    engine_kwargs.update(REAL_MODEL_ARGS if real_model else {"distributed_executor_backend": CountingExecutor})
+    engine_kwargs.update(
+        REAL_MODEL_ARGS if real_model else {"distributed_executor_backend": CountingExecutor}
+    )
     engine_kwargs.update(kwargs)
     args = EngineArgs(
         model=str(model_dir), trace_path=trace_path, trace_level=trace_level, **engine_kwargs
@@ -183,7 +187,9 @@ def assert_replay_matches_engine(state: EngineState, scheduler: Scheduler, label
     for key, entry in pool.cached_block_hash_to_block._cache.items():
         blocks = [entry] if not isinstance(entry, dict) else list(entry.values())
         live_cached[get_block_hash(key).hex()] = sorted(b.block_id for b in blocks)
-    assert {h: sorted(v) for h, v in state.cached.items()} == live_cached, f"prefix-cache map{where}"
+    assert {h: sorted(v) for h, v in state.cached.items()} == live_cached, (
+        f"prefix-cache map{where}"
+    )
     assert state.running == [r.request_id for r in scheduler.running], f"running{where}"
     assert state.waiting == [r.request_id for r in scheduler.waiting], f"waiting{where}"
     live = scheduler.requests

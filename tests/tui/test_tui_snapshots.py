@@ -19,27 +19,31 @@ from tui.session import open_session
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def app_at(small_trace_path: str, step: int, follow: str | None = None,
-           theme: str | None = None) -> TraceApp:
+def app_at(
+    small_trace_path: str, step: int, follow: str | None = None, theme: str | None = None
+) -> TraceApp:
     return TraceApp(open_session(small_trace_path), follow=follow, step=step, theme=theme)
 
 
 def test_snapshot_prompt_admitted_with_a_prefix_hit(snap_compare, small_trace_path):
     # Step 4: the prompt is admitted after waiting, hits 3 cached blocks of
     # the shared system prompt, prefills the rest and samples its first token.
-    assert snap_compare(app_at(small_trace_path, 4), terminal_size=(100, 30),
-                        run_before=wait_ready)
+    assert snap_compare(app_at(small_trace_path, 4), terminal_size=(100, 30), run_before=wait_ready)
 
 
 def test_snapshot_a_preemption(snap_compare, small_trace_path):
     # Step 31: bg-5 is preempted so bg-3 can grow; its blocks go back.
-    assert snap_compare(app_at(small_trace_path, 31, follow="bg-5"), terminal_size=(100, 30),
-                        run_before=wait_ready)
+    assert snap_compare(
+        app_at(small_trace_path, 31, follow="bg-5"), terminal_size=(100, 30), run_before=wait_ready
+    )
 
 
 def test_snapshot_decoding_light_theme_larger_terminal(snap_compare, small_trace_path):
-    assert snap_compare(app_at(small_trace_path, 8, theme="textual-light"),
-                        terminal_size=(140, 40), run_before=wait_ready)
+    assert snap_compare(
+        app_at(small_trace_path, 8, theme="textual-light"),
+        terminal_size=(140, 40),
+        run_before=wait_ready,
+    )
 
 
 def test_snapshot_help_screen(snap_compare, small_trace_path):
@@ -48,5 +52,4 @@ def test_snapshot_help_screen(snap_compare, small_trace_path):
         await pilot.press("question_mark")
         await pilot.pause()
 
-    assert snap_compare(app_at(small_trace_path, 4), terminal_size=(100, 30),
-                        run_before=open_help)
+    assert snap_compare(app_at(small_trace_path, 4), terminal_size=(100, 30), run_before=open_help)

@@ -77,8 +77,11 @@ def contrast_text(hex_colour: str) -> str:
 def request_chip(ctx: StepContext, request_id: str, bold_followed: bool = True) -> Text:
     """A request id in its colour (followed one bold and underlined)."""
     colour = ctx.session.request_colour(request_id)
-    style = Style(color=colour, bold=bold_followed and request_id == ctx.follow,
-                  underline=bold_followed and request_id == ctx.follow)
+    style = Style(
+        color=colour,
+        bold=bold_followed and request_id == ctx.follow,
+        underline=bold_followed and request_id == ctx.follow,
+    )
     return Text(request_id, style=style)
 
 
@@ -160,8 +163,13 @@ class Panel(VerticalScroll):
         return self._plain(self.renderable, width)
 
     def _plain(self, renderable: RenderableType, width: int | None = None) -> str:
-        console = Console(width=width or self.content_width(), record=True, file=_NullFile(),
-                          color_system=None, legacy_windows=False)
+        console = Console(
+            width=width or self.content_width(),
+            record=True,
+            file=_NullFile(),
+            color_system=None,
+            legacy_windows=False,
+        )
         console.print(renderable)
         return console.export_text()
 

@@ -30,29 +30,47 @@ KEYS: list[tuple[str, str]] = [
 ]
 
 PANELS: list[tuple[str, str]] = [
-    ("Step", "the step shown, of how many; the bar is the whole run: ● now, ━ the followed "
-     "request's life, ┃ its events. Click the bar to jump."),
+    (
+        "Step",
+        "the step shown, of how many; the bar is the whole run: ● now, ━ the followed "
+        "request's life, ┃ its events. Click the bar to jump.",
+    ),
     ("Requests", "every request and its status after this step (✕n: preempted n times)."),
-    ("Lifecycle", "the followed request, one cell per step: ─ waiting, █ prefill chunk, "
-     "▓ recompute after a preemption, ▄ decode, ▁ running but not scheduled, ✕ preempted, "
-     "■ finished. Below, its events; highlighted lines happen at this step."),
-    ("Scheduler", "the token budget (max_num_batched_tokens) and how it was spent: one "
-     "segment per request, █ prefill, ▄ decode. Then the running and waiting queues, "
-     "admissions with their prefix-cache hit, preemptions, requests short of blocks."),
-    ("KV blocks", "the block pool. A cell is a block id: coloured = in use (its owner's "
-     "colour; underlined = shared by several requests), grey italic = free but still "
-     "holding a cached prefix (hittable until evicted), plain = free, ∅ = the null block. "
-     "Then what the KV manager did this step, the followed request's block table (logical "
-     "→ physical block, hash, tokens filled, ref count, the text it holds) and the free "
-     "queue (its head is handed out, and evicted, first)."),
-    ("Runner batch", "the flat batch the model ran: per request its query length, "
-     "positions, KV slots (block:offset+count) and whether its sampled token is kept (a "
-     "prefill chunk short of the prompt's end drops it); query_start_loc; on CUDA, the "
-     "CUDA-graph padding."),
-    ("Sampler", "the followed request's chosen token and, in full traces, the top "
-     "candidates after each stage: raw, after logits processors (proc), after "
-     "temperature (temp), min-p, top-k/top-p. Below, the output so far, alternating "
-     "colours at token boundaries."),
+    (
+        "Lifecycle",
+        "the followed request, one cell per step: ─ waiting, █ prefill chunk, "
+        "▓ recompute after a preemption, ▄ decode, ▁ running but not scheduled, ✕ preempted, "
+        "■ finished. Below, its events; highlighted lines happen at this step.",
+    ),
+    (
+        "Scheduler",
+        "the token budget (max_num_batched_tokens) and how it was spent: one "
+        "segment per request, █ prefill, ▄ decode. Then the running and waiting queues, "
+        "admissions with their prefix-cache hit, preemptions, requests short of blocks.",
+    ),
+    (
+        "KV blocks",
+        "the block pool. A cell is a block id: coloured = in use (its owner's "
+        "colour; underlined = shared by several requests), grey italic = free but still "
+        "holding a cached prefix (hittable until evicted), plain = free, ∅ = the null block. "
+        "Then what the KV manager did this step, the followed request's block table (logical "
+        "→ physical block, hash, tokens filled, ref count, the text it holds) and the free "
+        "queue (its head is handed out, and evicted, first).",
+    ),
+    (
+        "Runner batch",
+        "the flat batch the model ran: per request its query length, "
+        "positions, KV slots (block:offset+count) and whether its sampled token is kept (a "
+        "prefill chunk short of the prompt's end drops it); query_start_loc; on CUDA, the "
+        "CUDA-graph padding.",
+    ),
+    (
+        "Sampler",
+        "the followed request's chosen token and, in full traces, the top "
+        "candidates after each stage: raw, after logits processors (proc), after "
+        "temperature (temp), min-p, top-k/top-p. Below, the output so far, alternating "
+        "colours at token boundaries.",
+    ),
 ]
 
 
@@ -60,8 +78,11 @@ def help_renderable() -> Group:
     intro = Text.assemble(
         ("You are replaying a recorded run one ", ""),
         ("engine step", "bold"),
-        (" at a time (one EngineCore.step(): schedule → run the model → sample → update). "
-         "Every panel shows the engine right after the chosen step.", ""),
+        (
+            " at a time (one EngineCore.step(): schedule → run the model → sample → update). "
+            "Every panel shows the engine right after the chosen step.",
+            "",
+        ),
     )
     keys = Table.grid(padding=(0, 2))
     keys.add_column(style="bold", no_wrap=True)
@@ -73,10 +94,20 @@ def help_renderable() -> Group:
     panels.add_column()
     for name, what in PANELS:
         panels.add_row(name, what)
-    colours = Text("Colours are mid-tones that read on dark and light themes; t switches.",
-                   style="dim")
-    return Group(intro, Text(""), Text("Keys", style="bold underline"), keys, Text(""),
-                 Text("Panels", style="bold underline"), panels, Text(""), colours)
+    colours = Text(
+        "Colours are mid-tones that read on dark and light themes; t switches.", style="dim"
+    )
+    return Group(
+        intro,
+        Text(""),
+        Text("Keys", style="bold underline"),
+        keys,
+        Text(""),
+        Text("Panels", style="bold underline"),
+        panels,
+        Text(""),
+        colours,
+    )
 
 
 def help_text() -> str:

@@ -69,8 +69,9 @@ class LifecyclePanel(Panel):
     def scroll_to_current_event(self) -> None:
         """Keep the highlighted event line in view as the step moves."""
         lines = self._plain(self.renderable).splitlines()
-        index = next((i for i, line in enumerate(lines) if line.lstrip().startswith(("▶", "▷"))),
-                     None)
+        index = next(
+            (i for i, line in enumerate(lines) if line.lstrip().startswith(("▶", "▷"))), None
+        )
         if index is None:
             return
         scroller = self._events
@@ -152,6 +153,7 @@ def render_lifecycle_events(ctx: StepContext, width: int) -> RenderableType:
             mark, style = "▷", Style(bold=True)
         else:
             mark, style = " ", DIM if ev.step > ctx.step else Style()
-        events.add_row(Text(f"{mark}{steps}", style=Style(bold=mark != " ")),
-                       Text(ev.text, style=style))
+        events.add_row(
+            Text(f"{mark}{steps}", style=Style(bold=mark != " ")), Text(ev.text, style=style)
+        )
     return events

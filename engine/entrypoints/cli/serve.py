@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = create_server_socket(args.host, args.port)
     except OSError as e:
-        print(f"glassbox serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(
+            f"glassbox serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr
+        )
         return 1
     try:
         asyncio.run(run_server(args, sock))

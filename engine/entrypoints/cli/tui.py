@@ -4,9 +4,10 @@ vLLM twin: none. Read it for the entry point only; the app is
 ``tui/app.py`` and the trace is opened by ``tui/session.py`` through
 ``engine.tracing``. A missing, empty, truncated or foreign trace is reported in one
 clear sentence (exit code 2), never as a traceback: the cheap checks (the
-file exists, is a file, is not empty) run before the app starts; anything found while replaying is shown in the
-app and repeated on stderr when it closes. ``--summary`` prints the
-text summary ``glassbox trace --headless`` prints, for any recorded trace.
+file exists, is a file, is not empty) run before the app starts; anything found
+while replaying is shown in the app and repeated on stderr when it closes.
+``--summary`` prints the text summary ``glassbox trace --headless`` prints, for
+any recorded trace.
 Sessions: all.
 """
 
@@ -21,18 +22,41 @@ HELP = "Replay a recorded trace (JSONL) step by step in the tracer TUI."
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", metavar="TRACE.jsonl", help="a trace written with trace_path=...")
-    parser.add_argument("--follow", metavar="REQUEST_ID", default=None,
-                        help="the request to follow (default: the traced prompt, or the first)")
-    parser.add_argument("--step", type=int, default=None,
-                        help="the step to open at (default: where the followed request arrives)")
-    parser.add_argument("--theme", default=None, choices=("textual-dark", "textual-light"),
-                        help="colour theme (t toggles it in the app)")
-    parser.add_argument("--summary", action="store_true",
-                        help="print the followed request's lifecycle as text instead")
-    parser.add_argument("--screenshot", metavar="OUT.svg", default=None,
-                        help="render the screen (no terminal needed) to an SVG file and exit")
-    parser.add_argument("--size", metavar="WxH", default="120x36",
-                        help="terminal size for --screenshot (default 120x36)")
+    parser.add_argument(
+        "--follow",
+        metavar="REQUEST_ID",
+        default=None,
+        help="the request to follow (default: the traced prompt, or the first)",
+    )
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the step to open at (default: where the followed request arrives)",
+    )
+    parser.add_argument(
+        "--theme",
+        default=None,
+        choices=("textual-dark", "textual-light"),
+        help="colour theme (t toggles it in the app)",
+    )
+    parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the followed request's lifecycle as text instead",
+    )
+    parser.add_argument(
+        "--screenshot",
+        metavar="OUT.svg",
+        default=None,
+        help="render the screen (no terminal needed) to an SVG file and exit",
+    )
+    parser.add_argument(
+        "--size",
+        metavar="WxH",
+        default="120x36",
+        help="terminal size for --screenshot (default 120x36)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
 
         if args.follow is not None and args.follow not in session.timelines:
             known = ", ".join(session.request_ids) or "none"
-            print(f"glassbox tui: --follow must be one of the trace's requests ({known}), "
-                  f"got {args.follow!r}", file=sys.stderr)
+            print(
+                f"glassbox tui: --follow must be one of the trace's requests ({known}), "
+                f"got {args.follow!r}",
+                file=sys.stderr,
+            )
             return 2
         print(request_summary(session, args.follow))
         return 0
@@ -68,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             width, height = (int(v) for v in args.size.lower().split("x"))
         except ValueError:
-            print(f"glassbox tui: --size must look like 120x36, got {args.size!r}",
-                  file=sys.stderr)
+            print(f"glassbox tui: --size must look like 120x36, got {args.size!r}", file=sys.stderr)
             return 2
         app = TraceApp(args.trace, follow=args.follow, step=args.step, theme=args.theme)
         app.run(headless=True, size=(width, height), auto_pilot=_screenshot_pilot(args.screenshot))

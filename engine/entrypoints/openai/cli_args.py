@@ -56,7 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             group.add_argument(flag, type=kind, default=field.default)
-    group.add_argument("--model", dest="model", default=None, help="the same as the positional MODEL")
+    group.add_argument(
+        "--model", dest="model", default=None, help="the same as the positional MODEL"
+    )
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -108,8 +110,12 @@ def resolve_executor_backend(value: Any) -> Any:
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"}
-    kwargs["distributed_executor_backend"] = resolve_executor_backend(kwargs["distributed_executor_backend"])
+    kwargs = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"
+    }
+    kwargs["distributed_executor_backend"] = resolve_executor_backend(
+        kwargs["distributed_executor_backend"]
+    )
     return EngineArgs(model=args.model_tag or args.model, **kwargs)
 
 

@@ -75,7 +75,9 @@ class AuthenticationMiddleware:
         return self.app(scope, receive, send)
 
 
-async def validation_exception_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def validation_exception_handler(
+    request: Request, exc: RequestValidationError
+) -> JSONResponse:
     """Malformed JSON or a field of the wrong type/shape -> 400 naming the field."""
     errors = exc.errors()
     param = None
@@ -101,7 +103,9 @@ async def validation_exception_handler(request: Request, exc: RequestValidationE
 async def http_exception_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     status = HTTPStatus(exc.status_code)
     return error_json(
-        ErrorResponse(error=ErrorInfo(message=str(exc.detail), type=status.phrase, code=status.value))
+        ErrorResponse(
+            error=ErrorInfo(message=str(exc.detail), type=status.phrase, code=status.value)
+        )
     )
 
 

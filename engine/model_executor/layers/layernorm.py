@@ -88,8 +88,10 @@ class RMSNorm(CustomOp):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # float32 everywhere: the same maths as forward_native in fewer ops
         # (bit-identical; see cpu_fused). Other dtypes upcast in the reference.
-        if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or (
-            residual is not None and residual.dtype != torch.float32
+        if (
+            x.dtype != torch.float32
+            or self.weight.dtype != torch.float32
+            or (residual is not None and residual.dtype != torch.float32)
         ):
             return self.forward_native(x, residual)
         weight = self.weight if self.has_weight else None

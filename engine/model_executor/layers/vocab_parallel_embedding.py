@@ -117,7 +117,8 @@ class VocabParallelEmbedding(nn.Module):
         expected = [self.org_vocab_size, *param.data.shape[1:]]
         if list(loaded_weight.shape) != expected:
             raise ValueError(
-                f"{self.prefix or 'embedding'}: expected a checkpoint tensor of shape {tuple(expected)} "
+                f"{self.prefix or 'embedding'}: expected a checkpoint tensor of shape "
+                f"{tuple(expected)} "
                 f"(vocab_size x hidden_size), got {tuple(loaded_weight.shape)}"
             )
         # Real rows first, padding rows zeroed.
@@ -132,8 +133,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"num_embeddings={self.num_embeddings_per_partition}, embedding_dim={self.embedding_dim}, "
-            f"org_vocab_size={self.org_vocab_size}, num_embeddings_padded={self.num_embeddings_padded}"
+            f"num_embeddings={self.num_embeddings_per_partition}, "
+            f"embedding_dim={self.embedding_dim}, "
+            f"org_vocab_size={self.org_vocab_size}, "
+            f"num_embeddings_padded={self.num_embeddings_padded}"
         )
 
 

@@ -37,7 +37,8 @@ def get_model_loader(load_config: LoadConfig) -> BaseModelLoader:
     load_format = load_config.load_format
     if load_format not in _LOAD_FORMAT_TO_MODEL_LOADER:
         raise ValueError(
-            f"load_format must be one of {sorted(_LOAD_FORMAT_TO_MODEL_LOADER)}, got {load_format!r}"
+            f"load_format must be one of {sorted(_LOAD_FORMAT_TO_MODEL_LOADER)}, "
+            f"got {load_format!r}"
         )
     return _LOAD_FORMAT_TO_MODEL_LOADER[load_format](load_config)
 

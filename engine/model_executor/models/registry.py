@@ -48,7 +48,8 @@ class _ModelRegistry:
             self.models[model_arch] = model_cls
         else:
             raise ValueError(
-                f"model_cls must be an nn.Module subclass or a 'module:Class' string, got {model_cls!r}"
+                "model_cls must be an nn.Module subclass or a 'module:Class' string, "
+                f"got {model_cls!r}"
             )
 
     def _load_model_cls(self, model_arch: str) -> type[nn.Module]:

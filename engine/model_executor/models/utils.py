@@ -184,6 +184,7 @@ class AutoWeightsLoader:
             else:
                 name, _ = next(group)
                 raise ValueError(
-                    f"unexpected checkpoint tensor {maybe_prefix(base_prefix, name)!r}: there is no "
-                    f"module or parameter named {qualname!r} in {type(self.module).__name__}"
+                    f"unexpected checkpoint tensor {maybe_prefix(base_prefix, name)!r}: "
+                    f"there is no module or parameter named {qualname!r} in "
+                    f"{type(self.module).__name__}"
                 )

@@ -79,7 +79,9 @@ def is_flashinfer_available() -> bool:
     return _try_load_flashinfer() is not None
 
 
-def _model_dtype_and_head_size(glassbox_config: GlassboxConfig | None, device: str) -> tuple[str | None, int | None]:
+def _model_dtype_and_head_size(
+    glassbox_config: GlassboxConfig | None, device: str
+) -> tuple[str | None, int | None]:
     """("bfloat16", 128)-style facts about the model, None where unknown."""
     model_config = getattr(glassbox_config, "model_config", None)
     if model_config is None:
@@ -90,7 +92,9 @@ def _model_dtype_and_head_size(glassbox_config: GlassboxConfig | None, device: s
     return dtype, model_config.get_head_size()
 
 
-def _flashinfer_unsupported_reason(glassbox_config: GlassboxConfig | None, device: str) -> str | None:
+def _flashinfer_unsupported_reason(
+    glassbox_config: GlassboxConfig | None, device: str
+) -> str | None:
     dtype, head_size = _model_dtype_and_head_size(glassbox_config, device)
     if dtype is not None and dtype not in FLASHINFER_DTYPES:
         return f"dtype {dtype} (FLASHINFER supports {list(FLASHINFER_DTYPES)})"
@@ -114,14 +118,19 @@ def get_attn_backend(glassbox_config: GlassboxConfig | None = None) -> type[Atte
         name = requested.strip()
         if name not in BACKENDS:
             raise ValueError(
-                f"{ATTENTION_BACKEND_ENV}={requested!r} is not a backend; valid values: {sorted(BACKENDS)}"
+                f"{ATTENTION_BACKEND_ENV}={requested!r} is not a backend; "
+                f"valid values: {sorted(BACKENDS)}"
             )
         if name == "FLASHINFER":
             if device != "cuda":
-                raise ValueError(f"{ATTENTION_BACKEND_ENV}=FLASHINFER needs a CUDA device, got device {device!r}")
+                raise ValueError(
+                    f"{ATTENTION_BACKEND_ENV}=FLASHINFER needs a CUDA device, got device {device!r}"
+                )
             reason = _flashinfer_unsupported_reason(glassbox_config, device)
             if reason is not None:
-                raise ValueError(f"{ATTENTION_BACKEND_ENV}=FLASHINFER cannot run this model: {reason}")
+                raise ValueError(
+                    f"{ATTENTION_BACKEND_ENV}=FLASHINFER cannot run this model: {reason}"
+                )
         if name == "TRITON_ATTN":
             _check_triton_on_device(device)
         # An explicit request fails loudly if the backend cannot be imported.

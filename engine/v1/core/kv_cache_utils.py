@@ -272,7 +272,9 @@ def get_kv_cache_config(
     specs = list(kv_cache_specs.values())
     spec = specs[0]
     if any(s != spec for s in specs):
-        raise ValueError("all layers must share one KV cache spec (hybrid models are not supported)")
+        raise ValueError(
+            "all layers must share one KV cache spec (hybrid models are not supported)"
+        )
     if not isinstance(spec, FullAttentionSpec):
         raise ValueError(f"unsupported KV cache spec {type(spec).__name__}")
     num_layers = len(specs)
@@ -301,7 +303,8 @@ def get_kv_cache_config(
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[name]) for name in names
+            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[name])
+            for name in names
         ],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
     )

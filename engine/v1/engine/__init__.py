@@ -143,5 +143,3 @@ class EngineCoreReadyResponse(msgspec.Struct):
 
     max_model_len: int
     num_gpu_blocks: int
-
-

@@ -69,7 +69,9 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_token_ids)
         # Decoding window over prompt tail + outputs.
-        self._window_ids: list[int] = list(prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
+        self._window_ids: list[int] = list(
+            prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
+        )
         self._prefix_offset = 0
         self._read_offset = len(self._window_ids)
         self._last_output_text_offset = 0

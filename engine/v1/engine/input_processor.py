@@ -17,14 +17,14 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 from engine.config import GlassboxConfig
 from engine.sampling_params import SamplingParams
 from engine.v1.engine import EngineCoreRequest
 
 # What a prompt may be: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
-PromptType = Union[str, Mapping[str, Any]]
+PromptType = str | Mapping[str, Any]
 
 
 def load_generation_config(model: str) -> dict[str, Any]:
@@ -108,7 +108,8 @@ class InputProcessor:
         if priority != 0 and self.glassbox_config.scheduler_config.policy != "priority":
             raise ValueError(
                 f"priority={priority} was given but scheduling_policy is "
-                f"{self.glassbox_config.scheduler_config.policy!r}; use scheduling_policy='priority'"
+                f"{self.glassbox_config.scheduler_config.policy!r}; "
+                "use scheduling_policy='priority'"
             )
         if params.prompt_logprobs is not None:
             raise ValueError(

@@ -246,7 +246,9 @@ class CoreEngineProcManager:
         return {p.name: p.exitcode for p in self.processes if p.exitcode is not None}
 
 
-def shutdown(procs: list[BaseProcess], death_writer: Any = None, timeout: float | None = None) -> None:
+def shutdown(
+    procs: list[BaseProcess], death_writer: Any = None, timeout: float | None = None
+) -> None:
     """SIGTERM (the engine aborts what is left and exits), then SIGKILL."""
     procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
     for proc in procs:
@@ -273,7 +275,9 @@ def launch_core_engines(
     """Start EngineCore; after the caller's block, wait until it is READY."""
     handshake_address = get_open_zmq_ipc_path()
     with zmq_socket_ctx(handshake_address, zmq.ROUTER, bind=True) as handshake_socket:
-        manager = CoreEngineProcManager(glassbox_config, executor_class, log_stats, handshake_address)
+        manager = CoreEngineProcManager(
+            glassbox_config, executor_class, log_stats, handshake_address
+        )
         try:
             yield manager
             wait_for_engine_startup(handshake_socket, addresses, manager)
@@ -312,7 +316,7 @@ def wait_for_engine_startup(
                 "EngineCore initialization failed; see the error above. Exited "
                 f"process(es) and exit codes: {proc_manager.finished_procs()}. (The "
                 "process is started with 'spawn': a script that builds an engine "
-                "at import time needs an `if __name__ == \"__main__\":` guard.)"
+                'at import time needs an `if __name__ == "__main__":` guard.)'
             )
         _identity, payload = handshake_socket.recv_multipart()
         message = msgspec.msgpack.decode(payload)

@@ -171,7 +171,9 @@ class StatLogger:
                 if times.last_token_ts is None:
                     self.time_to_first_token.observe(max(0.0, now - times.arrival_time))
                 else:
-                    self.inter_token_latency.observe(max(0.0, outputs.timestamp - times.last_token_ts))
+                    self.inter_token_latency.observe(
+                        max(0.0, outputs.timestamp - times.last_token_ts)
+                    )
                 times.last_token_ts = outputs.timestamp
             reason = None
             if output.request_id in stopped_here:
@@ -232,7 +234,9 @@ class StatLogger:
         for hist in self.get_histograms():
             header(hist.name, hist.name, "histogram")
             for bound, count in hist.buckets.items():
-                lines.append(f"{hist.name}_bucket{_labels({**hist.labels, 'le': bound})} {float(count)!r}")
+                lines.append(
+                    f"{hist.name}_bucket{_labels({**hist.labels, 'le': bound})} {float(count)!r}"
+                )
             lines.append(f"{hist.name}_count{_labels(hist.labels)} {float(hist.count)!r}")
             lines.append(f"{hist.name}_sum{_labels(hist.labels)} {float(hist.sum)!r}")
         if self.cache_config_info is not None:

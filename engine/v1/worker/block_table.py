@@ -16,14 +16,18 @@ import torch
 
 
 class BlockTable:
-    def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int, device: torch.device):
+    def __init__(
+        self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int, device: torch.device
+    ):
         self.block_size = block_size
         self.max_num_reqs = max_num_reqs
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.device = device
         self.block_table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(
+            (max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device
+        )
 
     def append_row(self, block_ids: list[int], row_idx: int) -> None:
         if not block_ids:
@@ -51,5 +55,7 @@ class BlockTable:
 
     def commit_block_table(self, num_reqs: int) -> torch.Tensor:
         """Copy the live rows to the device; returns the device view."""
-        self.block_table[:num_reqs].copy_(torch.from_numpy(self.block_table_np[:num_reqs]), non_blocking=True)
+        self.block_table[:num_reqs].copy_(
+            torch.from_numpy(self.block_table_np[:num_reqs]), non_blocking=True
+        )
         return self.block_table[:num_reqs]

@@ -102,8 +102,8 @@ class InputBatch:
         # --- Sampling parameters: CPU value per row + device twin -----------
         # Pinned host memory makes the host->device copies asynchronous.
         self.pin_memory = self.device.type == "cuda"
-        self.temperature, self.temperature_cpu_tensor, self.temperature_cpu = (
-            self._per_row_buffers(torch.float32)
+        self.temperature, self.temperature_cpu_tensor, self.temperature_cpu = self._per_row_buffers(
+            torch.float32
         )
         self.greedy_reqs: set[str] = set()
         self.random_reqs: set[str] = set()
@@ -256,7 +256,9 @@ class InputBatch:
         if sp.allowed_token_ids:
             if self.allowed_token_ids_mask_cpu_tensor is None:
                 shape = (self.max_num_reqs, vocab)
-                self.allowed_token_ids_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+                self.allowed_token_ids_mask = torch.zeros(
+                    shape, dtype=torch.bool, device=self.device
+                )
                 self.allowed_token_ids_mask_cpu_tensor = torch.zeros(
                     shape, dtype=torch.bool, pin_memory=self.pin_memory
                 )
@@ -333,7 +335,9 @@ class InputBatch:
             if src in by_row:
                 by_row[dst] = by_row.pop(src)
         if self.allowed_token_ids_mask_cpu_tensor is not None:
-            self.allowed_token_ids_mask_cpu_tensor[dst] = self.allowed_token_ids_mask_cpu_tensor[src]
+            self.allowed_token_ids_mask_cpu_tensor[dst] = self.allowed_token_ids_mask_cpu_tensor[
+                src
+            ]
             self.allowed_token_ids_mask_cpu_tensor[src] = False
 
     def append_token(self, row: int, token_id: int) -> None:

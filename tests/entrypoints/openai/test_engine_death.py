@@ -31,7 +31,9 @@ def test_killed_engine_core_fails_requests_fast_and_health_turns_503(model_dir, 
     with RemoteOpenAIServer(model_dir, flags) as server:
         client = server.get_client()
         model = str(model_dir)
-        long = dict(model=model, prompt="w1", max_tokens=240, temperature=0, extra_body={"ignore_eos": True})
+        long = dict(
+            model=model, prompt="w1", max_tokens=240, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert httpx.get(server.url_for("health")).status_code == 200
 
         def stream_until_error():
@@ -74,7 +76,9 @@ def test_killed_engine_core_fails_requests_fast_and_health_turns_503(model_dir, 
         assert health.json()["error"]["code"] == 503
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as excinfo:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w1"}])
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "w1"}]
+            )
         assert excinfo.value.status_code == 503
         assert time.monotonic() - started < 2
         # The HTTP side keeps answering.

@@ -18,7 +18,14 @@ import pytest
 from tests.entrypoints.openai.utils import COUNTING_EXECUTOR, RemoteOpenAIServer
 from tests.helpers.tiny_model import make_tiny_model_dir
 
-FLAGS = ["--distributed-executor-backend", COUNTING_EXECUTOR, "--block-size", "4", "--max-model-len", "64"]
+FLAGS = [
+    "--distributed-executor-backend",
+    COUNTING_EXECUTOR,
+    "--block-size",
+    "4",
+    "--max-model-len",
+    "64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,9 @@ def post(server, path: str, **kwargs) -> httpx.Response:
     return httpx.post(server.url_for(path), timeout=30, **kwargs)
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None, err_type: str = "BadRequestError") -> dict:
+def assert_error(
+    response: httpx.Response, status: int, param: str | None, err_type: str = "BadRequestError"
+) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
     assert set(body) == {"error"}
@@ -119,8 +128,26 @@ def test_out_of_range_values_are_400_naming_the_field(server, endpoint, field, v
 
 @pytest.mark.parametrize("endpoint", ["v1/completions", "v1/chat/completions"])
 def test_malformed_bodies(server, endpoint):
-    assert_error(post(server, endpoint, content=b'{"prompt": "w1", "max_tokens": ', headers={"Content-Type": "application/json"}), 400, None)
-    assert_error(post(server, endpoint, content=b"not json at all", headers={"Content-Type": "application/json"}), 400, None)
+    assert_error(
+        post(
+            server,
+            endpoint,
+            content=b'{"prompt": "w1", "max_tokens": ',
+            headers={"Content-Type": "application/json"},
+        ),
+        400,
+        None,
+    )
+    assert_error(
+        post(
+            server,
+            endpoint,
+            content=b"not json at all",
+            headers={"Content-Type": "application/json"},
+        ),
+        400,
+        None,
+    )
     required = "prompt" if endpoint == "v1/completions" else "messages"
     assert_error(post(server, endpoint, json=["a", "list"]), 400, None)
     assert_error(post(server, endpoint, json={"max_tokens": 2}), 400, required)
@@ -133,7 +160,12 @@ def test_unknown_model_is_404(server):
     assert excinfo.value.status_code == 404
     body = excinfo.value.body
     assert body["type"] == "NotFoundError" and body["param"] == "model"
-    assert_error(post(server, "v1/chat/completions", json={**GOOD_CHAT, "model": "gpt-4"}), 404, "model", "NotFoundError")
+    assert_error(
+        post(server, "v1/chat/completions", json={**GOOD_CHAT, "model": "gpt-4"}),
+        404,
+        "model",
+        "NotFoundError",
+    )
 
 
 def test_unknown_route_is_404_in_the_error_schema(server):
@@ -144,7 +176,9 @@ def test_unknown_route_is_404_in_the_error_schema(server):
 def test_openai_client_raises_bad_request(server, model_dir):
     client = server.get_client()
     with pytest.raises(openai.BadRequestError) as excinfo:
-        client.chat.completions.create(model=str(model_dir), messages=[{"role": "user", "content": "w1"}], temperature=-2)
+        client.chat.completions.create(
+            model=str(model_dir), messages=[{"role": "user", "content": "w1"}], temperature=-2
+        )
     assert excinfo.value.body["param"] == "temperature"
     assert "temperature" in excinfo.value.body["message"]
 
@@ -153,10 +187,18 @@ def test_bad_requests_never_disturb_good_ones(server, model_dir):
     client = server.get_client()
 
     def good(i: int) -> str:
-        return client.completions.create(model=str(model_dir), prompt=f"w{i}", max_tokens=3, temperature=0).choices[0].text
+        return (
+            client.completions.create(
+                model=str(model_dir), prompt=f"w{i}", max_tokens=3, temperature=0
+            )
+            .choices[0]
+            .text
+        )
 
     def bad(i: int) -> int:
-        return post(server, "v1/completions", json={**GOOD_COMPLETION, "temperature": -float(i + 1)}).status_code
+        return post(
+            server, "v1/completions", json={**GOOD_COMPLETION, "temperature": -float(i + 1)}
+        ).status_code
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         goods = [pool.submit(good, i) for i in range(8)]
@@ -171,7 +213,11 @@ def test_api_key(model_dir):
     with RemoteOpenAIServer(model_dir, [*FLAGS, "--api-key", "sesame"]) as server:
         # No key, a wrong key, a wrong scheme: 401 in OpenAI's error schema.
         assert_error(httpx.get(server.url_for("v1/models")), 401, None, "AuthenticationError")
-        wrong = httpx.post(server.url_for("v1/completions"), json=GOOD_COMPLETION, headers={"Authorization": "Bearer nope"})
+        wrong = httpx.post(
+            server.url_for("v1/completions"),
+            json=GOOD_COMPLETION,
+            headers={"Authorization": "Bearer nope"},
+        )
         assert_error(wrong, 401, None, "AuthenticationError")
         basic = httpx.get(server.url_for("v1/models"), headers={"Authorization": "Basic sesame"})
         assert basic.status_code == 401
@@ -179,6 +225,13 @@ def test_api_key(model_dir):
             server.get_client(api_key="nope").models.list()
         # The right key works; health and metrics stay open for probes.
         client = server.get_client(api_key="sesame")
-        assert client.completions.create(model=str(model_dir), prompt="w1", max_tokens=1, temperature=0).choices[0].text == " w2"
+        assert (
+            client.completions.create(
+                model=str(model_dir), prompt="w1", max_tokens=1, temperature=0
+            )
+            .choices[0]
+            .text
+            == " w2"
+        )
         assert httpx.get(server.url_for("health")).status_code == 200
         assert httpx.get(server.url_for("metrics")).status_code == 200

@@ -17,7 +17,16 @@ from tests.entrypoints.openai.utils import RemoteOpenAIServer, make_tiny_llama_w
 from tests.helpers.engine_fixtures import ids
 
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=80)
-ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-gpu-blocks-override", "80"]
+ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "4",
+    "--num-gpu-blocks-override",
+    "80",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,11 @@ def test_offline_multiprocess_matches_in_process(model_dir, offline, monkeypatch
     for mp_out, ref in zip(outputs, reference):
         (a,), (b,) = mp_out.outputs, ref.outputs
         assert mp_out.prompt_token_ids == ref.prompt_token_ids
-        assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason)
+        assert (a.text, list(a.token_ids), a.finish_reason) == (
+            b.text,
+            list(b.token_ids),
+            b.finish_reason,
+        )
         assert len(a.token_ids) > 0
         if a.logprobs is not None:
             # Requests reach the core one by one over ZMQ, so the first steps
@@ -63,7 +76,10 @@ def test_offline_multiprocess_matches_in_process(model_dir, offline, monkeypatch
                 assert set(pa) == set(pb)
                 for token_id, lp in pa.items():
                     assert lp.logprob == pytest.approx(pb[token_id].logprob, abs=1e-4)
-                    assert (lp.rank, lp.decoded_token) == (pb[token_id].rank, pb[token_id].decoded_token)
+                    assert (lp.rank, lp.decoded_token) == (
+                        pb[token_id].rank,
+                        pb[token_id].decoded_token,
+                    )
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +91,17 @@ def server(model_dir):
 def test_completions_stream_equals_non_stream_equals_offline(server, offline, model_dir):
     client = server.get_client()
     prompt = "w40 w41 w42 w43 w44 w45"
-    kwargs = dict(model=str(model_dir), prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=str(model_dir),
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**kwargs)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+    )
     (reference,) = offline.generate(prompt, greedy(max_tokens=8), use_tqdm=False)
     assert full.choices[0].text == streamed == reference.outputs[0].text
     assert full.usage.completion_tokens == 8
@@ -87,9 +111,19 @@ def test_completions_stream_equals_non_stream_equals_offline(server, offline, mo
 def test_chat_stream_equals_non_stream_equals_offline(server, offline, model_dir):
     client = server.get_client()
     messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]
-    kwargs = dict(model=str(model_dir), messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=str(model_dir),
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     (reference,) = offline.chat(messages, greedy(max_tokens=6), use_tqdm=False)
     assert full.choices[0].message.content == streamed == reference.outputs[0].text
@@ -98,11 +132,21 @@ def test_chat_stream_equals_non_stream_equals_offline(server, offline, model_dir
 
 def test_logprobs_match_offline(server, offline, model_dir):
     client = server.get_client()
-    out = client.completions.create(model=str(model_dir), prompt="w9 w10", max_tokens=4, temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=str(model_dir),
+        prompt="w9 w10",
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     (reference,) = offline.generate("w9 w10", greedy(max_tokens=4, logprobs=2), use_tqdm=False)
     expected = reference.outputs[0]
     got = out.choices[0].logprobs
-    assert got.tokens == [expected.logprobs[i][t].decoded_token for i, t in enumerate(expected.token_ids)]
+    assert got.tokens == [
+        expected.logprobs[i][t].decoded_token for i, t in enumerate(expected.token_ids)
+    ]
     for i, token_id in enumerate(expected.token_ids):
-        assert got.token_logprobs[i] == pytest.approx(expected.logprobs[i][token_id].logprob, abs=1e-4)
+        assert got.token_logprobs[i] == pytest.approx(
+            expected.logprobs[i][token_id].logprob, abs=1e-4
+        )

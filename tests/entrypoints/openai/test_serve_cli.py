@@ -56,9 +56,21 @@ def test_glassbox_serve_command(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "engine.entrypoints.cli.main", "serve", str(model),
-            "--port", str(port), "--distributed-executor-backend", COUNTING_EXECUTOR,
-            "--served-model-name", "tiny", "--block-size", "4", "--uvicorn-log-level", "warning",
+            sys.executable,
+            "-m",
+            "engine.entrypoints.cli.main",
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--distributed-executor-backend",
+            COUNTING_EXECUTOR,
+            "--served-model-name",
+            "tiny",
+            "--block-size",
+            "4",
+            "--uvicorn-log-level",
+            "warning",
         ],
         cwd=REPO_ROOT,
         env=env,
@@ -66,6 +78,7 @@ def test_glassbox_serve_command(tmp_path):
         stderr=subprocess.PIPE,
     )
     try:
+
         def healthy() -> bool:
             try:
                 return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
@@ -73,7 +86,9 @@ def test_glassbox_serve_command(tmp_path):
                 return False
 
         assert wait_until(healthy, 60, 0.2), "glassbox serve did not come up"
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0
+        )
         assert [m.id for m in client.models.list().data] == ["tiny"]
         out = client.completions.create(model="tiny", prompt="w5", max_tokens=3, temperature=0)
         assert out.choices[0].text == " w6 w7 w8"
@@ -98,8 +113,17 @@ def test_serve_rejects_a_busy_port(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "engine.entrypoints.cli.main", "serve", str(model), "--port", str(port),
-             "--distributed-executor-backend", COUNTING_EXECUTOR],
+            [
+                sys.executable,
+                "-m",
+                "engine.entrypoints.cli.main",
+                "serve",
+                str(model),
+                "--port",
+                str(port),
+                "--distributed-executor-backend",
+                COUNTING_EXECUTOR,
+            ],
             cwd=REPO_ROOT,
             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
             capture_output=True,

@@ -32,7 +32,14 @@ def model_dir(tmp_path_factory):
 def server(model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GLASSBOX_TEST_STEP_DELAY_S", "0.01")  # read by the EngineCore process
-        flags = ["--distributed-executor-backend", SLOW_EXECUTOR, "--block-size", "4", "--num-gpu-blocks-override", "1024"]
+        flags = [
+            "--distributed-executor-backend",
+            SLOW_EXECUTOR,
+            "--block-size",
+            "4",
+            "--num-gpu-blocks-override",
+            "1024",
+        ]
         with RemoteOpenAIServer(model_dir, flags) as server:
             yield server
 
@@ -47,7 +54,11 @@ def test_64_concurrent_streams_complete_with_correct_usage(server, model_dir):
     async def completion_stream(i: int):
         prompt = f"w{i % 40} w{i % 40 + 1}"
         stream = await client.completions.create(
-            model=str(model_dir), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            model=str(model_dir),
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
         text, usage, finish = "", None, None
@@ -61,8 +72,12 @@ def test_64_concurrent_streams_complete_with_correct_usage(server, model_dir):
 
     async def chat_stream(i: int):
         stream = await client.chat.completions.create(
-            model=str(model_dir), messages=[{"role": "user", "content": f"w{i % 40}"}], max_tokens=MAX_TOKENS,
-            temperature=0, stream=True, stream_options={"include_usage": True},
+            model=str(model_dir),
+            messages=[{"role": "user", "content": f"w{i % 40}"}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"add_generation_prompt": False},
         )
         text, usage, finish = "", None, None
@@ -125,12 +140,16 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, model_dir, endpoi
     assert wait_until(idle, 5), server.metrics()
     assert time.monotonic() - closed_at < 5
     after = server.metrics()
-    generated = after["glassbox:generation_tokens_total"] - before["glassbox:generation_tokens_total"]
+    generated = (
+        after["glassbox:generation_tokens_total"] - before["glassbox:generation_tokens_total"]
+    )
     assert 0 < generated < 240, "the request ran on after its client left"
     assert server.engine_client.output_processor.request_states == {}
     assert server.engine_client.collectors == {}
     # The server is as good as new.
-    out = server.get_client().completions.create(model=str(model_dir), prompt="w7", max_tokens=2, temperature=0)
+    out = server.get_client().completions.create(
+        model=str(model_dir), prompt="w7", max_tokens=2, temperature=0
+    )
     assert out.choices[0].text == " w8 w9"
 
 
@@ -140,7 +159,13 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server, model_dir):
             task = asyncio.create_task(
                 client.post(
                     server.url_for("v1/completions"),
-                    json={"model": str(model_dir), "prompt": "w1", "max_tokens": 240, "ignore_eos": True, "temperature": 0},
+                    json={
+                        "model": str(model_dir),
+                        "prompt": "w1",
+                        "max_tokens": 240,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    },
                 )
             )
             await asyncio.sleep(0.5)
@@ -151,8 +176,10 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server, model_dir):
     before = server.metrics()["glassbox:generation_tokens_total"]
     asyncio.run(hang_up())
     assert wait_until(
-        lambda: server.metrics()["glassbox:num_requests_running"] == 0
-        and server.metrics()["glassbox:kv_cache_usage_perc"] == 0.0,
+        lambda: (
+            server.metrics()["glassbox:num_requests_running"] == 0
+            and server.metrics()["glassbox:kv_cache_usage_perc"] == 0.0
+        ),
         5,
     )
     assert server.metrics()["glassbox:generation_tokens_total"] - before < 240

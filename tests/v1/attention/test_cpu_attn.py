@@ -72,9 +72,15 @@ def run_case(contexts: list[tuple[int, int]], seed: int = 0):
     qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
     seq_lens = torch.tensor([c + n for c, n in contexts], dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, seq_lens_cpu=seq_lens,
-        num_reqs=len(contexts), num_actual_tokens=sum(qlens), max_query_len=max(qlens),
-        max_seq_len=int(seq_lens.max()), block_table_tensor=block_table,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens,
+        num_reqs=len(contexts),
+        num_actual_tokens=sum(qlens),
+        max_query_len=max(qlens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
     )
     md = CPUAttentionMetadataBuilder(BS, torch.device("cpu")).build(common)
@@ -111,7 +117,15 @@ def test_paged_attention_matches_dense(contexts):
 def test_profile_run_returns_zeros_without_metadata():
     impl = CPUAttentionBackendImpl(H, D, 0.5, H_KV)
     out = torch.ones(3, H, D)
-    impl.forward(None, torch.randn(3, H, D), torch.randn(3, H_KV, D), torch.randn(3, H_KV, D), None, None, out)
+    impl.forward(
+        None,
+        torch.randn(3, H, D),
+        torch.randn(3, H_KV, D),
+        torch.randn(3, H_KV, D),
+        None,
+        None,
+        out,
+    )
     assert torch.count_nonzero(out) == 0
 
 

@@ -58,7 +58,9 @@ def dense(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 class Step:
     """One step's batch: per request (cached tokens, new tokens), over L layers."""
 
-    def __init__(self, contexts, num_layers, h, h_kv, seed, tables=None, kv_caches=None, history=None):
+    def __init__(
+        self, contexts, num_layers, h, h_kv, seed, tables=None, kv_caches=None, history=None
+    ):
         g = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.contexts, self.h, self.h_kv = contexts, h, h_kv
@@ -110,16 +112,24 @@ class Step:
         qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
         seq_lens = torch.tensor([c + n for c, n in contexts], dtype=torch.int32)
         self.common = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens, num_reqs=len(contexts), num_actual_tokens=sum(qlens),
-            max_query_len=max(qlens), max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl,
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens,
+            num_reqs=len(contexts),
+            num_actual_tokens=sum(qlens),
+            max_query_len=max(qlens),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
         )
 
     def next(self, num_layers, seed):
         """The following step: every request decodes one more token."""
         contexts = [(c + n, 1) for c, n in self.contexts]
-        return Step(contexts, num_layers, self.h, self.h_kv, seed, self.tables, self.kv_caches, self.history)
+        return Step(
+            contexts, num_layers, self.h, self.h_kv, seed, self.tables, self.kv_caches, self.history
+        )
 
 
 def run_and_check(step: Step, builder: CPUAttentionMetadataBuilder, impl: CPUAttentionBackendImpl):
@@ -129,7 +139,7 @@ def run_and_check(step: Step, builder: CPUAttentionMetadataBuilder, impl: CPUAtt
         out = torch.empty_like(step.q[layer])
         impl.forward(None, step.q[layer], step.k[layer], step.v[layer], kv_cache, md, out)
         key_cache, value_cache = kv_cache.unbind(0)
-        for i, (cached, new) in enumerate(step.contexts):
+        for i, (_cached, new) in enumerate(step.contexts):
             if new != 1:
                 continue
             row = qsl[i]
@@ -139,7 +149,10 @@ def run_and_check(step: Step, builder: CPUAttentionMetadataBuilder, impl: CPUAtt
             torch.testing.assert_close(out[row], per_request, atol=1e-6, rtol=1e-5)
             k_full, v_full = step.history[layer][i]
             torch.testing.assert_close(
-                out[row], dense(step.q[layer][row], k_full, v_full, impl.scale), atol=1e-5, rtol=1e-5
+                out[row],
+                dense(step.q[layer][row], k_full, v_full, impl.scale),
+                atol=1e-5,
+                rtol=1e-5,
             )
     return md
 
@@ -225,13 +238,29 @@ def test_kernel_rejects_bad_input():
     lens = torch.tensor([5, 8], dtype=torch.int32)
     kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table, lens, 0.5)
     with pytest.raises(RuntimeError, match="float32 only"):
-        kernels.paged_decode_attention(torch.empty_like(q).double(), q.double(), cache.double(),
-                                       cache.double(), table, lens, 0.5)
+        kernels.paged_decode_attention(
+            torch.empty_like(q).double(),
+            q.double(),
+            cache.double(),
+            cache.double(),
+            table,
+            lens,
+            0.5,
+        )
     with pytest.raises(RuntimeError, match="int32"):
-        kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table.long(), lens, 0.5)
+        kernels.paged_decode_attention(
+            torch.empty_like(q), q, cache, cache, table.long(), lens, 0.5
+        )
     with pytest.raises(RuntimeError, match=r"seq_lens\[1\]=9 is outside \[1, 8\]"):
-        kernels.paged_decode_attention(torch.empty_like(q), q, cache, cache, table,
-                                       torch.tensor([5, 9], dtype=torch.int32), 0.5)
+        kernels.paged_decode_attention(
+            torch.empty_like(q),
+            q,
+            cache,
+            cache,
+            table,
+            torch.tensor([5, 9], dtype=torch.int32),
+            0.5,
+        )
 
 
 def test_builder_can_be_held_to_the_torch_path():

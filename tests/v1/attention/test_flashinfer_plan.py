@@ -24,12 +24,24 @@ MODULE = "engine.v1.attention.backends.flashinfer"
 
 
 class _FakeWrapper:
-    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+    def __init__(
+        self,
+        workspace,
+        layout,
+        use_cuda_graph=False,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+    ):
         self.layout = layout
         self.use_cuda_graph = use_cuda_graph
         self.use_tensor_cores = use_tensor_cores
-        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.buffers = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
         self.plans: list[tuple[tuple, dict]] = []
 
     def plan(self, *args, **kwargs):
@@ -39,8 +51,12 @@ class _FakeWrapper:
 def _install_fake_flashinfer(monkeypatch, jit_cache: bool = True):
     fake = types.ModuleType("flashinfer")
     fake.__version__ = "0.0-fake"
-    fake.BatchDecodeWithPagedKVCacheWrapper = type("BatchDecodeWithPagedKVCacheWrapper", (_FakeWrapper,), {})
-    fake.BatchPrefillWithPagedKVCacheWrapper = type("BatchPrefillWithPagedKVCacheWrapper", (_FakeWrapper,), {})
+    fake.BatchDecodeWithPagedKVCacheWrapper = type(
+        "BatchDecodeWithPagedKVCacheWrapper", (_FakeWrapper,), {}
+    )
+    fake.BatchPrefillWithPagedKVCacheWrapper = type(
+        "BatchPrefillWithPagedKVCacheWrapper", (_FakeWrapper,), {}
+    )
     jit = types.ModuleType("flashinfer.jit")
     env = types.ModuleType("flashinfer.jit.env")
     env.has_flashinfer_jit_cache = lambda: jit_cache
@@ -101,9 +117,15 @@ def _common(contexts, tables, width=8, pad_reqs=0):
     qsl_dev = torch.cat([qsl, qsl[-1:].repeat(pad_reqs)])
     seq_dev = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
     return CommonAttentionMetadata(
-        query_start_loc=qsl_dev, query_start_loc_cpu=qsl, seq_lens=seq_dev,
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=rows, num_actual_tokens=len(slots),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_table_tensor=block_table,
+        query_start_loc=qsl_dev,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_dev,
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=rows,
+        num_actual_tokens=len(slots),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
     )
 
@@ -115,7 +137,7 @@ def _builder(fi, graph_sizes=()):
 
 
 def _plan_tensors(wrapper):
-    (args, kwargs), = wrapper.plans
+    ((args, kwargs),) = wrapper.plans
     return args, kwargs
 
 
@@ -133,8 +155,12 @@ def test_mixed_batch_plans_the_prefill_wrapper(fi):
     assert last_page_len.tolist() == [1, 4, 4]  # a full last block counts block_size, not 0
     assert indices.dtype == indptr.dtype == last_page_len.dtype == torch.int32
     assert (h, h_kv, d, page) == (4, 2, 64, BS)
-    assert kwargs == {"causal": True, "sm_scale": 0.125, "q_data_type": torch.bfloat16,
-                      "kv_data_type": torch.bfloat16}
+    assert kwargs == {
+        "causal": True,
+        "sm_scale": 0.125,
+        "q_data_type": torch.bfloat16,
+        "kv_data_type": torch.bfloat16,
+    }
     assert md.prefill_wrapper.layout == "NHD"
     assert md.slot_mapping.tolist() == [12, 13, 14, 15, 36, 7, 25, 26, 27]
 
@@ -152,7 +178,11 @@ def test_pure_decode_plans_the_decode_wrapper(fi):
     assert indptr.tolist() == [0, 2, 3, 6]
     assert indices.tolist() == [8, 2, 5, 1, 3, 4]
     assert last_page_len.tolist() == [1, 1, 3]
-    assert kwargs == {"q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16, "sm_scale": 0.125}
+    assert kwargs == {
+        "q_data_type": torch.bfloat16,
+        "kv_data_type": torch.bfloat16,
+        "sm_scale": 0.125,
+    }
     # The next step reuses the same wrapper (one plan per step, all layers).
     assert builder.build(_common(contexts, tables)).decode_wrapper is wrapper
 
@@ -199,14 +229,21 @@ def test_bind_layers_checks(fi):
     with pytest.raises(ValueError, match="float32"):
         builder.bind_layers([LAYER], torch.float32)
     with pytest.raises(ValueError, match="head sizes"):
-        builder.bind_layers([SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=32, scale=0.1)], torch.float16)
+        builder.bind_layers(
+            [SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=32, scale=0.1)], torch.float16
+        )
     with pytest.raises(ValueError, match="same"):
-        builder.bind_layers([LAYER, SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=64, scale=0.5)], torch.float16)
+        builder.bind_layers(
+            [LAYER, SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=64, scale=0.5)],
+            torch.float16,
+        )
     with pytest.raises(ValueError, match="no attention layers"):
         builder.bind_layers([], torch.float16)
     with pytest.raises(ValueError, match="head sizes"):
         fi.FlashInferImpl(4, 32, 0.1, 2)
-    assert fi.FlashInferBackend.get_name() == "FLASHINFER" and fi.FlashInferBackend.supports_cudagraph
+    assert (
+        fi.FlashInferBackend.get_name() == "FLASHINFER" and fi.FlashInferBackend.supports_cudagraph
+    )
     assert fi.FlashInferBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
 
 

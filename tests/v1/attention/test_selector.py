@@ -26,9 +26,15 @@ FLASHINFER_MODULE = "engine.v1.attention.backends.flashinfer"
 
 def _model_dir(tmp_path, head_dim: int):
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
-        "hidden_size": 2 * head_dim, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_hidden_layers": 1, "max_position_embeddings": 128, "intermediate_size": 32,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 2 * head_dim,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 128,
+        "intermediate_size": 32,
     }
     path = tmp_path / f"tiny_head{head_dim}"
     path.mkdir(exist_ok=True)
@@ -37,7 +43,9 @@ def _model_dir(tmp_path, head_dim: int):
 
 
 def _config(tmp_path, device: str, dtype: str = "auto", head_dim: int = 128):
-    args = EngineArgs(model=_model_dir(tmp_path, head_dim), skip_tokenizer_init=True, device=device, dtype=dtype)
+    args = EngineArgs(
+        model=_model_dir(tmp_path, head_dim), skip_tokenizer_init=True, device=device, dtype=dtype
+    )
     return args.create_engine_config()
 
 
@@ -61,7 +69,9 @@ def fake_triton(env):
     """A stand-in for the Triton backend, so these tests never import triton."""
     backend = type("TritonAttentionBackend", (), {"get_name": staticmethod(lambda: "TRITON_ATTN")})
     env.setitem(
-        sys.modules, "engine.v1.attention.backends.triton_attn", SimpleNamespace(TritonAttentionBackend=backend)
+        sys.modules,
+        "engine.v1.attention.backends.triton_attn",
+        SimpleNamespace(TritonAttentionBackend=backend),
     )
     return backend
 
@@ -75,7 +85,9 @@ def test_cuda_prefers_flashinfer_when_importable(tmp_path, fake_flashinfer, fake
     assert selector.is_flashinfer_available()
     # bf16 (the CUDA default) with 128-wide heads: FlashInfer can run it.
     assert get_attn_backend(_config(tmp_path, "cuda")) is fake_flashinfer
-    assert get_attn_backend(_config(tmp_path, "cuda", dtype="float16", head_dim=64)) is fake_flashinfer
+    assert (
+        get_attn_backend(_config(tmp_path, "cuda", dtype="float16", head_dim=64)) is fake_flashinfer
+    )
 
 
 def test_cuda_without_flashinfer_gets_triton(tmp_path, env, fake_triton):
@@ -84,7 +96,9 @@ def test_cuda_without_flashinfer_gets_triton(tmp_path, env, fake_triton):
     assert get_attn_backend(_config(tmp_path, "cuda")) is fake_triton
 
 
-def test_cuda_falls_back_to_triton_where_flashinfer_cannot_run(tmp_path, fake_flashinfer, fake_triton):
+def test_cuda_falls_back_to_triton_where_flashinfer_cannot_run(
+    tmp_path, fake_flashinfer, fake_triton
+):
     assert get_attn_backend(_config(tmp_path, "cuda", dtype="float32")) is fake_triton
     assert get_attn_backend(_config(tmp_path, "cuda", head_dim=32)) is fake_triton
 
@@ -103,7 +117,9 @@ def test_env_flashinfer_errors_say_why(tmp_path, env, fake_flashinfer):
     env.setenv(ATTENTION_BACKEND_ENV, "FLASHINFER")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_attn_backend(_config(tmp_path, "cpu"))
-    with pytest.raises(ValueError, match=r"dtype float32 \(FLASHINFER supports \['float16', 'bfloat16'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"dtype float32 \(FLASHINFER supports \['float16', 'bfloat16'\]\)"
+    ):
         get_attn_backend(_config(tmp_path, "cuda", dtype="float32"))
     with pytest.raises(ValueError, match=r"head size 32 \(FLASHINFER supports \[64, 128, 256\]\)"):
         get_attn_backend(_config(tmp_path, "cuda", head_dim=32))

@@ -68,8 +68,9 @@ def kernels():
 # ----------------------------------------------------------------------------
 # Building a batch and running both backends
 # ----------------------------------------------------------------------------
-def make_batch(contexts, *, H, H_KV, D, BS, dtype, device, seed=0, pad_reqs=0, pad_tokens=0,
-               pad_style="empty"):
+def make_batch(
+    contexts, *, H, H_KV, D, BS, dtype, device, seed=0, pad_reqs=0, pad_tokens=0, pad_style="empty"
+):
     """contexts: per request (num_cached_tokens, num_new_tokens).
 
     Padding as for a CUDA-graph batch: ``pad_tokens`` tokens with slot -1 and
@@ -77,7 +78,14 @@ def make_batch(contexts, *, H, H_KV, D, BS, dtype, device, seed=0, pad_reqs=0, p
     (``pad_style="empty"``) or owning one padding token each ("one_token").
     """
     kv_cache, tables, slots, q, k, v = scatter_requests(
-        contexts, H=H, H_KV=H_KV, D=D, BS=BS, dtype=dtype, device=device, seed=seed,
+        contexts,
+        H=H,
+        H_KV=H_KV,
+        D=D,
+        BS=BS,
+        dtype=dtype,
+        device=device,
+        seed=seed,
         num_pad_slots=pad_tokens,
     )
     num_tokens = len(slots)
@@ -94,15 +102,29 @@ def make_batch(contexts, *, H, H_KV, D, BS, dtype, device, seed=0, pad_reqs=0, p
     qsl[1:] = torch.tensor(query_lens).cumsum(0)
     seq_lens = torch.tensor([c + n for c, n in contexts] + [0] * pad_reqs, dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
-        seq_lens=seq_lens.to(device), seq_lens_cpu=seq_lens,
-        num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max(query_lens),
-        max_seq_len=int(seq_lens.max()), block_table_tensor=block_table.to(device),
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens.to(device),
+        seq_lens_cpu=seq_lens,
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
     )
     return SimpleNamespace(
-        q=q, k=k, v=v, kv_cache=kv_cache.to(device), common=common,
-        contexts=contexts, slots=slots, H=H, H_KV=H_KV, D=D, BS=BS,
+        q=q,
+        k=k,
+        v=v,
+        kv_cache=kv_cache.to(device),
+        common=common,
+        contexts=contexts,
+        slots=slots,
+        H=H,
+        H_KV=H_KV,
+        D=D,
+        BS=BS,
     )
 
 
@@ -117,10 +139,16 @@ def reference(b):
     c = b.common
     qsl = c.query_start_loc_cpu[: r + 1]
     common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(c.query_start_loc.device), query_start_loc_cpu=qsl,
-        seq_lens=c.seq_lens[:r], seq_lens_cpu=c.seq_lens_cpu[:r], num_reqs=r, num_actual_tokens=n_real,
-        max_query_len=int((qsl[1:] - qsl[:-1]).max()), max_seq_len=int(c.seq_lens_cpu[:r].max()),
-        block_table_tensor=c.block_table_tensor[:r], slot_mapping=c.slot_mapping[:n_real],
+        query_start_loc=qsl.to(c.query_start_loc.device),
+        query_start_loc_cpu=qsl,
+        seq_lens=c.seq_lens[:r],
+        seq_lens_cpu=c.seq_lens_cpu[:r],
+        num_reqs=r,
+        num_actual_tokens=n_real,
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(c.seq_lens_cpu[:r].max()),
+        block_table_tensor=c.block_table_tensor[:r],
+        slot_mapping=c.slot_mapping[:n_real],
     )
     return cpu_attn_fp32(b, common)
 
@@ -169,7 +197,9 @@ CASES = {
 # Each check_* function runs inside ``kernels`` (maybe in the worker).
 # ----------------------------------------------------------------------------
 def check_case(contexts, H=4, H_KV=2, D=16, split_kv_max_reqs=None, expect_split=None, seed=0):
-    b = make_batch(contexts, H=H, H_KV=H_KV, D=D, BS=4, dtype=torch.float32, device=SMALL_DEVICE, seed=seed)
+    b = make_batch(
+        contexts, H=H, H_KV=H_KV, D=D, BS=4, dtype=torch.float32, device=SMALL_DEVICE, seed=seed
+    )
     check_fp32(b, split_kv_max_reqs, expect_split)
 
 
@@ -202,13 +232,25 @@ def check_split_kv_context_lengths():
     b = make_batch(contexts, H=4, H_KV=2, D=16, BS=4, dtype=torch.float32, device=SMALL_DEVICE)
     c = b.common
     key_cache, value_cache = b.kv_cache.unbind(0)
-    triton_reshape_and_cache_flash.triton_reshape_and_cache_flash(b.k, b.v, key_cache, value_cache, c.slot_mapping)
-    split_out = torch.empty(len(contexts), b.H, triton_decode_attention.NUM_KV_SPLITS, b.D, device=SMALL_DEVICE)
+    triton_reshape_and_cache_flash.triton_reshape_and_cache_flash(
+        b.k, b.v, key_cache, value_cache, c.slot_mapping
+    )
+    split_out = torch.empty(
+        len(contexts), b.H, triton_decode_attention.NUM_KV_SPLITS, b.D, device=SMALL_DEVICE
+    )
     split_lse = torch.empty(split_out.shape[:3], device=SMALL_DEVICE)
     out = torch.empty_like(b.q)
     triton_decode_attention.decode_attention_fwd(
-        b.q, key_cache, value_cache, out, c.query_start_loc, c.seq_lens, c.block_table_tensor,
-        split_out, split_lse, b.D**-0.5,
+        b.q,
+        key_cache,
+        value_cache,
+        out,
+        c.query_start_loc,
+        c.seq_lens,
+        c.block_table_tensor,
+        split_out,
+        split_lse,
+        b.D**-0.5,
     )
     ref_out, _ = reference(b)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
@@ -227,16 +269,32 @@ def test_split_kv_workspace_is_checked():
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
     args = (q, cache, cache, q.clone(), qsl, qsl[1:], torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="too small"):
-        triton_decode_attention.decode_attention_fwd(*args, torch.zeros(1, 4, 16, 16), torch.zeros(1, 4, 16), 1.0)
+        triton_decode_attention.decode_attention_fwd(
+            *args, torch.zeros(1, 4, 16, 16), torch.zeros(1, 4, 16), 1.0
+        )
     with pytest.raises(ValueError, match="power of two"):
-        triton_decode_attention.decode_attention_fwd(*args, torch.zeros(2, 4, 12, 16), torch.zeros(2, 4, 12), 1.0)
+        triton_decode_attention.decode_attention_fwd(
+            *args, torch.zeros(2, 4, 12, 16), torch.zeros(2, 4, 12), 1.0
+        )
 
 
 def check_padded_decode_batch(path, pad_style):
-    b = make_batch(DECODES, H=4, H_KV=2, D=16, BS=4, dtype=torch.float32, device=SMALL_DEVICE,
-                   pad_reqs=2, pad_tokens=2, pad_style=pad_style)
-    out = check_fp32(b, split_kv_max_reqs=0 if path == "unified" else None, expect_split=path == "split_kv")
-    padding_rows = out[len(DECODES):]
+    b = make_batch(
+        DECODES,
+        H=4,
+        H_KV=2,
+        D=16,
+        BS=4,
+        dtype=torch.float32,
+        device=SMALL_DEVICE,
+        pad_reqs=2,
+        pad_tokens=2,
+        pad_style=pad_style,
+    )
+    out = check_fp32(
+        b, split_kv_max_reqs=0 if path == "unified" else None, expect_split=path == "split_kv"
+    )
+    padding_rows = out[len(DECODES) :]
     if pad_style == "empty":
         assert torch.isnan(padding_rows).all()
     else:
@@ -261,7 +319,9 @@ def check_reshape_and_cache():
     before = kv_cache.clone()
     slots = torch.tensor([13, 2, -1, 23, -1], dtype=torch.int64, device=SMALL_DEVICE)
     key_cache, value_cache = kv_cache.unbind(0)
-    triton_reshape_and_cache_flash.triton_reshape_and_cache_flash(k, v, key_cache, value_cache, slots)
+    triton_reshape_and_cache_flash.triton_reshape_and_cache_flash(
+        k, v, key_cache, value_cache, slots
+    )
     expected = before.clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
@@ -274,7 +334,9 @@ def test_reshape_and_cache_writes_only_real_slots(kernels):
 
 
 def check_non_causal():
-    b = make_batch([(3, 5), (0, 6)], H=4, H_KV=2, D=16, BS=4, dtype=torch.float32, device=SMALL_DEVICE)
+    b = make_batch(
+        [(3, 5), (0, 6)], H=4, H_KV=2, D=16, BS=4, dtype=torch.float32, device=SMALL_DEVICE
+    )
     b.common.causal = False
     out, cache, _, _ = run_triton(b)
     start = 0
@@ -285,7 +347,9 @@ def check_non_causal():
         v = cache[1][blocks].flatten(0, 1)[:seq_len].repeat_interleave(2, dim=1)
         q = b.q[start : start + new]
         probs = (torch.einsum("qhd,khd->hqk", q, k) * b.D**-0.5).softmax(-1)
-        torch.testing.assert_close(out[start : start + new], torch.einsum("hqk,khd->qhd", probs, v), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            out[start : start + new], torch.einsum("hqk,khd->qhd", probs, v), atol=1e-4, rtol=1e-4
+        )
         start += new
 
 
@@ -297,7 +361,9 @@ def test_non_causal_attends_to_whole_context(kernels):
 def test_profile_run_returns_zeros_without_metadata():
     impl = TritonAttentionImpl(4, 16, 0.25, 2)
     out = torch.ones(3, 4, 16)
-    impl.forward(None, torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16), None, None, out)
+    impl.forward(
+        None, torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16), None, None, out
+    )
     assert torch.count_nonzero(out) == 0
 
 
@@ -319,7 +385,9 @@ def test_backend_interface():
 def test_metadata_holds_no_host_tensors():
     """forward must not sync with the host: everything it reads per request is
     on the batch's device (CPU here only because the batch is)."""
-    b = make_batch(CASES["mixed"], H=4, H_KV=2, D=16, BS=4, dtype=torch.float32, device=SMALL_DEVICE)
+    b = make_batch(
+        CASES["mixed"], H=4, H_KV=2, D=16, BS=4, dtype=torch.float32, device=SMALL_DEVICE
+    )
     md = TritonAttentionMetadataBuilder(b.BS, SMALL_DEVICE).build(b.common)
     tensors = [v for v in vars(md).values() if isinstance(v, torch.Tensor)]
     assert len(tensors) == 4 and all(t.device.type == SMALL_DEVICE.type for t in tensors)
@@ -364,20 +432,23 @@ _COMPILE_SCRIPT = textwrap.dedent(
         return types
 
     # A handful of representative specialisations (each costs seconds to build).
-    for dtype, head_size, group, block_m in (("bf16", 128, 2, 64), ("fp32", 128, 4, 16), ("bf16", 80, 3, 16)):
+    cases = (("bf16", 128, 2, 64), ("fp32", 128, 4, 16), ("bf16", 80, 3, 16))
+    for dtype, head_size, group, block_m in cases:
         precision = "ieee" if dtype == "fp32" else "tf32"
         padded = triton.next_power_of_2(head_size)
         compile_kernel(ua.kernel_unified_attention, types_for(dtype), dict(
-            num_queries_per_kv=group, BLOCK_SIZE=16, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
-            TILE_SIZE=32, BLOCK_Q=block_m // group, BLOCK_M=block_m, CAUSAL=True, DOT_PRECISION=precision))
+            num_queries_per_kv=group, BLOCK_SIZE=16, HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=padded, TILE_SIZE=32, BLOCK_Q=block_m // group, BLOCK_M=block_m,
+            CAUSAL=True, DOT_PRECISION=precision))
         compile_kernel(dec._fwd_grouped_kernel_stage1, types_for(dtype), dict(
-            num_queries_per_kv=group, BLOCK_H=16, BLOCK_SIZE=16, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=padded,
-            TILE_SIZE=16, NUM_KV_SPLITS=16, DOT_PRECISION=precision))
+            num_queries_per_kv=group, BLOCK_H=16, BLOCK_SIZE=16, HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=padded, TILE_SIZE=16, NUM_KV_SPLITS=16, DOT_PRECISION=precision))
     # The launcher turns integer arguments equal to 1 into constants (one request,
     # one block per row): the loop-carried binary search must still type-check.
     compile_kernel(ua.kernel_unified_attention, types_for("bf16"), dict(
         num_seqs=1, block_table_stride=1, num_queries_per_kv=2, BLOCK_SIZE=16, HEAD_SIZE=128,
-        HEAD_SIZE_PADDED=128, TILE_SIZE=32, BLOCK_Q=8, BLOCK_M=16, CAUSAL=False, DOT_PRECISION="tf32"))
+        HEAD_SIZE_PADDED=128, TILE_SIZE=32, BLOCK_Q=8, BLOCK_M=16, CAUSAL=False,
+        DOT_PRECISION="tf32"))
     compile_kernel(dec._fwd_kernel_stage2, types_for("bf16"), dict(
         HEAD_SIZE=80, HEAD_SIZE_PADDED=128, TILE_SIZE=16, NUM_KV_SPLITS=16))
     compile_kernel(rc.reshape_and_cache_kernel_flash, types_for("bf16"), dict(
@@ -498,7 +569,10 @@ def test_gpu_gqa_and_head_sizes(num_heads, num_kv_heads, head_size, dtype):
     """Compiled kernels at GQA ratios 1, 2, 4, 3 and head sizes 128 and 80: a
     mixed batch (unified kernel) and a small decode batch (split-KV)."""
     shape = {"H": num_heads, "H_KV": num_kv_heads, "D": head_size, "BS": 16}
-    for contexts, expect_split in (([(0, 300), (100, 1), (520, 47), (1000, 1)], False), (_decodes(6, 5), True)):
+    for contexts, expect_split in (
+        ([(0, 300), (100, 1), (520, 47), (1000, 1)], False),
+        (_decodes(6, 5), True),
+    ):
         b = make_batch(contexts, dtype=dtype, device=torch.device("cuda"), seed=3, **shape)
         if dtype == torch.float32:
             check_fp32(b, expect_split=expect_split)
@@ -512,7 +586,9 @@ def test_gpu_gqa_and_head_sizes(num_heads, num_kv_heads, head_size, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_reqs,split_kv_max_reqs", [(4, None), (32, None)], ids=["split_kv", "unified"])
+@pytest.mark.parametrize(
+    "num_reqs,split_kv_max_reqs", [(4, None), (32, None)], ids=["split_kv", "unified"]
+)
 def test_gpu_cuda_graph_decode_replay(num_reqs, split_kv_max_reqs):
     """Capture one decode step in a CUDA graph over persistent metadata
     buffers, then replay it for two different steps (new contexts, block
@@ -521,8 +597,12 @@ def test_gpu_cuda_graph_decode_replay(num_reqs, split_kv_max_reqs):
     device = torch.device("cuda")
     H, H_KV, D, BS = GPU_SHAPE["H"], GPU_SHAPE["H_KV"], GPU_SHAPE["D"], GPU_SHAPE["BS"]
     max_blocks = 2048 // BS
-    steps = [make_batch(_decodes(num_reqs, seed), dtype=torch.float32, device=device, seed=seed, **GPU_SHAPE)
-             for seed in (11, 12)]
+    steps = [
+        make_batch(
+            _decodes(num_reqs, seed), dtype=torch.float32, device=device, seed=seed, **GPU_SHAPE
+        )
+        for seed in (11, 12)
+    ]
     num_blocks = max(s.kv_cache.shape[1] for s in steps)
 
     # Persistent buffers: the graph records their addresses.
@@ -536,9 +616,16 @@ def test_gpu_cuda_graph_decode_replay(num_reqs, split_kv_max_reqs):
     v = torch.zeros(num_reqs, H_KV, D, device=device)
     out = torch.zeros(num_reqs, H, D, device=device)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
-        num_reqs=num_reqs, num_actual_tokens=num_reqs, max_query_len=1, max_seq_len=2048,
-        block_table_tensor=block_table, slot_mapping=slot_mapping,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.cpu(),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.cpu(),
+        num_reqs=num_reqs,
+        num_actual_tokens=num_reqs,
+        max_query_len=1,
+        max_seq_len=2048,
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
     )
     impl = TritonAttentionImpl(H, D, D**-0.5, H_KV)
     if split_kv_max_reqs is not None:
@@ -550,7 +637,9 @@ def test_gpu_cuda_graph_decode_replay(num_reqs, split_kv_max_reqs):
         kv_cache[:, : step.kv_cache.shape[1]].copy_(step.kv_cache)
         seq_lens.copy_(step.common.seq_lens)
         block_table.zero_()
-        block_table[:, : step.common.block_table_tensor.shape[1]].copy_(step.common.block_table_tensor)
+        block_table[:, : step.common.block_table_tensor.shape[1]].copy_(
+            step.common.block_table_tensor
+        )
         slot_mapping.copy_(step.common.slot_mapping)
         q.copy_(step.q), k.copy_(step.k), v.copy_(step.v)
 

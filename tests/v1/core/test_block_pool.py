@@ -340,7 +340,11 @@ def test_block_hash_to_block_map_single_block():
 
 def test_block_hash_to_block_map_duplicate_blocks_under_one_hash():
     cache = BlockHashToBlockMap()
-    first, second, third = KVCacheBlock(block_id=4), KVCacheBlock(block_id=9), KVCacheBlock(block_id=2)
+    first, second, third = (
+        KVCacheBlock(block_id=4),
+        KVCacheBlock(block_id=9),
+        KVCacheBlock(block_id=2),
+    )
     cache.insert(key("a"), first)
     cache.insert(key("a"), second)
     cache.insert(key("b"), third)

@@ -101,7 +101,9 @@ def test_block_hash_with_group_id_round_trip(group_id):
 
 def test_same_hash_different_groups_are_different_keys():
     block_hash = sha256("tokens")
-    assert make_block_hash_with_group_id(block_hash, 0) != make_block_hash_with_group_id(block_hash, 1)
+    assert make_block_hash_with_group_id(block_hash, 0) != make_block_hash_with_group_id(
+        block_hash, 1
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -551,7 +553,9 @@ def test_full_attention_spec_rejects_unknown_dtype():
 
 def test_get_num_blocks():
     assert get_num_blocks(available_memory=10 * 1024, num_layers=1, page_size_bytes=1024) == 10
-    assert get_num_blocks(available_memory=10 * 1024 + 1023, num_layers=1, page_size_bytes=1024) == 10
+    assert (
+        get_num_blocks(available_memory=10 * 1024 + 1023, num_layers=1, page_size_bytes=1024) == 10
+    )
     assert get_num_blocks(available_memory=10 * 1024, num_layers=2, page_size_bytes=1024) == 5
     assert get_num_blocks(available_memory=-1, num_layers=1, page_size_bytes=1024) == 0
 
@@ -619,7 +623,10 @@ def test_get_kv_cache_config_rejects_no_layers_and_mixed_specs():
         get_kv_cache_config({}, available_memory=1 << 20, max_model_len=16)
     with pytest.raises(ValueError, match="share one KV cache spec"):
         get_kv_cache_config(
-            {"layer.0": make_kv_cache_spec(head_size=8), "layer.1": make_kv_cache_spec(head_size=16)},
+            {
+                "layer.0": make_kv_cache_spec(head_size=8),
+                "layer.1": make_kv_cache_spec(head_size=16),
+            },
             available_memory=1 << 20,
             max_model_len=16,
         )

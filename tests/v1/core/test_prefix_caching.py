@@ -240,7 +240,11 @@ def test_ref_counts_across_three_requests_sharing_a_prefix():
     assert ref_cnts(manager, [1, 2]) == [2, 2]
     assert allocate_prompt(manager, reqs[2])[1] == 32
     assert ref_cnts(manager, [1, 2]) == [3, 3]
-    assert [get_request_block_ids(manager, r.request_id) for r in reqs] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    assert [get_request_block_ids(manager, r.request_id) for r in reqs] == [
+        [1, 2, 3],
+        [1, 2, 4],
+        [1, 2, 5],
+    ]
     assert ref_cnts(manager, [3, 4, 5]) == [1, 1, 1]
     assert manager.get_num_common_prefix_blocks("r0") == [2]
 
@@ -615,7 +619,12 @@ def test_prefix_cache_stats_count_tokens_and_keep_preempted_apart():
     manager.get_computed_blocks(req_c)
     stats = manager.make_prefix_cache_stats()
     assert stats == PrefixCacheStats(
-        requests=1, queries=33, hits=32, preempted_requests=1, preempted_queries=53, preempted_hits=48
+        requests=1,
+        queries=33,
+        hits=32,
+        preempted_requests=1,
+        preempted_queries=53,
+        preempted_hits=48,
     )
 
 

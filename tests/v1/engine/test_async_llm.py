@@ -36,7 +36,9 @@ def model_dir(tmp_path_factory):
 def make_engine(model_dir, **kwargs) -> AsyncLLM:
     kwargs.setdefault("block_size", 4)
     kwargs.setdefault("num_gpu_blocks_override", 512)
-    args = EngineArgs(model=str(model_dir), distributed_executor_backend=SlowCountingExecutor, **kwargs)
+    args = EngineArgs(
+        model=str(model_dir), distributed_executor_backend=SlowCountingExecutor, **kwargs
+    )
     return AsyncLLM.from_engine_args(args)
 
 
@@ -91,7 +93,11 @@ async def test_streamed_deltas_add_up_to_the_final_output(engine):
     cumulative = await collect(engine, "w5", greedy(**params), "cumulative")
     assert len(final) == 1 and final[0].finished
     assert [o.finished for o in deltas][-1] is True and not any(o.finished for o in deltas[:-1])
-    assert "".join(o.outputs[0].text for o in deltas) == final[0].outputs[0].text == " w6 w7 w8 w9 w10 w11"
+    assert (
+        "".join(o.outputs[0].text for o in deltas)
+        == final[0].outputs[0].text
+        == " w6 w7 w8 w9 w10 w11"
+    )
     assert [t for o in deltas for t in o.outputs[0].token_ids] == ids("w6 w7 w8 w9 w10 w11")
     assert cumulative[-1].outputs[0].text == final[0].outputs[0].text
     assert final[0].outputs[0].finish_reason == "length"
@@ -113,7 +119,9 @@ async def test_n_samples_are_grouped_under_the_parent_id(engine):
     (out,) = await collect(engine, "w20", params, "parent")
     assert out.request_id == "parent" and out.finished
     assert [(c.index, c.text) for c in out.outputs] == [(i, " w21 w22 w23") for i in range(3)]
-    streamed = await collect(engine, "w20", SamplingParams(n=2, temperature=1.0, max_tokens=3, output_kind=DELTA), "p2")
+    streamed = await collect(
+        engine, "w20", SamplingParams(n=2, temperature=1.0, max_tokens=3, output_kind=DELTA), "p2"
+    )
     texts: dict[int, str] = {}
     for o in streamed:
         for c in o.outputs:
@@ -124,8 +132,14 @@ async def test_n_samples_are_grouped_under_the_parent_id(engine):
 
 
 async def test_stop_string_ends_the_request_in_the_core_too(engine):
-    (out,) = await collect(engine, "w5", greedy(max_tokens=50, stop=["w8"], output_kind=FINAL_ONLY), "stop")
-    assert (out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == (" w6 w7 ", "stop", "w8")
+    (out,) = await collect(
+        engine, "w5", greedy(max_tokens=50, stop=["w8"], output_kind=FINAL_ONLY), "stop"
+    )
+    assert (out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == (
+        " w6 w7 ",
+        "stop",
+        "w8",
+    )
     await wait_idle(engine)
 
 
@@ -133,7 +147,9 @@ async def test_cancelled_consumer_aborts_the_request_and_frees_its_blocks(engine
     received = asyncio.Event()
 
     async def consume():
-        async for _ in engine.generate("w1", greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), "cancel-me"):
+        async for _ in engine.generate(
+            "w1", greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), "cancel-me"
+        ):
             received.set()
 
     task = asyncio.create_task(consume())
@@ -150,7 +166,9 @@ async def test_external_abort_ends_the_stream_with_finish_reason_abort(engine):
     outputs = []
 
     async def consume():
-        async for out in engine.generate("w1", greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), "abort-me"):
+        async for out in engine.generate(
+            "w1", greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), "abort-me"
+        ):
             outputs.append(out)
 
     task = asyncio.create_task(consume())
@@ -170,7 +188,9 @@ async def test_bad_requests_fail_alone(engine):
         await collect(engine, {"prompt_token_ids": [4, 999]}, greedy(), "bad")
     with pytest.raises(ValueError, match="max_model_len"):
         await collect(engine, {"prompt_token_ids": [4] * 256}, greedy(), "long")
-    ok = asyncio.create_task(collect(engine, "w1", greedy(max_tokens=2, output_kind=FINAL_ONLY), "dup"))
+    ok = asyncio.create_task(
+        collect(engine, "w1", greedy(max_tokens=2, output_kind=FINAL_ONLY), "dup")
+    )
     await asyncio.sleep(0)
     with pytest.raises(ValueError, match="already in use"):
         await collect(engine, "w2", greedy(), "dup")
@@ -182,12 +202,26 @@ async def test_bad_requests_fail_alone(engine):
 
 async def test_latency_histograms_and_prometheus_text(engine):
     before = {h.name: h.count for h in engine.get_histograms()}
-    await asyncio.gather(*(collect(engine, f"w{i}", greedy(max_tokens=5), f"h{i}") for i in range(3)))
+    await asyncio.gather(
+        *(collect(engine, f"w{i}", greedy(max_tokens=5), f"h{i}") for i in range(3))
+    )
     after = {h.name: h for h in engine.get_histograms()}
-    assert after["glassbox:time_to_first_token_seconds"].count - before["glassbox:time_to_first_token_seconds"] == 3
-    assert after["glassbox:e2e_request_latency_seconds"].count - before["glassbox:e2e_request_latency_seconds"] == 3
+    assert (
+        after["glassbox:time_to_first_token_seconds"].count
+        - before["glassbox:time_to_first_token_seconds"]
+        == 3
+    )
+    assert (
+        after["glassbox:e2e_request_latency_seconds"].count
+        - before["glassbox:e2e_request_latency_seconds"]
+        == 3
+    )
     # 5 tokens per request: the first is TTFT, then 4 inter-token gaps.
-    assert after["glassbox:inter_token_latency_seconds"].count - before["glassbox:inter_token_latency_seconds"] == 12
+    assert (
+        after["glassbox:inter_token_latency_seconds"].count
+        - before["glassbox:inter_token_latency_seconds"]
+        == 12
+    )
     itl = after["glassbox:inter_token_latency_seconds"]
     assert itl.buckets["+Inf"] == itl.count and itl.sum > 0
     text = engine.render_prometheus()
@@ -203,10 +237,20 @@ async def test_latency_histograms_and_prometheus_text(engine):
 
 async def test_reset_prefix_cache_is_a_utility_call(engine):
     await collect(engine, "w1 w2 w3 w4 w5 w6 w7 w8 w9", greedy(max_tokens=1), "cache-a")
-    (hit,) = await collect(engine, "w1 w2 w3 w4 w5 w6 w7 w8 w10", greedy(max_tokens=1, output_kind=FINAL_ONLY), "cache-b")
+    (hit,) = await collect(
+        engine,
+        "w1 w2 w3 w4 w5 w6 w7 w8 w10",
+        greedy(max_tokens=1, output_kind=FINAL_ONLY),
+        "cache-b",
+    )
     assert hit.num_cached_tokens == 8
     assert await engine.reset_prefix_cache() is True
-    (miss,) = await collect(engine, "w1 w2 w3 w4 w5 w6 w7 w8 w11", greedy(max_tokens=1, output_kind=FINAL_ONLY), "cache-c")
+    (miss,) = await collect(
+        engine,
+        "w1 w2 w3 w4 w5 w6 w7 w8 w11",
+        greedy(max_tokens=1, output_kind=FINAL_ONLY),
+        "cache-c",
+    )
     assert miss.num_cached_tokens == 0
 
 
@@ -219,7 +263,9 @@ async def test_killed_engine_fails_pending_and_new_requests(model_dir, monkeypat
         started = asyncio.Event()
 
         async def consume(request_id: str):
-            async for _ in engine.generate("w1", greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), request_id):
+            async for _ in engine.generate(
+                "w1", greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), request_id
+            ):
                 started.set()
 
         pending = [asyncio.create_task(consume(f"k{i}")) for i in range(3)]

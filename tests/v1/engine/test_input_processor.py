@@ -44,9 +44,7 @@ def test_text_prompt_is_tokenized(processor):
 def test_prompt_dict_forms(processor):
     text, request = processor.process_inputs("a", {"prompt": "w7"}, SamplingParams())
     assert (text, request.prompt_token_ids) == ("w7", ids("w7"))
-    text, request = processor.process_inputs(
-        "b", {"prompt_token_ids": (9, 10)}, SamplingParams()
-    )
+    text, request = processor.process_inputs("b", {"prompt_token_ids": (9, 10)}, SamplingParams())
     assert (text, request.prompt_token_ids) == (None, [9, 10])
     # Given token ids win; the text is only carried along, not re-tokenized.
     text, request = processor.process_inputs(
@@ -154,7 +152,9 @@ def test_bad_prompts(processor, prompt, match):
 
 def test_longest_allowed_prompt(processor):
     _, request = processor.process_inputs(
-        "r", {"prompt_token_ids": list(range(4, 4 + MAX_MODEL_LEN - 1))}, SamplingParams(max_tokens=None)
+        "r",
+        {"prompt_token_ids": list(range(4, 4 + MAX_MODEL_LEN - 1))},
+        SamplingParams(max_tokens=None),
     )
     assert request.sampling_params.max_tokens == 1
 

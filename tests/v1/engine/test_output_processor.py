@@ -198,7 +198,10 @@ def test_special_tokens_in_text(processor):
     add(processor, "skip", sp=params())
     add(processor, "keep", sp=params(skip_special_tokens=False))
     result = processor.process_outputs(
-        [out("skip", [10, BOS, 11], FinishReason.LENGTH), out("keep", [10, BOS, 11], FinishReason.LENGTH)]
+        [
+            out("skip", [10, BOS, 11], FinishReason.LENGTH),
+            out("keep", [10, BOS, 11], FinishReason.LENGTH),
+        ]
     )
     assert texts(result.request_outputs) == [" w6 w7", " w6 <s> w7"]
 
@@ -262,7 +265,9 @@ def test_stop_string_held_back_in_delta_mode(processor):
 
 def test_stop_string_held_back_in_cumulative_mode(processor):
     add(processor, sp=params(CUMULATIVE, stop=["w9"]))
-    seen = [texts(processor.process_outputs([out("r", w)]).request_outputs)[0] for w in ["w6", "w7"]]
+    seen = [
+        texts(processor.process_outputs([out("r", w)]).request_outputs)[0] for w in ["w6", "w7"]
+    ]
     assert seen == [" w", " w6 w"]
     # Finishing for another reason releases the held-back text.
     final = processor.process_outputs([out("r", "w8", FinishReason.LENGTH)]).request_outputs

@@ -214,7 +214,7 @@ def run_seeded_request(
     params.insert(position, seeded)
     target_logits = seeded_target_logits()
     tokens: list[int] = []
-    for step in range(steps):
+    for _ in range(steps):
         logits = torch.randn(len(params), VOCAB) * 2
         logits[position] = target_logits
         md = make_metadata(params, generators={position: generator})

@@ -183,7 +183,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch():
     def draw_in_batch(seed: int, steps: int, batch: int, row: int) -> list[int]:
         gen = torch.Generator().manual_seed(seed)
         out = []
-        for step in range(steps):
+        for _ in range(steps):
             # Other rows: different distributions, sampled from the global RNG.
             others = torch.softmax(torch.randn(batch, vocab), -1)
             others[row] = probs_row

@@ -1,1 +1,4 @@
-"""``glassbox bench`` sub-commands (vLLM twin: ``vllm/entrypoints/cli/benchmark/``). Sessions: 06."""
+"""``glassbox bench`` sub-commands (vLLM twin: ``vllm/entrypoints/cli/benchmark/``).
+
+Sessions: 06.
+"""

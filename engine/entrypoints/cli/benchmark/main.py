@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_type", metavar="BENCHMARK", required=True)
     for cmd_cls in BENCHMARKS:
         bench_parser = sub.add_parser(
-            cmd_cls.name, help=cmd_cls.help, description=cmd_cls.help,
+            cmd_cls.name,
+            help=cmd_cls.help,
+            description=cmd_cls.help,
             usage=f"glassbox bench {cmd_cls.name} [options]",
         )
         bench_parser.set_defaults(dispatch_function=cmd_cls.cmd)

@@ -74,7 +74,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render_chat(request)
         request_id = self._base_request_id(request, raw_request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = (
+            request.max_completion_tokens
+            if request.max_completion_tokens is not None
+            else request.max_tokens
+        )
         params = self.build_sampling_params(request, max_tokens, num_logprobs, kind)
         rendered = self.render_prompt(request_id, prompt, params, request.priority, "messages")
         result_generator = merge_async_iterators(
@@ -136,7 +140,10 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # jinja errors, bad template kwargs
             raise GlassboxValidationError(f"the chat template failed: {e}", "messages") from e
         # The template already wrote any BOS; don't let encode() add another.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return {
+            "prompt": text,
+            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+        }
 
     async def chat_completion_stream_generator(
         self,
@@ -155,10 +162,18 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk_json(choice: ChatCompletionResponseStreamChoice, completion_tokens: int) -> str:
             chunk = ChatCompletionStreamResponse(
-                id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice]
+                id=request_id,
+                object="chat.completion.chunk",
+                created=created,
+                model=model_name,
+                choices=[choice],
             )
             if include_usage:
-                chunk.usage = make_usage_info(num_prompt_tokens, completion_tokens) if continuous_usage else None
+                chunk.usage = (
+                    make_usage_info(num_prompt_tokens, completion_tokens)
+                    if continuous_usage
+                    else None
+                )
             return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
         try:
@@ -204,7 +219,8 @@ class OpenAIServingChat(OpenAIServing):
                     choices=[],
                     usage=make_usage_info(num_prompt_tokens, sum(num_tokens)),
                 )
-                yield f"data: {usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+                usage_json = usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)
+                yield f"data: {usage_json}\n\n"
         except Exception as e:
             yield f"data: {self.create_streaming_error_response(e)}\n\n"
         finally:
@@ -242,11 +258,15 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     @staticmethod
-    def _create_chat_logprobs(output: CompletionOutput, top_logprobs: int) -> ChatCompletionLogProbs:
+    def _create_chat_logprobs(
+        output: CompletionOutput, top_logprobs: int
+    ) -> ChatCompletionLogProbs:
         content = []
         for token_id, position in zip(output.token_ids, output.logprobs or []):
             sampled = position.get(token_id)
-            token = logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
+            token = (
+                logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
+            )
             content.append(
                 ChatCompletionLogProbsContent(
                     token=token,

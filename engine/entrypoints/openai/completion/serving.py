@@ -65,7 +65,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, prompt in enumerate(prompts)
         ]
         generators = [
-            self.engine_client.generate(prompt, params, f"{request_id}-{i}", priority=request.priority)
+            self.engine_client.generate(
+                prompt, params, f"{request_id}-{i}", priority=request.priority
+            )
             for i, prompt in enumerate(rendered)
         ]
         result_generator = merge_async_iterators(*generators)
@@ -126,7 +128,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         ],
                     )
                     if include_usage:
-                        chunk.usage = make_usage_info(num_prompt_tokens, num_tokens[i]) if continuous_usage else None
+                        chunk.usage = (
+                            make_usage_info(num_prompt_tokens, num_tokens[i])
+                            if continuous_usage
+                            else None
+                        )
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if include_usage:
                 usage_chunk = CompletionStreamResponse(
@@ -137,7 +143,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices=[],
                     usage=make_usage_info(num_prompt_tokens, sum(num_tokens)),
                 )
-                yield f"data: {usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+                usage_json = usage_chunk.model_dump_json(exclude_unset=True, exclude_none=True)
+                yield f"data: {usage_json}\n\n"
         except Exception as e:
             # Headers are gone already: the error travels as the next event.
             yield f"data: {self.create_streaming_error_response(e)}\n\n"
@@ -178,7 +185,9 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     @staticmethod
-    def _create_completion_logprobs(output: CompletionOutput, initial_text_offset: int) -> CompletionLogProbs:
+    def _create_completion_logprobs(
+        output: CompletionOutput, initial_text_offset: int
+    ) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: per token its text, logprob, the top
         alternatives and where it starts in the choice's text."""
         tokens: list[str] = []
@@ -188,15 +197,22 @@ class OpenAIServingCompletion(OpenAIServing):
         offset = initial_text_offset
         for token_id, position in zip(output.token_ids, output.logprobs or []):
             sampled = position.get(token_id)
-            token = logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
+            token = (
+                logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
+            )
             tokens.append(token)
             token_logprobs.append(sampled.logprob if sampled is not None else None)
-            top_logprobs.append({logprob_token(lp, tid): max(lp.logprob, -9999.0) for tid, lp in position.items()})
+            top_logprobs.append(
+                {logprob_token(lp, tid): max(lp.logprob, -9999.0) for tid, lp in position.items()}
+            )
             text_offset.append(offset)
             offset += len(token)
         # Passed explicitly: streamed chunks are dumped with exclude_unset.
         return CompletionLogProbs(
-            text_offset=text_offset, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top_logprobs
+            text_offset=text_offset,
+            token_logprobs=token_logprobs,
+            tokens=tokens,
+            top_logprobs=top_logprobs,
         )
 
 

@@ -103,7 +103,9 @@ def make_usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> Usage
     )
 
 
-async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[tuple[int, T], None]:
+async def merge_async_iterators(
+    *iterators: AsyncIterator[T],
+) -> AsyncGenerator[tuple[int, T], None]:
     """Yield ``(iterator index, item)`` from several async iterators as items
     arrive (one prompt of a multi-prompt completion per iterator)."""
     if len(iterators) == 1:
@@ -241,4 +243,3 @@ def logprob_token(logprob: Logprob, token_id: int) -> str:
 def top_logprobs_by_rank(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The ``k`` most likely tokens at one position, most likely first."""
     return sorted(position.items(), key=lambda item: item[1].rank or 0)[:k]
-

@@ -39,7 +39,9 @@ class OpenAIServingTokenization(OpenAIServing):
             )
             tokens = self.chat.render_chat(chat_request)["prompt_token_ids"]
         else:
-            tokens = list(tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+            tokens = list(
+                tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            )
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(tokens),

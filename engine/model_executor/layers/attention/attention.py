@@ -53,7 +53,8 @@ class Attention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
             raise ValueError(
-                f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+                f"num_heads ({num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({num_kv_heads})"
             )
         if not prefix:
             raise ValueError(
@@ -131,6 +132,7 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, "
-            f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, scale={self.scale:.4g}, "
+            f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+            f"scale={self.scale:.4g}, "
             f"backend={self.impl.__class__.__name__}"
         )

@@ -127,12 +127,19 @@ class RotaryEmbedding(CustomOp):
             return self.forward_native(positions, query, key)
         self._match_cos_sin_cache_device(query)
         kernels = cpu_kernels()
-        if kernels is not None and self.cos_sin_cache.dtype == torch.float32 and all(
-            t.stride(-1) == 1 and (t.dim() == 2 or t.is_contiguous()) for t in (query, key) if t is not None
+        if (
+            kernels is not None
+            and self.cos_sin_cache.dtype == torch.float32
+            and all(
+                t.stride(-1) == 1 and (t.dim() == 2 or t.is_contiguous())
+                for t in (query, key)
+                if t is not None
+            )
         ):
             # csrc/cpu/pos_encoding.cpp: one in-place call for q and k.
-            kernels.rotary_embedding(positions, query, key, self.head_size,
-                                     self.cos_sin_cache, self.is_neox_style)
+            kernels.rotary_embedding(
+                positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
+            )
             return query, key
         # In place, like forward_cuda, with ~12 torch ops instead of ~30 (bit-identical).
         cpu_fused.rotary_embedding_(
@@ -148,7 +155,9 @@ class RotaryEmbedding(CustomOp):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_tokens: int):
         shape = x.shape
-        heads = x.numel() // max(num_tokens, 1) // self.head_size  # explicit: -1 is ambiguous at T=0
+        heads = (
+            x.numel() // max(num_tokens, 1) // self.head_size
+        )  # explicit: -1 is ambiguous at T=0
         x = x.view(num_tokens, heads, self.head_size)  # [T, heads, head_size]
         # Only the first rotary_dim features rotate (partial RoPE); the rest pass.
         x_rot = apply_rotary_emb(x[..., : self.rotary_dim], cos, sin, self.is_neox_style)

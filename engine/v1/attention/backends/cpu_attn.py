@@ -64,7 +64,9 @@ class GatherBuffer:
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         numel = math.prod(shape)
         buf = self.buffer
         if (
@@ -239,7 +241,9 @@ class CPUAttentionBackendImpl(AttentionImpl):
         v = value_cache[blocks].flatten(0, 1)[:seq_len]
         return k, v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> torch.Tensor:
         """q [Lq, H, D] over k, v [Lk, H_kv, D]; the Lq queries are the last
         Lq positions of the context."""
         lq, lk = q.shape[0], k.shape[0]
@@ -293,12 +297,26 @@ class CPUAttentionBackendImpl(AttentionImpl):
         key_cache, value_cache = kv_cache.unbind(0)  # each [num_blocks, bs, H_kv, D], contiguous
         q = query[dec.query_rows]  # [n, H, D]
         if isinstance(dec.query_rows, slice):  # consecutive rows: write the output in place
-            kernels.paged_decode_attention(output[dec.query_rows], q, key_cache, value_cache,
-                                           dec.kernel_block_table, dec.kernel_seq_lens, self.scale)
+            kernels.paged_decode_attention(
+                output[dec.query_rows],
+                q,
+                key_cache,
+                value_cache,
+                dec.kernel_block_table,
+                dec.kernel_seq_lens,
+                self.scale,
+            )
         else:
             out = torch.empty_like(q)
-            kernels.paged_decode_attention(out, q, key_cache, value_cache,
-                                           dec.kernel_block_table, dec.kernel_seq_lens, self.scale)
+            kernels.paged_decode_attention(
+                out,
+                q,
+                key_cache,
+                value_cache,
+                dec.kernel_block_table,
+                dec.kernel_seq_lens,
+                self.scale,
+            )
             output[dec.query_rows] = out
 
 

@@ -81,6 +81,11 @@ try:
 except ImportError as e:  # the selector falls back to TRITON_ATTN
     raise ImportError(f"the FLASHINFER attention backend needs the flashinfer package ({e})") from e
 
+# Below the flashinfer import: without flashinfer the module stops above, before importing Triton.
+from engine.v1.attention.ops.triton_reshape_and_cache_flash import (
+    triton_reshape_and_cache_flash,
+)
+
 
 def _why_kernels_unavailable() -> str | None:
     """None when FlashInfer can get its kernels on this machine, else why not.
@@ -99,7 +104,11 @@ def _why_kernels_unavailable() -> str | None:
     except ImportError:
         pass
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    nvcc_candidates = [os.environ.get("FLASHINFER_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    nvcc_candidates = [
+        os.environ.get("FLASHINFER_NVCC"),
+        shutil.which("nvcc"),
+        "/usr/local/cuda/bin/nvcc",
+    ]
     if cuda_home:
         nvcc_candidates.append(os.path.join(cuda_home, "bin", "nvcc"))
     if not any(c and os.path.exists(c) for c in nvcc_candidates):
@@ -111,11 +120,9 @@ def _why_kernels_unavailable() -> str | None:
 
 _reason = _why_kernels_unavailable()
 if _reason is not None:
-    raise ImportError(f"FlashInfer {getattr(flashinfer, '__version__', '?')} cannot run here: {_reason}")
-
-from engine.v1.attention.ops.triton_reshape_and_cache_flash import (
-    triton_reshape_and_cache_flash,
-)
+    raise ImportError(
+        f"FlashInfer {getattr(flashinfer, '__version__', '?')} cannot run here: {_reason}"
+    )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
@@ -183,7 +190,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 f"FLASHINFER supports dtypes {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}; "
                 "use TRITON_ATTN for float32"
             )
-        shapes = {(l.num_heads, l.num_kv_heads, l.head_size, float(l.scale)) for l in layers}
+        shapes = {
+            (layer.num_heads, layer.num_kv_heads, layer.head_size, float(layer.scale))
+            for layer in layers
+        }
         if not shapes:
             raise ValueError("bind_layers() got no attention layers")
         if len(shapes) > 1:
@@ -193,7 +203,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             )
         ((num_heads, num_kv_heads, head_size, scale),) = shapes
         if head_size not in SUPPORTED_HEAD_SIZES:
-            raise ValueError(f"FLASHINFER supports head sizes {SUPPORTED_HEAD_SIZES}, got {head_size}")
+            raise ValueError(
+                f"FLASHINFER supports head sizes {SUPPORTED_HEAD_SIZES}, got {head_size}"
+            )
         self.params = FlashInferLayerParams(num_heads, num_kv_heads, head_size, scale, dtype)
         sizes = sorted(set(cudagraph_batch_sizes))
         if any(s < 1 for s in sizes):
@@ -203,12 +215,16 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     def _get_workspace_buffer(self) -> torch.Tensor:
         if self._workspace_buffer is None:
             # FlashInfer wants it zeroed before first use.
-            self._workspace_buffer = torch.zeros(WORKSPACE_BUFFER_SIZE, dtype=torch.uint8, device=self.device)
+            self._workspace_buffer = torch.zeros(
+                WORKSPACE_BUFFER_SIZE, dtype=torch.uint8, device=self.device
+            )
         return self._workspace_buffer
 
     def _get_prefill_wrapper(self) -> Any:
         if self._prefill_wrapper is None:
-            self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self._get_workspace_buffer(), "NHD")
+            self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(
+                self._get_workspace_buffer(), "NHD"
+            )
         return self._prefill_wrapper
 
     def _get_decode_wrapper(self, batch_size: int, use_cudagraph: bool, max_blocks: int) -> Any:
@@ -224,9 +240,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 # Allocated once (before the first capture): captured graphs
                 # keep these addresses. Every graph wrapper uses prefixes of them.
                 max_size = max(self.cudagraph_batch_sizes)
-                self._graph_indptr = torch.zeros(max_size + 1, dtype=torch.int32, device=self.device)
-                self._graph_indices = torch.zeros(max_size * max_blocks, dtype=torch.int32, device=self.device)
-                self._graph_last_page_len = torch.ones(max_size, dtype=torch.int32, device=self.device)
+                self._graph_indptr = torch.zeros(
+                    max_size + 1, dtype=torch.int32, device=self.device
+                )
+                self._graph_indices = torch.zeros(
+                    max_size * max_blocks, dtype=torch.int32, device=self.device
+                )
+                self._graph_last_page_len = torch.ones(
+                    max_size, dtype=torch.int32, device=self.device
+                )
             assert self._graph_indptr is not None and self._graph_last_page_len is not None
             wrapper = BatchDecodeWithPagedKVCacheWrapper(
                 self._get_workspace_buffer(),
@@ -245,7 +267,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     # ------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         if self.params is None:
-            raise RuntimeError("FlashInferMetadataBuilder.bind_layers() must be called before build()")
+            raise RuntimeError(
+                "FlashInferMetadataBuilder.bind_layers() must be called before build()"
+            )
         p = self.params
         bs = self.block_size
         num_rows = common.num_reqs  # padded under a CUDA graph
@@ -273,7 +297,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         last_len = np.concatenate([last_len, np.ones(num_pad, dtype=np.int64)])
         indptr = np.zeros(num_rows + 1, dtype=np.int32)
         np.cumsum(pages, out=indptr[1:])
-        indices = self._gather_page_indices(common.block_table_tensor, seq_lens, pages[:num_real], num_pad)
+        indices = self._gather_page_indices(
+            common.block_table_tensor, seq_lens, pages[:num_real], num_pad
+        )
 
         indptr_t = torch.from_numpy(indptr)
         last_len_t = torch.from_numpy(last_len.astype(np.int32))
@@ -283,29 +309,52 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 num_rows, use_cudagraph, max_blocks=common.block_table_tensor.shape[1]
             )
             wrapper.plan(
-                indptr_t, indices, last_len_t,
-                p.num_qo_heads, p.num_kv_heads, p.head_size, bs,
-                q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=p.sm_scale,
+                indptr_t,
+                indices,
+                last_len_t,
+                p.num_qo_heads,
+                p.num_kv_heads,
+                p.head_size,
+                bs,
+                q_data_type=p.dtype,
+                kv_data_type=p.dtype,
+                sm_scale=p.sm_scale,
             )
             return FlashInferMetadata(
                 num_actual_tokens=common.num_actual_tokens,
                 slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-                num_reqs=num_rows, num_decodes=num_rows, num_prefills=0,
-                prefill_wrapper=None, decode_wrapper=wrapper, uses_cudagraph_wrapper=use_cudagraph,
+                num_reqs=num_rows,
+                num_decodes=num_rows,
+                num_prefills=0,
+                prefill_wrapper=None,
+                decode_wrapper=wrapper,
+                uses_cudagraph_wrapper=use_cudagraph,
             )
         if num_pad:
             raise ValueError("only pure-decode batches may carry padding requests")
         wrapper = self._get_prefill_wrapper()
         wrapper.plan(
-            torch.from_numpy(qsl.astype(np.int32)), indptr_t, indices, last_len_t,
-            p.num_qo_heads, p.num_kv_heads, p.head_size, bs,
-            causal=common.causal, sm_scale=p.sm_scale, q_data_type=p.dtype, kv_data_type=p.dtype,
+            torch.from_numpy(qsl.astype(np.int32)),
+            indptr_t,
+            indices,
+            last_len_t,
+            p.num_qo_heads,
+            p.num_kv_heads,
+            p.head_size,
+            bs,
+            causal=common.causal,
+            sm_scale=p.sm_scale,
+            q_data_type=p.dtype,
+            kv_data_type=p.dtype,
         )
         return FlashInferMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-            num_reqs=num_rows, num_decodes=num_decodes, num_prefills=num_rows - num_decodes,
-            prefill_wrapper=wrapper, decode_wrapper=None,
+            num_reqs=num_rows,
+            num_decodes=num_decodes,
+            num_prefills=num_rows - num_decodes,
+            prefill_wrapper=wrapper,
+            decode_wrapper=None,
         )
 
     def _gather_page_indices(
@@ -337,7 +386,9 @@ class FlashInferImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         if head_size not in SUPPORTED_HEAD_SIZES:
-            raise ValueError(f"FLASHINFER supports head sizes {SUPPORTED_HEAD_SIZES}, got {head_size}")
+            raise ValueError(
+                f"FLASHINFER supports head sizes {SUPPORTED_HEAD_SIZES}, got {head_size}"
+            )
 
     def forward(
         self,

@@ -85,7 +85,9 @@ class SplitKVWorkspace:
         if key not in self._buffers:
             self._buffers[key] = (
                 # split_out [max_reqs, H, splits, D]: each slice's normalised partial output
-                torch.empty(max_reqs, num_heads, num_splits, head_size, dtype=torch.float32, device=device),
+                torch.empty(
+                    max_reqs, num_heads, num_splits, head_size, dtype=torch.float32, device=device
+                ),
                 # split_lse [max_reqs, H, splits]: each slice's log2-sum-exp2 of scores
                 torch.empty(max_reqs, num_heads, num_splits, dtype=torch.float32, device=device),
             )
@@ -135,7 +137,9 @@ class TritonAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         if not 1 <= head_size <= MAX_HEAD_SIZE:
-            raise ValueError(f"TRITON_ATTN supports head_size in [1, {MAX_HEAD_SIZE}], got {head_size}")
+            raise ValueError(
+                f"TRITON_ATTN supports head_size in [1, {MAX_HEAD_SIZE}], got {head_size}"
+            )
         # Decode-only batches of at most this many requests use split-KV decode
         # (fewer than MIN_LAUNCH_GRID_SIZE_2D unified programs). Tests set it to
         # 0 to force the unified kernel, or raise it to force split-KV.
@@ -174,19 +178,38 @@ class TritonAttentionImpl(AttentionImpl):
         # 2. Attend.
         if self.use_split_kv(md):
             split_out, split_lse = md.split_kv_workspace.get(
-                self.split_kv_max_reqs, self.num_heads, self.num_kv_splits, self.head_size, query.device
+                self.split_kv_max_reqs,
+                self.num_heads,
+                self.num_kv_splits,
+                self.head_size,
+                query.device,
             )
             triton_decode_attention.decode_attention_fwd(
-                query[:n], key_cache, value_cache, output[:n],
-                md.query_start_loc, md.seq_lens, md.block_table,
-                split_out, split_lse, self.scale, num_reqs=md.num_reqs,
+                query[:n],
+                key_cache,
+                value_cache,
+                output[:n],
+                md.query_start_loc,
+                md.seq_lens,
+                md.block_table,
+                split_out,
+                split_lse,
+                self.scale,
+                num_reqs=md.num_reqs,
             )
         else:
             triton_unified_attention.unified_attention(
-                q=query[:n], k=key_cache, v=value_cache, out=output[:n],
-                cu_seqlens_q=md.query_start_loc, max_seqlen_q=md.max_query_len,
-                seqused_k=md.seq_lens, softmax_scale=self.scale, causal=md.causal,
-                block_table=md.block_table, num_seqs=md.num_reqs,
+                q=query[:n],
+                k=key_cache,
+                v=value_cache,
+                out=output[:n],
+                cu_seqlens_q=md.query_start_loc,
+                max_seqlen_q=md.max_query_len,
+                seqused_k=md.seq_lens,
+                softmax_scale=self.scale,
+                causal=md.causal,
+                block_table=md.block_table,
+                num_seqs=md.num_reqs,
             )
         return output
 

@@ -108,7 +108,12 @@ def _fwd_grouped_kernel_stage1(
     dim_mask = offs_d < HEAD_SIZE
 
     # Q tile [BLOCK_H, HEAD_SIZE_PADDED]: the group's heads of the one query token.
-    q_ptrs = query_ptr + q_start.to(tl.int64) * query_stride_0 + head_idx[:, None] * query_stride_1 + offs_d[None, :]
+    q_ptrs = (
+        query_ptr
+        + q_start.to(tl.int64) * query_stride_0
+        + head_idx[:, None] * query_stride_1
+        + offs_d[None, :]
+    )
     q = tl.load(q_ptrs, mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -120,14 +125,24 @@ def _fwd_grouped_kernel_stage1(
     for tile_start in range(kv_start, kv_end, TILE_SIZE):
         kv_pos = tile_start + offs_t
         kv_mask = kv_pos < kv_end
-        physical_block = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        physical_block = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(
+            tl.int64
+        )
         slot_in_block = kv_pos % BLOCK_SIZE
         # K and V tiles [TILE_SIZE, HEAD_SIZE_PADDED], gathered through the block table.
-        k_offs = (physical_block[:, None] * stride_k_cache_0 + slot_in_block[:, None] * stride_k_cache_1
-                  + kv_head_idx * stride_k_cache_2 + offs_d[None, :])
+        k_offs = (
+            physical_block[:, None] * stride_k_cache_0
+            + slot_in_block[:, None] * stride_k_cache_1
+            + kv_head_idx * stride_k_cache_2
+            + offs_d[None, :]
+        )
         k = tl.load(key_cache_ptr + k_offs, mask=kv_mask[:, None] & dim_mask[None, :], other=0.0)
-        v_offs = (physical_block[:, None] * stride_v_cache_0 + slot_in_block[:, None] * stride_v_cache_1
-                  + kv_head_idx * stride_v_cache_2 + offs_d[None, :])
+        v_offs = (
+            physical_block[:, None] * stride_v_cache_0
+            + slot_in_block[:, None] * stride_v_cache_1
+            + kv_head_idx * stride_v_cache_2
+            + offs_d[None, :]
+        )
         v = tl.load(value_cache_ptr + v_offs, mask=kv_mask[:, None] & dim_mask[None, :], other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_H, TILE_SIZE]
@@ -140,10 +155,20 @@ def _fwd_grouped_kernel_stage1(
         m_i = m_new
 
     # Normalised partial output of this slice and its log2-sum-exp2.
-    out_ptrs = (split_out_ptr + req_idx.to(tl.int64) * split_out_stride_0 + head_idx[:, None] * split_out_stride_1
-                + split_idx * split_out_stride_2 + offs_d[None, :])
+    out_ptrs = (
+        split_out_ptr
+        + req_idx.to(tl.int64) * split_out_stride_0
+        + head_idx[:, None] * split_out_stride_1
+        + split_idx * split_out_stride_2
+        + offs_d[None, :]
+    )
     tl.store(out_ptrs, acc / l_i[:, None], mask=head_mask[:, None] & dim_mask[None, :])
-    lse_ptrs = split_lse_ptr + req_idx.to(tl.int64) * split_lse_stride_0 + head_idx * split_lse_stride_1 + split_idx
+    lse_ptrs = (
+        split_lse_ptr
+        + req_idx.to(tl.int64) * split_lse_stride_0
+        + head_idx * split_lse_stride_1
+        + split_idx
+    )
     tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=head_mask)
 
 
@@ -181,19 +206,28 @@ def _fwd_kernel_stage2(
     split_mask = offs_s < num_valid_splits
     dim_mask = offs_d < HEAD_SIZE
 
-    lse_row = split_lse_ptr + req_idx.to(tl.int64) * split_lse_stride_0 + head_idx * split_lse_stride_1
+    lse_row = (
+        split_lse_ptr + req_idx.to(tl.int64) * split_lse_stride_0 + head_idx * split_lse_stride_1
+    )
     lse = tl.load(lse_row + offs_s, mask=split_mask, other=float("-inf"))  # [NUM_KV_SPLITS]
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty context (padding)
     weight = tl.exp2(lse - lse_max)  # 0 for empty slices
 
-    out_base = split_out_ptr + req_idx.to(tl.int64) * split_out_stride_0 + head_idx * split_out_stride_1
-    parts = tl.load(out_base + offs_s[:, None] * split_out_stride_2 + offs_d[None, :],
-                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)  # [NUM_KV_SPLITS, HEAD_SIZE_PADDED]
+    out_base = (
+        split_out_ptr + req_idx.to(tl.int64) * split_out_stride_0 + head_idx * split_out_stride_1
+    )
+    parts = tl.load(
+        out_base + offs_s[:, None] * split_out_stride_2 + offs_d[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [NUM_KV_SPLITS, HEAD_SIZE_PADDED]
     total = tl.sum(weight, axis=0)
     merged = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
 
-    out_ptrs = output_ptr + q_start.to(tl.int64) * output_stride_0 + head_idx * output_stride_1 + offs_d
+    out_ptrs = (
+        output_ptr + q_start.to(tl.int64) * output_stride_0 + head_idx * output_stride_1 + offs_d
+    )
     tl.store(out_ptrs, merged.to(output_ptr.dtype.element_ty), mask=dim_mask)
 
 
@@ -205,7 +239,8 @@ def decode_attention_fwd(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32; every real request has length 1
     seq_lens: torch.Tensor,  # [num_reqs] int32
     block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
-    split_out: torch.Tensor,  # workspace [>= num_reqs, num_query_heads, num_kv_splits, head_size] float32
+    # workspace [>= num_reqs, num_query_heads, num_kv_splits, head_size] float32
+    split_out: torch.Tensor,
     split_lse: torch.Tensor,  # workspace [>= num_reqs, num_query_heads, num_kv_splits] float32
     sm_scale: float,
     num_reqs: int | None = None,
@@ -224,13 +259,19 @@ def decode_attention_fwd(
     num_kv_splits = split_out.shape[2]
     if num_kv_splits & (num_kv_splits - 1):
         raise ValueError(f"the number of KV splits must be a power of two, got {num_kv_splits}")
-    if split_out.shape[0] < num_reqs or split_out.shape[1] != num_query_heads or split_out.shape[3] != head_size:
+    if (
+        split_out.shape[0] < num_reqs
+        or split_out.shape[1] != num_query_heads
+        or split_out.shape[3] != head_size
+    ):
         raise ValueError(
             f"split_out workspace {tuple(split_out.shape)} too small for {num_reqs} requests x "
             f"{num_query_heads} heads x head_size {head_size}"
         )
     if split_lse.shape != split_out.shape[:3]:
-        raise ValueError(f"split_lse shape {tuple(split_lse.shape)} must be {tuple(split_out.shape[:3])}")
+        raise ValueError(
+            f"split_lse shape {tuple(split_lse.shape)} must be {tuple(split_out.shape[:3])}"
+        )
     if split_out.dtype != torch.float32 or split_lse.dtype != torch.float32:
         raise ValueError("the split-KV workspaces must be float32")
     if num_reqs == 0 or num_tokens == 0:
@@ -241,14 +282,29 @@ def decode_attention_fwd(
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
     _fwd_grouped_kernel_stage1[(num_reqs, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, split_out, split_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        split_out,
+        split_lse,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_table.stride(0),
-        split_out.stride(0), split_out.stride(1), split_out.stride(2),
-        split_lse.stride(0), split_lse.stride(1),
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
         num_queries_per_kv=num_queries_per_kv,
         BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)),
         BLOCK_SIZE=block_size,
@@ -259,10 +315,18 @@ def decode_attention_fwd(
         DOT_PRECISION=dot_precision,
     )
     _fwd_kernel_stage2[(num_reqs, num_query_heads)](
-        split_out, split_lse, out, seq_lens, query_start_loc,
-        out.stride(0), out.stride(1),
-        split_out.stride(0), split_out.stride(1), split_out.stride(2),
-        split_lse.stride(0), split_lse.stride(1),
+        split_out,
+        split_lse,
+        out,
+        seq_lens,
+        query_start_loc,
+        out.stride(0),
+        out.stride(1),
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=head_size_padded,
         TILE_SIZE=tile_size,

@@ -55,7 +55,11 @@ def reshape_and_cache_kernel_flash(
 
     src_k = key_ptr + token_idx.to(tl.int64) * key_stride_0 + head_idx * key_stride_1
     src_v = value_ptr + token_idx.to(tl.int64) * value_stride_0 + head_idx * value_stride_1
-    dst = block_idx * cache_stride_block + offset_in_block * cache_stride_slot + head_idx * cache_stride_head
+    dst = (
+        block_idx * cache_stride_block
+        + offset_in_block * cache_stride_slot
+        + head_idx * cache_stride_head
+    )
 
     k = tl.load(src_k + offs_d, mask=dim_mask)
     v = tl.load(src_v + offs_d, mask=dim_mask)
@@ -90,9 +94,18 @@ def triton_reshape_and_cache_flash(
     if num_tokens == 0:
         return
     reshape_and_cache_kernel_flash[(num_tokens, num_kv_heads)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
         BLOCK_SIZE=key_cache.shape[1],
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),

@@ -97,11 +97,13 @@ def kernel_unified_attention(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q * num_queries_per_kv, padded to pow2
     CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding), else "tf32" (unused for 16-bit)
+    # "ieee" for fp32 (no TF32 rounding), else "tf32" (unused for 16-bit)
+    DOT_PRECISION: tl.constexpr,
 ):
     # One program instance = (query block of one request, one KV head).
     # Rows m = 0..BLOCK_M-1 of its tile are (query token, query head) pairs:
-    #   token = m // num_queries_per_kv, head = kv_head * num_queries_per_kv + m % num_queries_per_kv.
+    #   token = m // num_queries_per_kv,
+    #   head = kv_head * num_queries_per_kv + m % num_queries_per_kv.
     q_block_global_idx = tl.program_id(0)
     kv_head_idx = tl.program_id(1)
 
@@ -117,14 +119,21 @@ def kernel_unified_attention(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     offs_t = tl.arange(0, TILE_SIZE)
-    query_pos = q_block_local_idx * BLOCK_Q + offs_m // num_queries_per_kv  # within this step's chunk
+    query_pos = (
+        q_block_local_idx * BLOCK_Q + offs_m // num_queries_per_kv
+    )  # within this step's chunk
     head_idx = kv_head_idx * num_queries_per_kv + offs_m % num_queries_per_kv
     row_mask = (offs_m < BLOCK_Q * num_queries_per_kv) & (query_pos < query_len)
     dim_mask = offs_d < HEAD_SIZE
 
     # Q tile [BLOCK_M, HEAD_SIZE_PADDED]
     token_idx = (q_start + query_pos).to(tl.int64)
-    q_ptrs = query_ptr + token_idx[:, None] * query_stride_0 + head_idx[:, None] * query_stride_1 + offs_d[None, :]
+    q_ptrs = (
+        query_ptr
+        + token_idx[:, None] * query_stride_0
+        + head_idx[:, None] * query_stride_1
+        + offs_d[None, :]
+    )
     q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     # Online-softmax state per row (base-2 logits).
@@ -145,15 +154,25 @@ def kernel_unified_attention(
         kv_pos = tile_start + offs_t  # [TILE_SIZE] absolute key positions
         kv_mask = kv_pos < kv_end
         # Logical block kv_pos // BLOCK_SIZE -> physical block from the block table.
-        physical_block = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        physical_block = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(
+            tl.int64
+        )
         slot_in_block = kv_pos % BLOCK_SIZE
 
         # K and V tiles [TILE_SIZE, HEAD_SIZE_PADDED] (head_size contiguous in memory).
-        k_offs = (physical_block[:, None] * stride_k_cache_0 + slot_in_block[:, None] * stride_k_cache_1
-                  + kv_head_idx * stride_k_cache_2 + offs_d[None, :])
+        k_offs = (
+            physical_block[:, None] * stride_k_cache_0
+            + slot_in_block[:, None] * stride_k_cache_1
+            + kv_head_idx * stride_k_cache_2
+            + offs_d[None, :]
+        )
         k = tl.load(key_cache_ptr + k_offs, mask=kv_mask[:, None] & dim_mask[None, :], other=0.0)
-        v_offs = (physical_block[:, None] * stride_v_cache_0 + slot_in_block[:, None] * stride_v_cache_1
-                  + kv_head_idx * stride_v_cache_2 + offs_d[None, :])
+        v_offs = (
+            physical_block[:, None] * stride_v_cache_0
+            + slot_in_block[:, None] * stride_v_cache_1
+            + kv_head_idx * stride_v_cache_2
+            + offs_d[None, :]
+        )
         v = tl.load(value_cache_ptr + v_offs, mask=kv_mask[:, None] & dim_mask[None, :], other=0.0)
 
         # Scores [BLOCK_M, TILE_SIZE], base 2.
@@ -174,8 +193,15 @@ def kernel_unified_attention(
 
     # Every real row sees at least its own key, so l_i > 0 there; guard padding rows.
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_ptrs = output_ptr + token_idx[:, None] * output_stride_0 + head_idx[:, None] * output_stride_1 + offs_d[None, :]
-    tl.store(out_ptrs, acc.to(output_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    out_ptrs = (
+        output_ptr
+        + token_idx[:, None] * output_stride_0
+        + head_idx[:, None] * output_stride_1
+        + offs_d[None, :]
+    )
+    tl.store(
+        out_ptrs, acc.to(output_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :]
+    )
 
 
 def unified_attention(
@@ -202,10 +228,19 @@ def unified_attention(
     if num_seqs is None:
         num_seqs = cu_seqlens_q.shape[0] - 1
     if k_head_size != head_size or v.shape != k.shape:
-        raise ValueError(f"cache shape {tuple(k.shape)} / {tuple(v.shape)} does not fit q {tuple(q.shape)}")
+        raise ValueError(
+            f"cache shape {tuple(k.shape)} / {tuple(v.shape)} does not fit q {tuple(q.shape)}"
+        )
     if num_query_heads % num_kv_heads != 0:
-        raise ValueError(f"num_query_heads ({num_query_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 or seqused_k.dtype != torch.int32:
+        raise ValueError(
+            f"num_query_heads ({num_query_heads}) must be a multiple of "
+            f"num_kv_heads ({num_kv_heads})"
+        )
+    if (
+        block_table.dtype != torch.int32
+        or cu_seqlens_q.dtype != torch.int32
+        or seqused_k.dtype != torch.int32
+    ):
         raise ValueError("block_table, cu_seqlens_q and seqused_k must be int32")
     for name, t in (("q", q), ("out", out), ("k", k), ("v", v), ("block_table", block_table)):
         if t.stride(-1) != 1:
@@ -228,12 +263,25 @@ def unified_attention(
     total_num_q_blocks = num_tokens // BLOCK_Q + num_seqs
 
     kernel_unified_attention[(total_num_q_blocks, num_kv_heads)](
-        out, q, k, v, block_table, seqused_k, cu_seqlens_q,
+        out,
+        q,
+        k,
+        v,
+        block_table,
+        seqused_k,
+        cu_seqlens_q,
         softmax_scale * LOG2E,
         num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
         block_table.stride(0),
         num_queries_per_kv=num_queries_per_kv,
         BLOCK_SIZE=block_size,

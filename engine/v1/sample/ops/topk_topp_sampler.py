@@ -140,7 +140,9 @@ def flashinfer_sample(
         sampled = flashinfer.sampling.top_k_sampling_from_probs(probs, k, deterministic=True)
     else:
         # Top-k first, then top-p over what top-k kept: the order apply_top_k_top_p uses.
-        sampled = flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, k, p, deterministic=True)
+        sampled = flashinfer.sampling.top_k_top_p_sampling_from_logits(
+            logits, k, p, deterministic=True
+        )
     return sampled.view(-1).to(torch.int64)
 
 
