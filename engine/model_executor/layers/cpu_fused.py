@@ -6,8 +6,8 @@ vLLM twin: ``vllm/_custom_ops.py`` -- on a CPU build its ``rms_norm``,
 vLLM's ``RotaryEmbedding.forward_cpu`` calls ``ops.rotary_embedding``).
 Read it for why a decode step on a CPU is dominated by *op count*, not
 arithmetic: with ~32 tokens per step every elementwise op touches a few
-kilobytes, so its cost is the ~3-10 us of dispatch (more when the big matmuls
-have just evicted the interpreter from the caches). The reference
+kilobytes, so its cost is the op's dispatch, not its arithmetic (more so when
+the big matmuls have just evicted the interpreter from the caches). The reference
 ``forward_native`` of a norm runs ~10 ops, RoPE ~30 per layer; these run 7
 and ~12, in place where vLLM's kernels are in place, and give **bit-identical**
 float32 results (same operations in the same order, only without
