@@ -8,6 +8,7 @@ Sessions: 01 (the engine loop, end to end), 02 (scheduling), 03 (KV cache).
 
 from __future__ import annotations
 
+from engine.tracing import SamplingParamsSummary
 from tui.session import (
     PHASE_NAMES,
     STALLED,
@@ -85,8 +86,10 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
     counts = {p: phases.count(p) for p in PHASE_NAMES}
     # Steps that ran the request, from its lifecycle lines (a last decode
     # step is also its finishing step on the timeline).
-    runs = {kind: sum(ev.last_step - ev.step + 1 for ev in tl.events if ev.kind == kind)
-            for kind in ("prefill", "recompute", "decode")}
+    runs = {
+        kind: sum(ev.last_step - ev.step + 1 for ev in tl.events if ev.kind == kind)
+        for kind in ("prefill", "recompute", "decode")
+    }
     first = tl.output_tokens[0][0] if tl.output_tokens else None
     end = f"finished at step {tl.finished_step}" if tl.finished_step is not None else "unfinished"
     lines.append(
@@ -103,7 +106,9 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
         lines.append("Other requests:")
         for r in others:
             o = session.timelines[r]
-            end = f"finished step {o.finished_step}" if o.finished_step is not None else "unfinished"
+            end = (
+                f"finished step {o.finished_step}" if o.finished_step is not None else "unfinished"
+            )
             lines.append(
                 f"  {r:<10} queued step {o.queued_step:<4} {end:<20} "
                 f"{len(o.output_tokens):>4} tokens  {o.num_preemptions} preemption(s)  "
@@ -112,19 +117,19 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
     return "\n".join(lines)
 
 
-def _sampling_text(params: dict) -> str:
-    if not params:
+def _sampling_text(params: SamplingParamsSummary | None) -> str:
+    if params is None:
         return ""
-    temperature = params.get("temperature")
-    if temperature is not None and temperature < 1e-5:
+    temperature = params.temperature
+    if temperature < 1e-5:
         return ", greedy"
     bits = [f"temperature {temperature}"]
-    if params.get("top_p") not in (None, 1.0):
-        bits.append(f"top_p {params['top_p']}")
-    if params.get("top_k") not in (None, 0, -1):
-        bits.append(f"top_k {params['top_k']}")
-    if params.get("min_p"):
-        bits.append(f"min_p {params['min_p']}")
-    if params.get("seed") is not None:
-        bits.append(f"seed {params['seed']}")
+    if params.top_p != 1.0:
+        bits.append(f"top_p {params.top_p}")
+    if params.top_k not in (0, -1):
+        bits.append(f"top_k {params.top_k}")
+    if params.min_p:
+        bits.append(f"min_p {params.min_p}")
+    if params.seed is not None:
+        bits.append(f"seed {params.seed}")
     return ", " + ", ".join(bits)

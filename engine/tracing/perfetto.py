@@ -43,8 +43,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from engine.tracing import HEADER_KIND, load_trace
-from engine.tracing.replay import STATE_KINDS, EngineState
+import msgspec
+
+from engine.tracing.events import TraceEvent, TraceHeader
+from engine.tracing.reader import load_trace
+from engine.tracing.replay_state import STATE_KINDS, EngineState
 
 # Thread ids of the logical tracks inside one process.
 TID_SCHEDULER = 1
@@ -67,7 +70,7 @@ _HOP_KINDS = ("request.sent", "request.received", "output.sent", "output.receive
 _POINT_US = 1.0
 
 
-def export_perfetto(trace: str | Iterable[dict[str, Any]], out_path: str) -> dict[str, Any]:
+def export_perfetto(trace: str | Iterable[TraceEvent], out_path: str) -> dict[str, Any]:
     """Write ``trace`` (a path or loaded events) as trace-event JSON to
     ``out_path``; returns the JSON object written."""
     events = load_trace(trace) if isinstance(trace, str) else list(trace)
@@ -79,19 +82,19 @@ def export_perfetto(trace: str | Iterable[dict[str, Any]], out_path: str) -> dic
     return doc
 
 
-def build_perfetto(events: list[dict[str, Any]]) -> dict[str, Any]:
+def build_perfetto(events: Iterable[TraceEvent]) -> dict[str, Any]:
     """The trace-event JSON object for loaded ``events``."""
     return _Builder(events).build()
 
 
 class _Builder:
-    def __init__(self, events: list[dict[str, Any]]) -> None:
+    def __init__(self, events: Iterable[TraceEvent]) -> None:
         # Headers describe the file, not the run (and their ts would move t0).
         self.events = sorted(
-            (e for e in events if e["kind"] != HEADER_KIND),
-            key=lambda e: (e["ts"], e["pid"], e.get("seq", 0)),
+            (e for e in events if type(e) is not TraceHeader),
+            key=lambda e: (e.ts, e.pid, e.seq),
         )
-        self.t0 = self.events[0]["ts"] if self.events else 0
+        self.t0 = self.events[0].ts if self.events else 0
         self.out: list[dict[str, Any]] = []
         # (pid, tid) -> list of [start_us, end_us, name, args] X slices.
         self.slices: dict[tuple[int, int], list[list[Any]]] = defaultdict(list)
@@ -103,11 +106,11 @@ class _Builder:
     def us(self, ts_ns: int) -> float:
         return (ts_ns - self.t0) / 1000.0
 
-    def span_before(self, e: dict[str, Any]) -> tuple[float, float]:
+    def span_before(self, e: Any) -> tuple[float, float]:
         """(start, end) in µs of the work an event reports when it ends: it
         was emitted at ``ts``, ``duration_ns`` after the work began."""
-        end = self.us(e["ts"])
-        return end - e.get("duration_ns", 0) / 1000.0, end
+        end = self.us(e.ts)
+        return end - e.duration_ns / 1000.0, end
 
     def async_id(self, layer: str, request_id: str) -> int:
         key = (layer, request_id)
@@ -118,17 +121,17 @@ class _Builder:
     # ------------------------------------------------------------------
     def build(self) -> dict[str, Any]:
         for e in self.events:
-            kind = e["kind"]
+            kind = e.kind
             if kind in ("request.received", "output.sent") or kind.startswith(
                 ("sched.", "kv.", "engine.")
             ):
-                self.roles[e["pid"]].add("engine core")
+                self.roles[e.pid].add("engine core")
             elif kind.startswith(("runner.", "sampler.")):
-                self.roles[e["pid"]].add("worker")
+                self.roles[e.pid].add("worker")
             elif kind.startswith("request."):
-                self.roles[e["pid"]].add("front end")
+                self.roles[e.pid].add("front end")
             elif kind.startswith("api."):
-                self.roles[e["pid"]].add("API server")
+                self.roles[e.pid].add("API server")
         self._steps()
         self._runner()
         self._kv_instants()
@@ -151,29 +154,37 @@ class _Builder:
 
     # -- engine steps -----------------------------------------------------------
     def _steps(self) -> None:
-        by_step: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+        by_step: dict[tuple[int, int], dict[str, Any]] = defaultdict(dict)
         for e in self.events:
-            if e["kind"] in ("sched.step", "sched.update") and e.get("step") is not None:
-                by_step[(e["pid"], e["step"])][e["kind"]] = e
+            if e.kind in ("sched.step", "sched.update") and e.step is not None:
+                by_step[(e.pid, e.step)][e.kind] = e
         for (pid, step), parts in sorted(by_step.items()):
             sched, update = parts.get("sched.step"), parts.get("sched.update")
             children = []
             if sched is not None:
                 children.append(
-                    [*self.span_before(sched), "schedule()", {
-                        "num_scheduled_tokens": sched["num_scheduled_tokens"],
-                        "new": sched.get("new_req_ids"),
-                        "resumed": sched.get("resumed_req_ids"),
-                        "preempted": sched.get("preempted_req_ids"),
-                        "token_budget_left": sched.get("token_budget_left"),
-                    }]
+                    [
+                        *self.span_before(sched),
+                        "schedule()",
+                        {
+                            "num_scheduled_tokens": sched.num_scheduled_tokens,
+                            "new": sched.new_req_ids,
+                            "resumed": sched.resumed_req_ids,
+                            "preempted": sched.preempted_req_ids,
+                            "token_budget_left": sched.token_budget_left,
+                        },
+                    ]
                 )
             if update is not None:
                 children.append(
-                    [*self.span_before(update), "update_from_output()", {
-                        "new_token_ids": update["new_token_ids"],
-                        "finished": update.get("finished"),
-                    }]
+                    [
+                        *self.span_before(update),
+                        "update_from_output()",
+                        {
+                            "new_token_ids": update.new_token_ids,
+                            "finished": update.finished,
+                        },
+                    ]
                 )
             # Keep children in order and inside their parent despite clock jitter.
             for a, b in zip(children, children[1:]):
@@ -183,9 +194,9 @@ class _Builder:
             args = {"step": step}
             if sched is not None:
                 args.update(
-                    total_num_scheduled_tokens=sched.get("total_num_scheduled_tokens"),
-                    num_running=sched.get("num_running"),
-                    num_waiting=sched.get("num_waiting"),
+                    total_num_scheduled_tokens=sched.total_num_scheduled_tokens,
+                    num_running=sched.num_running,
+                    num_waiting=sched.num_waiting,
                 )
             self.add_slice(pid, TID_SCHEDULER, start, end, f"step {step}", args)
             for c in children:
@@ -193,102 +204,167 @@ class _Builder:
 
     def _runner(self) -> None:
         for e in self.events:
-            if e["kind"] == "runner.forward":
-                # start_ts (launch time) when recorded: on CUDA the event is
-                # written after sampling, so ts is later than the forward's end.
-                if "start_ts" in e:
-                    start = self.us(e["start_ts"])
-                    end = start + e["duration_ns"] / 1000.0
-                else:
+            if e.kind == "runner.forward":
+                # Placed by start_ts (launch time): on CUDA the event is written
+                # after sampling, so ts is later than the forward's end.
+                if e.start_ts is not None:
+                    start = self.us(e.start_ts)
+                    end = start + e.duration_ns / 1000.0
+                else:  # traces before 1.1: ts is the end
                     start, end = self.span_before(e)
                 self.add_slice(
-                    e["pid"], TID_RUNNER, start, end, "forward",
-                    {"step": e.get("step"), "num_tokens": e.get("num_tokens"),
-                     "duration_ms": e["duration_ns"] / 1e6},
+                    e.pid,
+                    TID_RUNNER,
+                    start,
+                    end,
+                    "forward",
+                    {
+                        "step": e.step,
+                        "num_tokens": e.num_tokens,
+                        "duration_ms": e.duration_ns / 1e6,
+                    },
                 )
-            elif e["kind"] in ("runner.batch", "runner.init", "runner.inputs", "sampler.sampled"):
-                self._instant(e, TID_RUNNER, e["kind"], _event_args(e))
+            elif e.kind in ("runner.batch", "runner.init", "runner.inputs", "sampler.sampled"):
+                self._instant(e, TID_RUNNER, e.kind, _event_args(e))
 
     def _kv_instants(self) -> None:
         for e in self.events:
-            k = e["kind"]
+            k = e.kind
             if k.startswith("kv.") or k in ("engine.config", "sched.preempted"):
                 tid = TID_KV if k.startswith("kv.") else TID_SCHEDULER
                 self._instant(e, tid, k, _event_args(e))
 
-    def _instant(self, e: dict[str, Any], tid: int, name: str, args: dict[str, Any]) -> None:
-        self.threads_used.add((e["pid"], tid))
+    def _instant(self, e: TraceEvent, tid: int, name: str, args: dict[str, Any]) -> None:
+        self.threads_used.add((e.pid, tid))
         self.out.append(
-            {"name": name, "cat": e["kind"].split(".")[0], "ph": "i", "s": "t",
-             "ts": self.us(e["ts"]), "pid": e["pid"], "tid": tid, "args": args}
+            {
+                "name": name,
+                "cat": e.kind.split(".")[0],
+                "ph": "i",
+                "s": "t",
+                "ts": self.us(e.ts),
+                "pid": e.pid,
+                "tid": tid,
+                "args": args,
+            }
         )
 
     # -- counters --------------------------------------------------------------------
     def _counters(self) -> None:
         state = EngineState()
-        engine_pids = {e["pid"] for e in self.events if e["kind"] == "kv.init"}
+        engine_pids = {e.pid for e in self.events if e.kind == "kv.init"}
         core = sorted(
-            (e for e in self.events if e["pid"] in engine_pids and e["kind"] in STATE_KINDS),
-            key=lambda e: (e["pid"], e.get("seq", 0)),
+            (e for e in self.events if e.pid in engine_pids and e.kind in STATE_KINDS),
+            key=lambda e: (e.pid, e.seq),
         )
         for e in core:
             state.apply(e)
-            if e["kind"] not in ("kv.init", "sched.step", "sched.update"):
+            if e.kind not in ("kv.init", "sched.step", "sched.update"):
                 continue
-            ts, pid = self.us(e["ts"]), e["pid"]
+            ts, pid = self.us(e.ts), e.pid
             usable = max(state.num_blocks - 1, 0)
             cached_free = state.num_cached_free_blocks
-            self.out.append({
-                "name": "KV cache blocks", "ph": "C", "ts": ts, "pid": pid, "tid": TID_KV,
-                "args": {
-                    "used": usable - state.num_free_blocks,
-                    "free (cached)": cached_free,
-                    "free (empty)": state.num_free_blocks - cached_free,
-                },
-            })
-            self.out.append({
-                "name": "requests", "ph": "C", "ts": ts, "pid": pid, "tid": TID_SCHEDULER,
-                "args": {"running": len(state.running), "waiting": len(state.waiting)},
-            })
-            if e["kind"] == "sched.step":
-                self.out.append({
-                    "name": "scheduled tokens", "ph": "C", "ts": ts, "pid": pid,
+            self.out.append(
+                {
+                    "name": "KV cache blocks",
+                    "ph": "C",
+                    "ts": ts,
+                    "pid": pid,
+                    "tid": TID_KV,
+                    "args": {
+                        "used": usable - state.num_free_blocks,
+                        "free (cached)": cached_free,
+                        "free (empty)": state.num_free_blocks - cached_free,
+                    },
+                }
+            )
+            self.out.append(
+                {
+                    "name": "requests",
+                    "ph": "C",
+                    "ts": ts,
+                    "pid": pid,
                     "tid": TID_SCHEDULER,
-                    "args": {"tokens": e.get("total_num_scheduled_tokens", 0)},
-                })
+                    "args": {"running": len(state.running), "waiting": len(state.waiting)},
+                }
+            )
+            if e.kind == "sched.step":
+                self.out.append(
+                    {
+                        "name": "scheduled tokens",
+                        "ph": "C",
+                        "ts": ts,
+                        "pid": pid,
+                        "tid": TID_SCHEDULER,
+                        "args": {"tokens": e.total_num_scheduled_tokens},
+                    }
+                )
 
     # -- per-request async spans -------------------------------------------------
     def _core_requests(self) -> None:
-        open_phase: dict[str, tuple[str, dict[str, Any]]] = {}
-        opened: dict[str, dict[str, Any]] = {}
-        last_ts = self.events[-1]["ts"] if self.events else 0
+        open_phase: dict[str, tuple[str, TraceEvent]] = {}
+        opened: dict[str, TraceEvent] = {}
+        last_ts = self.events[-1].ts if self.events else 0
 
         def b(e, name, rid, args=None):
-            self.out.append({"name": name, "cat": "request.core", "ph": "b", "id": self.async_id("core", rid),
-                             "ts": self.us(e["ts"]), "pid": e["pid"], "tid": TID_SCHEDULER,
-                             "args": args or {"request_id": rid}})
+            self.out.append(
+                {
+                    "name": name,
+                    "cat": "request.core",
+                    "ph": "b",
+                    "id": self.async_id("core", rid),
+                    "ts": self.us(e.ts),
+                    "pid": e.pid,
+                    "tid": TID_SCHEDULER,
+                    "args": args or {"request_id": rid},
+                }
+            )
 
         def end(ts_ns, pid, name, rid):
-            self.out.append({"name": name, "cat": "request.core", "ph": "e", "id": self.async_id("core", rid),
-                             "ts": self.us(ts_ns), "pid": pid, "tid": TID_SCHEDULER})
+            self.out.append(
+                {
+                    "name": name,
+                    "cat": "request.core",
+                    "ph": "e",
+                    "id": self.async_id("core", rid),
+                    "ts": self.us(ts_ns),
+                    "pid": pid,
+                    "tid": TID_SCHEDULER,
+                }
+            )
 
         def phase(e, rid, name):
             if rid in open_phase:
                 old, _ = open_phase.pop(rid)
-                end(e["ts"], e["pid"], old, rid)
+                end(e.ts, e.pid, old, rid)
             if name is not None:
                 b(e, name, rid)
                 open_phase[rid] = (name, e)
 
         def n(e, name, rid, args):
-            self.out.append({"name": name, "cat": "request.core", "ph": "n", "id": self.async_id("core", rid),
-                             "ts": self.us(e["ts"]), "pid": e["pid"], "tid": TID_SCHEDULER, "args": args})
+            self.out.append(
+                {
+                    "name": name,
+                    "cat": "request.core",
+                    "ph": "n",
+                    "id": self.async_id("core", rid),
+                    "ts": self.us(e.ts),
+                    "pid": e.pid,
+                    "tid": TID_SCHEDULER,
+                    "args": args,
+                }
+            )
 
         for e in self.events:
-            k = e["kind"]
-            rid = e.get("request_id")
+            k = e.kind
+            rid = getattr(e, "request_id", None)
             if k == "sched.queued":
-                b(e, f"core {rid}", rid, {"request_id": rid, "num_prompt_tokens": e.get("num_prompt_tokens")})
+                b(
+                    e,
+                    f"core {rid}",
+                    rid,
+                    {"request_id": rid, "num_prompt_tokens": e.num_prompt_tokens},
+                )
                 opened[rid] = e
                 phase(e, rid, "waiting")
             elif rid not in opened and k != "sched.update":
@@ -298,54 +374,87 @@ class _Builder:
             elif k == "sched.preempted":
                 phase(e, rid, "preempted")
             elif k == "kv.cache_hit":
-                n(e, "prefix-cache lookup", rid, {"num_cached_tokens": e.get("num_cached_tokens")})
+                n(e, "prefix-cache lookup", rid, {"num_cached_tokens": e.num_cached_tokens})
             elif k == "sched.update":
-                for r, tokens in e["new_token_ids"].items():
+                for r, tokens in e.new_token_ids.items():
                     if r in opened:
                         n(e, "tokens", r, {"token_ids": tokens})
             elif k == "sched.finished":
                 phase(e, rid, None)
-                end(e["ts"], e["pid"], f"core {rid}", rid)
+                end(e.ts, e.pid, f"core {rid}", rid)
                 del opened[rid]
         for rid, first in opened.items():
             if rid in open_phase:
                 name, _ = open_phase.pop(rid)
-                end(last_ts, first["pid"], name, rid)
-            end(last_ts, first["pid"], f"core {rid}", rid)
+                end(last_ts, first.pid, name, rid)
+            end(last_ts, first.pid, f"core {rid}", rid)
 
     def _frontend_requests(self) -> None:
-        opened: dict[str, dict[str, Any]] = {}
-        last_ts = self.events[-1]["ts"] if self.events else 0
+        opened: dict[str, TraceEvent] = {}
+        last_ts = self.events[-1].ts if self.events else 0
         for e in self.events:
-            k = e["kind"]
+            k = e.kind
             if k not in _FRONTEND_KINDS:
                 continue
-            rid = e["request_id"]
-            base = {"cat": "request", "id": self.async_id("front", rid), "pid": e["pid"],
-                    "tid": TID_FRONTEND, "ts": self.us(e["ts"])}
+            rid = e.request_id
+            base = {
+                "cat": "request",
+                "id": self.async_id("front", rid),
+                "pid": e.pid,
+                "tid": TID_FRONTEND,
+                "ts": self.us(e.ts),
+            }
             if k == "request.added":
-                self.out.append({**base, "name": f"request {rid}", "ph": "b",
-                                 "args": {"request_id": rid, "prompt": e.get("prompt"),
-                                          "num_prompt_tokens": e.get("num_prompt_tokens")}})
+                self.out.append(
+                    {
+                        **base,
+                        "name": f"request {rid}",
+                        "ph": "b",
+                        "args": {
+                            "request_id": rid,
+                            "prompt": e.prompt,
+                            "num_prompt_tokens": e.num_prompt_tokens,
+                        },
+                    }
+                )
                 opened[rid] = e
             elif rid not in opened:
                 continue
             elif k == "request.output":
-                self.out.append({**base, "name": "output", "ph": "n",
-                                 "args": {"new_token_ids": e.get("new_token_ids"),
-                                          "text_delta": e.get("text_delta")}})
+                self.out.append(
+                    {
+                        **base,
+                        "name": "output",
+                        "ph": "n",
+                        "args": {"new_token_ids": e.new_token_ids, "text_delta": e.text_delta},
+                    }
+                )
             elif k == "request.finished":
-                self.out.append({**base, "name": f"request {rid}", "ph": "e",
-                                 "args": {"finish_reason": e.get("finish_reason")}})
+                self.out.append(
+                    {
+                        **base,
+                        "name": f"request {rid}",
+                        "ph": "e",
+                        "args": {"finish_reason": e.finish_reason},
+                    }
+                )
                 del opened[rid]
         for rid, first in opened.items():
-            self.out.append({"name": f"request {rid}", "cat": "request", "ph": "e",
-                             "id": self.async_id("front", rid), "pid": first["pid"],
-                             "tid": TID_FRONTEND, "ts": self.us(last_ts)})
+            self.out.append(
+                {
+                    "name": f"request {rid}",
+                    "cat": "request",
+                    "ph": "e",
+                    "id": self.async_id("front", rid),
+                    "pid": first.pid,
+                    "tid": TID_FRONTEND,
+                    "ts": self.us(last_ts),
+                }
+            )
 
     # -- flows across the process hop ---------------------------------------------
     def _flows(self) -> None:
-        kinds = {e["kind"] for e in self.events}
+        kinds = {e.kind for e in self.events}
         use_hops_in = "request.sent" in kinds and "request.received" in kinds
         use_hops_out = "output.sent" in kinds and "output.received" in kinds
         # (pid, tid) -> [(ts_us, flow event)] to place on point slices later.
@@ -354,29 +463,56 @@ class _Builder:
         )
         flow_id = 0
 
-        def pair(src: dict[str, Any], dst: dict[str, Any], name: str, src_tid: int, dst_tid: int):
+        def pair(src: TraceEvent, dst: TraceEvent, name: str, src_tid: int, dst_tid: int):
             nonlocal flow_id
             flow_id += 1
-            s_ts, f_ts = self.us(src["ts"]), self.us(dst["ts"])
+            s_ts, f_ts = self.us(src.ts), self.us(dst.ts)
             if f_ts < s_ts:  # clocks of two processes disagree: never draw backwards
                 f_ts = s_ts
-            self.point_events[(src["pid"], src_tid)].append(
-                (s_ts, {"name": name, "cat": "hop", "ph": "s", "id": flow_id, "ts": s_ts,
-                        "pid": src["pid"], "tid": src_tid}, src["kind"]))
-            self.point_events[(dst["pid"], dst_tid)].append(
-                (f_ts, {"name": name, "cat": "hop", "ph": "f", "bp": "e", "id": flow_id, "ts": f_ts,
-                        "pid": dst["pid"], "tid": dst_tid}, dst["kind"]))
+            self.point_events[(src.pid, src_tid)].append(
+                (
+                    s_ts,
+                    {
+                        "name": name,
+                        "cat": "hop",
+                        "ph": "s",
+                        "id": flow_id,
+                        "ts": s_ts,
+                        "pid": src.pid,
+                        "tid": src_tid,
+                    },
+                    src.kind,
+                )
+            )
+            self.point_events[(dst.pid, dst_tid)].append(
+                (
+                    f_ts,
+                    {
+                        "name": name,
+                        "cat": "hop",
+                        "ph": "f",
+                        "bp": "e",
+                        "id": flow_id,
+                        "ts": f_ts,
+                        "pid": dst.pid,
+                        "tid": dst_tid,
+                    },
+                    dst.kind,
+                )
+            )
 
         # Requests going in.
         src_kind, dst_kind = (
-            ("request.sent", "request.received") if use_hops_in else ("request.added", "sched.queued")
+            ("request.sent", "request.received")
+            if use_hops_in
+            else ("request.added", "sched.queued")
         )
-        pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        pending: dict[str, list[TraceEvent]] = defaultdict(list)
         for e in self.events:
-            if e["kind"] == src_kind:
+            if e.kind == src_kind:
                 for rid in _request_ids(e):
                     pending[rid].append(e)
-            elif e["kind"] == dst_kind:
+            elif e.kind == dst_kind:
                 for rid in _request_ids(e):
                     if pending[rid]:
                         pair(pending[rid].pop(0), e, "request in", TID_FRONTEND, TID_CORE_IO)
@@ -384,30 +520,31 @@ class _Builder:
         if use_hops_out:
             # A batch received pairs with the oldest unmatched batch sent for the
             # same requests (a batch the front end never read has no partner).
-            unmatched: list[dict[str, Any]] = []
+            unmatched: list[TraceEvent] = []
             for e in self.events:
-                if e["kind"] == "output.sent":
+                if e.kind == "output.sent":
                     unmatched.append(e)
-                elif e["kind"] == "output.received":
+                elif e.kind == "output.received":
                     ids = _request_ids(e)
                     match = next((s for s in unmatched if _request_ids(s) == ids), None)
                     if match is not None:
                         unmatched.remove(match)
                         pair(match, e, "outputs", TID_CORE_IO, TID_FRONTEND)
         else:
-            waiting_output: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            waiting_output: dict[str, list[TraceEvent]] = defaultdict(list)
             for e in self.events:
-                if e["kind"] == "sched.update":
-                    for rid in e["new_token_ids"]:
+                if e.kind == "sched.update":
+                    for rid in e.new_token_ids:
                         waiting_output[rid].append(e)
-                elif e["kind"] == "request.output" and waiting_output[e["request_id"]]:
-                    pair(waiting_output[e["request_id"]].pop(0), e, "output", TID_CORE_IO,
-                         TID_FRONTEND)
+                elif e.kind == "request.output" and waiting_output[e.request_id]:
+                    pair(
+                        waiting_output[e.request_id].pop(0), e, "output", TID_CORE_IO, TID_FRONTEND
+                    )
 
     def _api(self) -> None:
         for e in self.events:
-            if e["kind"].startswith("api."):
-                self._instant(e, TID_API, e["kind"], _event_args(e))
+            if e.kind.startswith("api."):
+                self._instant(e, TID_API, e.kind, _event_args(e))
 
     # -- slices (with the point slices flows bind to) -----------------------------
     def _emit_slices(self) -> None:
@@ -438,33 +575,60 @@ class _Builder:
                 if stack and s[1] > stack[-1][1]:
                     s[1] = stack[-1][1]  # clip to the enclosing slice
                 stack.append(s)
-                self.out.append({"name": s[2], "cat": "engine", "ph": "X", "ts": s[0],
-                                 "dur": s[1] - s[0], "pid": pid, "tid": tid, "args": s[3]})
+                self.out.append(
+                    {
+                        "name": s[2],
+                        "cat": "engine",
+                        "ph": "X",
+                        "ts": s[0],
+                        "dur": s[1] - s[0],
+                        "pid": pid,
+                        "tid": tid,
+                        "args": s[3],
+                    }
+                )
 
     def _metadata(self) -> None:
-        pids = {e["pid"] for e in self.events}
+        pids = {e.pid for e in self.events}
         for pid in sorted(pids):
             roles = self.roles.get(pid) or {"process"}
             order = ["API server", "front end", "engine core", "worker", "process"]
             label = " + ".join(r for r in order if r in roles)
-            self.out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                             "args": {"name": f"{label} (pid {pid})"}})
-        for pid, tid in sorted(self.threads_used | {(e["pid"], e["tid"]) for e in self.out
-                                                    if e["ph"] in ("b", "e", "n", "C", "s", "f")}):
-            self.out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                             "args": {"name": _THREAD_NAMES.get(tid, f"track {tid}")}})
+            self.out.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"name": f"{label} (pid {pid})"},
+                }
+            )
+        tracks = {
+            (ev["pid"], ev["tid"]) for ev in self.out if ev["ph"] in ("b", "e", "n", "C", "s", "f")
+        }
+        for pid, tid in sorted(self.threads_used | tracks):
+            self.out.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"name": _THREAD_NAMES.get(tid, f"track {tid}")},
+                }
+            )
 
 
-def _event_args(event: dict[str, Any]) -> dict[str, Any]:
+def _event_args(event: TraceEvent) -> dict[str, Any]:
     """An event's own fields (every field but the envelope), as instant args."""
-    return {k: v for k, v in event.items() if k not in ("ts", "pid", "seq", "kind")}
+    fields = msgspec.to_builtins(event)
+    return {k: v for k, v in fields.items() if k not in ("ts", "pid", "seq", "kind")}
 
 
-def _request_ids(event: dict[str, Any]) -> list[str]:
-    if "request_id" in event and event["request_id"] is not None:
-        return [event["request_id"]]
-    ids = event.get("request_ids")
-    return list(ids) if isinstance(ids, list) else []
+def _request_ids(event: TraceEvent) -> list[str]:
+    request_id = getattr(event, "request_id", None)
+    if request_id is not None:
+        return [request_id]
+    return list(getattr(event, "request_ids", None) or ())
 
 
 __all__ = ["build_perfetto", "export_perfetto"]

@@ -29,13 +29,21 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from engine.tracing import _GCPaused, load_trace
+from engine.tracing.events import (
+    KVInit,
+    RunnerBatch,
+    SamplerSampled,
+    SchedStep,
+    SchedUpdate,
+    TraceEvent,
+)
+from engine.tracing.reader import gc_paused, load_trace
 from engine.tracing.replay_state import (
     PREEMPTED,
     RUNNING,
     STATE_KINDS,
+    STATE_TYPES,
     WAITING,
     EngineState,
     ReplayBlock,
@@ -64,17 +72,17 @@ class StepView:
     step: int
     state: EngineState
     # The scheduler's decision (the ``sched.step`` event), None for step 0.
-    sched_step: dict[str, Any] | None
+    sched_step: SchedStep | None
     # Rows of the batch, from ``runner.batch`` when the runner traced it,
     # otherwise derived from the scheduler's decision and the block tables.
     batch: list[BatchSlot]
     batch_source: str  # "runner", "scheduler" or "none"
-    runner_batch: dict[str, Any] | None
+    runner_batch: RunnerBatch | None
     # One ``sampler.sampled`` event per kept sample (empty when no real sampler ran).
-    sampler: list[dict[str, Any]]
+    sampler: list[SamplerSampled]
     # Tokens each request received this step (from ``sched.update``).
     new_token_ids: dict[str, list[int]]
-    events: list[dict[str, Any]]
+    events: list[TraceEvent]
 
     @property
     def waiting(self) -> list[str]:
@@ -93,51 +101,49 @@ class TraceReplay:
     ``replay.view(n)`` adds the step's decision, batch layout and sampler view.
     """
 
-    def __init__(
-        self, trace: str | Iterable[dict[str, Any]], snapshot_interval: int = 32
-    ) -> None:
+    def __init__(self, trace: str | Iterable[TraceEvent], snapshot_interval: int = 32) -> None:
         if not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(f"snapshot_interval must be an int >= 1, got {snapshot_interval!r}")
         events = load_trace(trace) if isinstance(trace, str) else list(trace)
         self.events = events
         self.snapshot_interval = snapshot_interval
-        init = [e for e in events if e["kind"] == "kv.init"]
+        init = [e for e in events if type(e) is KVInit]
         if not init:
             raise ReplayError("the trace has no kv.init event (was trace_level 'off'?)")
         if len(init) > 1:
             raise ReplayError("the trace holds more than one engine (several kv.init events)")
-        self.engine_pid = engine_pid = init[0]["pid"]
-        with _GCPaused():
+        self.engine_pid = engine_pid = init[0].pid
+        with gc_paused():
             # The engine process's events in its own order: seq, not wall time.
-            core = [e for e in events if e["pid"] == engine_pid]
+            core = [e for e in events if e.pid == engine_pid]
             core.sort(key=_seq)
             self.core_events = core
             self._index(events, core)
             self._replay_all()
 
-    def _index(self, events: list[dict[str, Any]], core: list[dict[str, Any]]) -> None:
+    def _index(self, events: list[TraceEvent], core: list[TraceEvent]) -> None:
         """Group the events by step: the state events, and every event (views)."""
-        state_events: dict[int, list[dict[str, Any]]] = {}
+        state_events: dict[int, list[TraceEvent]] = {}
         starts: list[tuple[int, int]] = []  # (ts, step) where each step's events begin
         last = None
         for e in core:
-            if e["kind"] in STATE_KINDS:
-                step = e.get("step") or 0
+            if type(e) in STATE_TYPES:
+                step = e.step or 0
                 group = state_events.get(step)
                 if group is None:
                     group = state_events[step] = []
                 group.append(e)
                 if step != last:
-                    starts.append((e["ts"], step))
+                    starts.append((e.ts, step))
                     last = step
         self._state_events = state_events
         self._step_starts = starts
         self.last_step = max(state_events, default=0)
         # Every event of a step, any process (for views and exports).
-        all_events: dict[int, list[dict[str, Any]]] = {}
+        all_events: dict[int, list[TraceEvent]] = {}
         step_of = self.step_of
         for e in events:
-            step = e.get("step")
+            step = e.step
             if step is None:
                 step = step_of(e)
             group = all_events.get(step)
@@ -161,14 +167,13 @@ class TraceReplay:
     def steps(self) -> range:
         return range(0, self.last_step + 1)
 
-    def step_of(self, event: dict[str, Any]) -> int:
+    def step_of(self, event: TraceEvent) -> int:
         """The step an event belongs to: its ``step`` field, or (events of a
         process that never saw a step, e.g. a separate front end) the step the
         engine was in at that time."""
-        step = event.get("step")
-        if step is not None:
-            return step
-        i = bisect.bisect_right(self._step_starts, (event["ts"], float("inf"))) - 1
+        if event.step is not None:
+            return event.step
+        i = bisect.bisect_right(self._step_starts, (event.ts, float("inf"))) - 1
         return self._step_starts[i][1] if i >= 0 else 0
 
     def _check_step(self, step: int) -> None:
@@ -192,7 +197,7 @@ class TraceReplay:
             state.apply(e)
         state.step = step
 
-    def events_at(self, step: int) -> list[dict[str, Any]]:
+    def events_at(self, step: int) -> list[TraceEvent]:
         """Every event of ``step``, from every process, in time order."""
         self._check_step(step)
         return list(self._all_events.get(step, ()))
@@ -200,12 +205,12 @@ class TraceReplay:
     def view(self, step: int) -> StepView:
         state = self.state_at(step)
         events = self.events_at(step)
-        sched = next((e for e in events if e["kind"] == "sched.step"), None)
-        update = next((e for e in events if e["kind"] == "sched.update"), None)
-        runner_batch = next((e for e in events if e["kind"] == "runner.batch"), None)
-        sampler = [e for e in events if e["kind"] == "sampler.sampled"]
+        sched = next((e for e in events if type(e) is SchedStep), None)
+        update = next((e for e in events if type(e) is SchedUpdate), None)
+        runner_batch = next((e for e in events if type(e) is RunnerBatch), None)
+        sampler = [e for e in events if type(e) is SamplerSampled]
         if runner_batch is not None:
-            discarded = set(runner_batch.get("discard_req_ids", ()))
+            discarded = set(runner_batch.discard_req_ids)
             batch = [
                 BatchSlot(
                     request_id=rid,
@@ -216,15 +221,15 @@ class TraceReplay:
                     sampled=rid not in discarded,
                 )
                 for rid, q, c, s, slots in zip(
-                    runner_batch["req_ids"],
-                    runner_batch["query_lens"],
-                    runner_batch["num_computed_tokens"],
-                    runner_batch["seq_lens"],
-                    runner_batch["slot_mapping"],
+                    runner_batch.req_ids,
+                    runner_batch.query_lens,
+                    runner_batch.num_computed_tokens,
+                    runner_batch.seq_lens,
+                    runner_batch.slot_mapping,
                 )
             ]
             source = "runner"
-        elif sched is not None and sched["num_scheduled_tokens"]:
+        elif sched is not None and sched.num_scheduled_tokens:
             batch = self._batch_from_scheduler(step, sched)
             source = "scheduler"
         else:
@@ -237,11 +242,11 @@ class TraceReplay:
             batch_source=source,
             runner_batch=runner_batch,
             sampler=sampler,
-            new_token_ids=dict(update["new_token_ids"]) if update else {},
+            new_token_ids=dict(update.new_token_ids) if update else {},
             events=events,
         )
 
-    def _batch_from_scheduler(self, step: int, sched: dict[str, Any]) -> list[BatchSlot]:
+    def _batch_from_scheduler(self, step: int, sched: SchedStep) -> list[BatchSlot]:
         """The layout a runner would build from this step's ``SchedulerOutput``:
         rows in scheduling order, positions from the computed-token cursors,
         slots from the block tables as they were when the step was scheduled."""
@@ -252,7 +257,7 @@ class TraceReplay:
             if e is sched:
                 break
         slots = []
-        for rid, n in sched["num_scheduled_tokens"].items():
+        for rid, n in sched.num_scheduled_tokens.items():
             req = state.requests[rid]
             seq_len = req.num_computed_tokens  # already advanced by sched.step
             start = seq_len - n
@@ -287,26 +292,27 @@ class TraceReplay:
     def final_state(self) -> EngineState:
         return self._final.copy()
 
-    def request_events(self, request_id: str) -> list[dict[str, Any]]:
+    def request_events(self, request_id: str) -> list[TraceEvent]:
         """Every event that names ``request_id``, in time order."""
         return [e for e in self.events if _names_request(e, request_id)]
 
 
-def _seq(event: dict[str, Any]) -> int:
-    return event.get("seq", 0)
+def _seq(event: TraceEvent) -> int:
+    return event.seq
 
 
-def _names_request(event: dict[str, Any], request_id: str) -> bool:
-    if event.get("request_id") == request_id:
+def _names_request(event: TraceEvent, request_id: str) -> bool:
+    if getattr(event, "request_id", None) == request_id:
         return True
-    ids = event.get("request_ids")
-    return isinstance(ids, list) and request_id in ids
+    ids = getattr(event, "request_ids", None)
+    return ids is not None and request_id in ids
 
 
 __all__ = [
     "PREEMPTED",
     "RUNNING",
     "STATE_KINDS",
+    "STATE_TYPES",
     "WAITING",
     "BatchSlot",
     "EngineState",

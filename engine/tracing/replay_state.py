@@ -38,6 +38,24 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.tracing.events import (
+    EngineConfig,
+    KVAllocated,
+    KVCached,
+    KVCacheReset,
+    KVEvicted,
+    KVFreed,
+    KVInit,
+    KVTouched,
+    SchedAdmitted,
+    SchedFinished,
+    SchedPreempted,
+    SchedQueued,
+    SchedStep,
+    SchedUpdate,
+    TraceEvent,
+)
+
 WAITING, RUNNING, PREEMPTED = "WAITING", "RUNNING", "PREEMPTED"
 
 
@@ -99,7 +117,7 @@ class EngineState:
 
     def __init__(self) -> None:
         self.step = 0
-        self.config: dict[str, Any] = {}
+        self.config: EngineConfig | None = None
         self.policy = "fcfs"
         self.waiting: list[str] = []
         self.running: list[str] = []
@@ -122,8 +140,8 @@ class EngineState:
         # block hash hex -> ids of the blocks cached under it (usually one).
         self.cached: dict[str, list[int]] = {}
         # The last scheduler / update decision applied.
-        self.last_sched_step: dict[str, Any] | None = None
-        self.last_update: dict[str, Any] | None = None
+        self.last_sched_step: SchedStep | None = None
+        self.last_update: SchedUpdate | None = None
 
     # -- copying ----------------------------------------------------------------
     def copy(self) -> EngineState:
@@ -233,35 +251,33 @@ class EngineState:
         return {rid: r for rid, r in self.requests.items() if not r.is_finished}
 
     # -- events -------------------------------------------------------------------
-    def apply(self, event: dict[str, Any]) -> None:
-        """Apply one scheduler-process event (kinds in ``STATE_KINDS``)."""
-        kind = event["kind"]
-        step = event.get("step")
-        if step is not None:
-            self.step = step
-        handler = _HANDLERS.get(kind)
+    def apply(self, event: TraceEvent) -> None:
+        """Apply one scheduler-process event (types in ``STATE_TYPES``)."""
+        if event.step is not None:
+            self.step = event.step
+        handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
 
-    def _request(self, event: dict[str, Any]) -> ReplayRequest:
+    def _request(self, event: Any) -> ReplayRequest:
         """The event's request, ready to be changed."""
-        rid = event["request_id"]
+        rid = event.request_id
         try:
             return self._mutable(rid)
         except KeyError:
             raise ReplayError(
-                f"{event['kind']} for request {rid!r}, which the trace never queued"
+                f"{event.kind} for request {rid!r}, which the trace never queued"
             ) from None
 
-    def _on_config(self, e: dict[str, Any]) -> None:
-        self.config = {k: v for k, v in e.items() if k not in ("ts", "pid", "seq", "kind", "step")}
-        self.policy = e.get("policy", "fcfs")
+    def _on_config(self, e: EngineConfig) -> None:
+        self.config = e
+        self.policy = e.policy
 
-    def _on_init(self, e: dict[str, Any]) -> None:
-        n = e["num_blocks"]
+    def _on_init(self, e: KVInit) -> None:
+        n = e.num_blocks
         self.num_blocks = n
-        self.block_size = e["block_size"]
-        self.null_block_id = e["null_block_id"]
+        self.block_size = e.block_size
+        self.null_block_id = e.null_block_id
         self.ref_cnt = [0] * n
         self.block_hash = [None] * n
         self.owners = [()] * n
@@ -275,18 +291,18 @@ class EngineState:
             if b != self.null_block_id:
                 self._append(b)
 
-    def _on_touched(self, e: dict[str, Any]) -> None:
+    def _on_touched(self, e: KVTouched) -> None:
         req = self._request(e)
-        for b in e["block_ids"]:
+        for b in e.block_ids:
             if self.ref_cnt[b] == 0 and b != self.null_block_id:
                 self._unlink(b)
             self.ref_cnt[b] += 1
             self.owners[b] = (*self.owners[b], req.request_id)
-        req.block_ids.extend(e["block_ids"])
+        req.block_ids.extend(e.block_ids)
 
-    def _on_allocated(self, e: dict[str, Any]) -> None:
+    def _on_allocated(self, e: KVAllocated) -> None:
         req = self._request(e)
-        for b in e["block_ids"]:
+        for b in e.block_ids:
             head = self._next[self._head]
             if head != b:
                 raise ReplayError(
@@ -300,17 +316,17 @@ class EngineState:
                 raise ReplayError(f"block {b} was reused while still cached (no kv.evicted)")
             self.ref_cnt[b] = 1
             self.owners[b] = (req.request_id,)
-        req.block_ids.extend(e["block_ids"])
+        req.block_ids.extend(e.block_ids)
 
-    def _on_cached(self, e: dict[str, Any]) -> None:
-        b, h = e["block_id"], e["block_hash"]
+    def _on_cached(self, e: KVCached) -> None:
+        b, h = e.block_id, e.block_hash
         if self.block_hash[b] is not None:
             raise ReplayError(f"block {b} cached twice without an eviction")
         self.block_hash[b] = h
         self.cached[h] = [*self.cached.get(h, ()), b]
 
-    def _on_evicted(self, e: dict[str, Any]) -> None:
-        b, h = e["block_id"], e["block_hash"]
+    def _on_evicted(self, e: KVEvicted) -> None:
+        b, h = e.block_id, e.block_hash
         if self.block_hash[b] != h:
             raise ReplayError(f"block {b} evicted under hash {h[:8]} it does not carry")
         self.block_hash[b] = None
@@ -320,11 +336,11 @@ class EngineState:
         else:
             self.cached.pop(h, None)
 
-    def _on_freed(self, e: dict[str, Any]) -> None:
+    def _on_freed(self, e: KVFreed) -> None:
         req = self._request(e)
         rid = req.request_id
         to_queue = []
-        for b in e["block_ids"]:
+        for b in e.block_ids:
             self.ref_cnt[b] -= 1
             owners = list(self.owners[b])
             if rid in owners:
@@ -338,34 +354,33 @@ class EngineState:
                 to_queue.append(b)
         for b in to_queue:
             self._append(b)
-        expected = e.get("to_free_queue")
-        if expected is not None and expected != to_queue:
+        if e.to_free_queue != to_queue:
             raise ReplayError(
-                f"step {self.step}: {rid} freed blocks {e['block_ids']}; the replay returned "
-                f"{to_queue} to the free queue, the engine {expected}"
+                f"step {self.step}: {rid} freed blocks {e.block_ids}; the replay returned "
+                f"{to_queue} to the free queue, the engine {e.to_free_queue}"
             )
         req.block_ids = []
 
-    def _on_cache_reset(self, e: dict[str, Any]) -> None:
+    def _on_cache_reset(self, e: KVCacheReset) -> None:
         self.block_hash = [None] * self.num_blocks
         self.cached = {}
 
-    def _on_queued(self, e: dict[str, Any]) -> None:
-        rid = e["request_id"]
+    def _on_queued(self, e: SchedQueued) -> None:
+        rid = e.request_id
         self.requests[rid] = ReplayRequest(
             request_id=rid,
             status=WAITING,
-            num_prompt_tokens=e["num_prompt_tokens"],
-            max_tokens=e.get("max_tokens", 0),
-            priority=e.get("priority", 0),
-            arrival_time=e.get("arrival_time", 0.0),
+            num_prompt_tokens=e.num_prompt_tokens,
+            max_tokens=e.max_tokens,
+            priority=e.priority,
+            arrival_time=e.arrival_time,
         )
         self._owned.add(rid)
         self._enqueue(rid, front=False)
 
     def _enqueue(self, rid: str, front: bool) -> None:
         if self.policy == "priority":
-            # The heap's pop order: (priority, arrival_time, request_id).
+            # The heap's pop order: (priority, arrival_time, request_id), Request.__lt__'s.
             key = self._priority_key(rid)
             keys = [self._priority_key(r) for r in self.waiting]
             self.waiting.insert(bisect.bisect_right(keys, key), rid)
@@ -378,7 +393,7 @@ class EngineState:
         r = self.requests[rid]
         return (r.priority, r.arrival_time, rid)
 
-    def _on_admitted(self, e: dict[str, Any]) -> None:
+    def _on_admitted(self, e: SchedAdmitted) -> None:
         req = self._request(e)
         rid = req.request_id
         if not self.waiting or self.waiting[0] != rid:
@@ -389,12 +404,12 @@ class EngineState:
         self.waiting.pop(0)
         self.running.append(rid)
         req.status = RUNNING
-        req.num_computed_tokens = e["num_computed_tokens"]
+        req.num_computed_tokens = e.num_computed_tokens
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = e["num_computed_tokens"]
+            req.num_cached_tokens = e.num_computed_tokens
         req.admitted_steps.append(self.step)
 
-    def _on_preempted(self, e: dict[str, Any]) -> None:
+    def _on_preempted(self, e: SchedPreempted) -> None:
         req = self._request(e)
         rid = req.request_id
         if rid not in self.running:
@@ -406,60 +421,59 @@ class EngineState:
         req.preempted_steps.append(self.step)
         self._enqueue(rid, front=True)
 
-    def _on_step(self, e: dict[str, Any]) -> None:
-        for rid, n in e["num_scheduled_tokens"].items():
+    def _on_step(self, e: SchedStep) -> None:
+        for rid, n in e.num_scheduled_tokens.items():
             self._mutable(rid).num_computed_tokens += n
         self.last_sched_step = e
         self._check_counts(e)
 
-    def _on_update(self, e: dict[str, Any]) -> None:
-        for rid, tokens in e["new_token_ids"].items():
+    def _on_update(self, e: SchedUpdate) -> None:
+        for rid, tokens in e.new_token_ids.items():
             if rid in self.requests:
                 self._mutable(rid).num_output_tokens += len(tokens)
         self.last_update = e
         self._check_counts(e)
 
-    def _check_counts(self, e: dict[str, Any]) -> None:
-        if "num_running" in e and (len(self.running), len(self.waiting)) != (
-            e["num_running"],
-            e["num_waiting"],
-        ):
+    def _check_counts(self, e: SchedStep | SchedUpdate) -> None:
+        if (len(self.running), len(self.waiting)) != (e.num_running, e.num_waiting):
             raise ReplayError(
-                f"step {self.step} ({e['kind']}): the engine had {e['num_running']} running / "
-                f"{e['num_waiting']} waiting, the replay {len(self.running)} / {len(self.waiting)}"
+                f"step {self.step} ({e.kind}): the engine had {e.num_running} running / "
+                f"{e.num_waiting} waiting, the replay {len(self.running)} / {len(self.waiting)}"
             )
 
-    def _on_finished(self, e: dict[str, Any]) -> None:
+    def _on_finished(self, e: SchedFinished) -> None:
         req = self._request(e)
         rid = req.request_id
         if rid in self.running:
             self.running.remove(rid)
         elif rid in self.waiting:
             self.waiting.remove(rid)
-        req.status = e["status"]
-        req.finish_reason = e.get("finish_reason")
+        req.status = e.status
+        req.finish_reason = e.finish_reason
         req.finished_step = self.step
 
 
-_HANDLERS = {
-    "engine.config": EngineState._on_config,
-    "kv.init": EngineState._on_init,
-    "kv.touched": EngineState._on_touched,
-    "kv.allocated": EngineState._on_allocated,
-    "kv.cached": EngineState._on_cached,
-    "kv.evicted": EngineState._on_evicted,
-    "kv.freed": EngineState._on_freed,
-    "kv.cache_reset": EngineState._on_cache_reset,
-    "sched.queued": EngineState._on_queued,
-    "sched.admitted": EngineState._on_admitted,
-    "sched.preempted": EngineState._on_preempted,
-    "sched.step": EngineState._on_step,
-    "sched.update": EngineState._on_update,
-    "sched.finished": EngineState._on_finished,
+_HANDLERS: dict[type[TraceEvent], Any] = {
+    EngineConfig: EngineState._on_config,
+    KVInit: EngineState._on_init,
+    KVTouched: EngineState._on_touched,
+    KVAllocated: EngineState._on_allocated,
+    KVCached: EngineState._on_cached,
+    KVEvicted: EngineState._on_evicted,
+    KVFreed: EngineState._on_freed,
+    KVCacheReset: EngineState._on_cache_reset,
+    SchedQueued: EngineState._on_queued,
+    SchedAdmitted: EngineState._on_admitted,
+    SchedPreempted: EngineState._on_preempted,
+    SchedStep: EngineState._on_step,
+    SchedUpdate: EngineState._on_update,
+    SchedFinished: EngineState._on_finished,
 }
 
-# Kinds whose effect on the state is applied, in the scheduler process's order.
-STATE_KINDS = frozenset(_HANDLERS)
+# Event types whose effect on the state is applied, in the scheduler process's order.
+STATE_TYPES = frozenset(_HANDLERS)
+# Their kinds, e.g. "sched.step".
+STATE_KINDS = frozenset(cls.kind for cls in _HANDLERS)
 
 
 def _copy_request(r: ReplayRequest) -> ReplayRequest:
@@ -475,6 +489,7 @@ __all__ = [
     "PREEMPTED",
     "RUNNING",
     "STATE_KINDS",
+    "STATE_TYPES",
     "WAITING",
     "EngineState",
     "ReplayBlock",

@@ -3,20 +3,18 @@
 vLLM twin: none (vLLM's tracing records no tensor values). Read it for why a
 hook that reads several small device tensors should not call ``.tolist()`` or
 ``.item()`` on each: on a GPU every such call is a device-to-host copy that
-waits for the device, a few to tens of microseconds each, and a ``full``
-trace of a step would make dozens of them (the sampler's top candidates per
-stage). ``HostListsCopy`` concatenates the
-pieces of each dtype on the device, queues one non-blocking copy per dtype
-and splits them again on the host once the device has been waited for;
-on the CPU it is plain ``tolist``. The
-values are exactly what ``tolist`` would give. ``array_summaries`` describes
-host arrays (the runner's inputs, read from the arrays the device buffers
-were filled from, so no device work at all).
+waits for the device, and a ``full`` trace of a step would make dozens of
+them (the sampler's top candidates per stage). ``HostListsCopy`` concatenates
+the pieces of each dtype on the device, queues one non-blocking copy per
+dtype and splits them again on the host once the device has been waited
+for; on the CPU it is plain ``tolist``. The values are exactly what
+``tolist`` would give. ``array_summaries`` describes host arrays (the
+runner's inputs, read from the arrays the device buffers were filled from,
+so no device work at all).
 
-Used by the sampler (``engine/v1/sample/sampler.py``) and the model runner
-(``engine/v1/worker/gpu_model_runner.py``) at trace level ``full`` (the
-sampled token and its logprob at every level). Imported only by them, so
-the tracer itself (which ``engine/v1/core`` uses) never imports torch.
+Used by the worker's trace objects (``worker_trace.py``); imported only
+through them, so the rest of ``engine.tracing`` (which ``engine/v1/core``
+uses) never imports torch.
 Sessions: 04 worker, 05 attention and sampling.
 """
 
@@ -26,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from engine.tracing.events import TensorSummary
 
 # Values kept of a long tensor in a summary: the first and the last this many.
 SUMMARY_VALUES = 32
@@ -103,30 +103,30 @@ class HostListsCopy:
         return out
 
 
-def array_summaries(**arrays: np.ndarray) -> dict[str, dict[str, Any]]:
-    """Per host array: ``{shape, dtype, min, max, values}`` -- or ``head`` and
-    ``tail`` (``SUMMARY_VALUES`` each) instead of ``values`` when it is long;
-    a small 2-D array keeps its rows; no ``min`` / ``max`` when empty.
+def array_summaries(**arrays: np.ndarray) -> dict[str, TensorSummary]:
+    """Per host array: its shape, dtype, min and max and all its values -- or
+    the first and last ``SUMMARY_VALUES`` (``head``, ``tail``) when it is
+    long; a small 2-D array keeps its rows; no min / max when empty.
 
     Numpy, not torch: the model runner describes the host arrays its device
     buffers were filled from, and on these small arrays a numpy reduction
     costs a fraction of a torch CPU op's dispatch (the ``full`` trace makes
-    ~20 of them per step)."""
-    out: dict[str, dict[str, Any]] = {}
+    many of them per step)."""
+    out: dict[str, TensorSummary] = {}
     for name, a in arrays.items():
         dtype = _DTYPE_NAMES.get(a.dtype) or a.dtype.name  # .name runs Python code in numpy
-        summary: dict[str, Any] = {"shape": list(a.shape), "dtype": dtype}
+        summary = TensorSummary(shape=list(a.shape), dtype=dtype)
         if a.size <= 2 * SUMMARY_VALUES or (a.ndim == 2 and a.size <= 4 * SUMMARY_VALUES):
             values = a.tolist()
             flat = values if a.ndim == 1 else a.reshape(-1).tolist()
             if flat:  # builtin min/max of a short list beat two numpy reductions
-                summary["min"], summary["max"] = min(flat), max(flat)
-            summary["values"] = values if a.ndim == 2 else flat
+                summary.min, summary.max = min(flat), max(flat)
+            summary.values = values if a.ndim == 2 else flat
         else:
             flat_array = a.reshape(-1)
-            summary["min"], summary["max"] = flat_array.min().item(), flat_array.max().item()
-            summary["head"] = flat_array[:SUMMARY_VALUES].tolist()
-            summary["tail"] = flat_array[-SUMMARY_VALUES:].tolist()
+            summary.min, summary.max = flat_array.min().item(), flat_array.max().item()
+            summary.head = flat_array[:SUMMARY_VALUES].tolist()
+            summary.tail = flat_array[-SUMMARY_VALUES:].tolist()
         out[name] = summary
     return out
 

@@ -15,7 +15,7 @@ from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.metrics.reader import Counter, Gauge
-from tests.helpers.counting_executor import CountingExecutor
+from tests.helpers.counting_executor import CountingExecutor, non_blocking
 from tests.helpers.engine_fixtures import (
     ASSISTANT,
     BOS,
@@ -176,7 +176,12 @@ def test_request_ids_keep_counting_across_calls(llm):
 def test_default_sampling_params_come_from_generation_config(tmp_path):
     model = make_tiny_model_dir(
         tmp_path / "m",
-        generation_config={"eos_token_id": EOS, "max_new_tokens": 4, "temperature": 0.0, "top_k": 5},
+        generation_config={
+            "eos_token_id": EOS,
+            "max_new_tokens": 4,
+            "temperature": 0.0,
+            "top_k": 5,
+        },
     )
     llm = make_llm(model)
     defaults = llm.get_default_sampling_params()
@@ -393,9 +398,7 @@ def test_stop_strings_wait_for_min_tokens(llm):
     # vLLM's detokenizer (BaseIncrementalDetokenizer.update) does not look
     # for stop strings in the first min_tokens output tokens, exactly as
     # check_stop ignores EOS / stop_token_ids there.
-    outputs = llm.generate(
-        "w5", greedy(max_tokens=5, min_tokens=2, stop=["w6"]), use_tqdm=False
-    )
+    outputs = llm.generate("w5", greedy(max_tokens=5, min_tokens=2, stop=["w6"]), use_tqdm=False)
     c = only(outputs)
     assert list(c.token_ids) == ids("w6 w7 w8 w9 w10")
     assert c.text == " w6 w7 w8 w9 w10"
@@ -651,7 +654,9 @@ def test_chat_batch_of_conversations(llm):
         [{"role": "user", "content": "w10"}],
         [{"role": "user", "content": "w20 w21"}],
     ]
-    outputs = llm.chat(conversations, greedy(max_tokens=2), use_tqdm=False, add_generation_prompt=False)
+    outputs = llm.chat(
+        conversations, greedy(max_tokens=2), use_tqdm=False, add_generation_prompt=False
+    )
     assert [o.prompt_token_ids for o in outputs] == [
         [USER, *ids("w10")],
         [USER, *ids("w20 w21")],
@@ -793,6 +798,7 @@ def test_engine_failure_mid_generate_leaves_nothing_queued(model_dir):
     class FailsOnce(CountingExecutor):
         failed = False
 
+        @non_blocking
         def execute_model(self, scheduler_output):
             if len(self.steps) == 2 and not self.failed:
                 self.failed = True

@@ -39,10 +39,12 @@ def _run(engine):
     """Greedy with logprobs, seeded top-k/top-p, penalised: outputs by request."""
     all_params = {
         "g": SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
-        "k": SamplingParams(temperature=0.9, top_k=4, top_p=0.8, seed=11, max_tokens=8, logprobs=1,
-                            ignore_eos=True),
-        "p": SamplingParams(temperature=1.1, seed=5, repetition_penalty=1.3, max_tokens=8,
-                            ignore_eos=True),
+        "k": SamplingParams(
+            temperature=0.9, top_k=4, top_p=0.8, seed=11, max_tokens=8, logprobs=1, ignore_eos=True
+        ),
+        "p": SamplingParams(
+            temperature=1.1, seed=5, repetition_penalty=1.3, max_tokens=8, ignore_eos=True
+        ),
     }
     prompts = {"g": "w0 w1 w2 w3 w4 w5", "k": "w0 w1 w2 w3 w9", "p": "w20 w21 w22"}
     for rid, sp in all_params.items():
@@ -66,27 +68,27 @@ def test_cuda_trace_names_the_tokens_the_requests_got(tiny_model_dir, tmp_path):
     assert tokens["lifecycle"] == tokens["off"] == tokens["full"]
     for level in ("lifecycle", "full"):
         events = load_trace(str(tmp_path / f"{level}.jsonl"))
-        sampled = [e for e in events if e["kind"] == "sampler.sampled"]
+        sampled = [e for e in events if e.kind == "sampler.sampled"]
         for rid, (token_ids, logprobs) in results[level].items():
-            mine = [e for e in sampled if e["request_id"] == rid]
-            assert [e["token_id"] for e in mine] == token_ids, (level, rid)
-            assert [e["greedy"] for e in mine] == [rid == "g"] * len(token_ids)
+            mine = [e for e in sampled if e.request_id == rid]
+            assert [e.token_id for e in mine] == token_ids, (level, rid)
+            assert [e.greedy for e in mine] == [rid == "g"] * len(token_ids)
             for e, position in zip(mine, logprobs or []):
-                assert math.isclose(e["logprob"], position[e["token_id"]].logprob, abs_tol=1e-4)
+                assert math.isclose(e.logprob, position[e.token_id].logprob, abs_tol=1e-4)
             if level == "full":
                 for e in mine:
-                    assert e["stages"][0]["stage"] == "raw"
-                    assert e["rank"] >= 1
+                    assert e.stages[0].stage == "raw"
+                    assert e.rank >= 1
             else:
-                assert all("stages" not in e for e in mine)
-        batches = [e for e in events if e["kind"] == "runner.batch"]
-        forwards = [e for e in events if e["kind"] == "runner.forward"]
+                assert all(e.stages is None and e.rank is None for e in mine)
+        batches = [e for e in events if e.kind == "runner.batch"]
+        forwards = [e for e in events if e.kind == "runner.forward"]
         assert len(forwards) == len(batches) > 0
-        assert all(e["duration_ns"] > 0 for e in forwards)
-        decode = [b for b in batches if b["num_tokens"] == b["num_reqs"]]
-        assert decode and all(b["cudagraph_mode"] == "FULL" for b in decode)
-        assert all(b["num_tokens_padded"] >= b["num_tokens"] for b in batches)
-    full_kinds = {e["kind"] for e in load_trace(str(tmp_path / "full.jsonl"))}
+        assert all(e.duration_ns > 0 for e in forwards)
+        decode = [b for b in batches if b.num_tokens == b.num_reqs]
+        assert decode and all(b.cudagraph_mode == "FULL" for b in decode)
+        assert all(b.num_tokens_padded >= b.num_tokens for b in batches)
+    full_kinds = {e.kind for e in load_trace(str(tmp_path / "full.jsonl"))}
     assert "runner.inputs" in full_kinds
 
 
@@ -94,5 +96,5 @@ def test_cuda_replay_equals_live_block_pool_after_every_step(tiny_model_dir, tmp
     trace = str(tmp_path / "run.jsonl")
     checked = replay_scenario_against_live_engine(tiny_model_dir, trace, real_model=True, **CUDA)
     assert sum(label.startswith("step") for label in checked) >= 10
-    kinds = {e["kind"] for e in load_trace(trace)}
+    kinds = {e.kind for e in load_trace(trace)}
     assert {"sched.preempted", "kv.evicted", "kv.cached", "runner.batch"} <= kinds

@@ -10,10 +10,13 @@ scheduler/worker protocol, not just the scheduler.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.v1.core.sched.output import SchedulerOutput
-from engine.v1.executor.abstract import Executor
+from engine.v1.executor.abstract import Executor, done_future
 from engine.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import LogprobsLists, ModelRunnerOutput
 
@@ -25,6 +28,20 @@ class _ReqState:
     num_computed_tokens: int
     logprobs: int | None = None
     history: list[int] = field(default_factory=list)
+
+
+def non_blocking(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An executor method that also takes ``non_block``, as an in-process
+    executor's does: with ``non_block=True`` it runs now and returns a done
+    ``Future`` holding its result or its exception."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, non_block: bool = False) -> Any:
+        if non_block:
+            return done_future(method, self, *args)
+        return method(self, *args)
+
+    return wrapper
 
 
 class CountingExecutor(Executor):
@@ -52,6 +69,7 @@ class CountingExecutor(Executor):
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
 
+    @non_blocking
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(scheduler_output)
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:

@@ -19,13 +19,19 @@ def test_multiprocess_trace_replays_and_exports(tiny_model_dir, tmp_path):
     from engine.v1.engine.llm_engine import LLMEngine
 
     trace = str(tmp_path / "mp.jsonl")
-    args = EngineArgs(model=str(tiny_model_dir), trace_path=trace, trace_level="lifecycle",
-                      **SCENARIO_ENGINE_ARGS, **REAL_MODEL_ARGS)
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        trace_path=trace,
+        trace_level="lifecycle",
+        **SCENARIO_ENGINE_ARGS,
+        **REAL_MODEL_ARGS,
+    )
     engine = LLMEngine.from_engine_args(args, enable_multiprocessing=True)
     try:
         for i in range(3):
             engine.add_request(
-                str(i), {"prompt_token_ids": ids("w1 w2 w3 w4 w5 w6") + ids(f"w{20 + i}")},
+                str(i),
+                {"prompt_token_ids": ids("w1 w2 w3 w4 w5 w6") + ids(f"w{20 + i}")},
                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
             )
         while engine.has_unfinished_requests():
@@ -34,16 +40,17 @@ def test_multiprocess_trace_replays_and_exports(tiny_model_dir, tmp_path):
         engine.shutdown()
     events = load_trace(trace)
     assert not list(tmp_path.glob("*.part"))
-    pids = {e["pid"] for e in events}
+    pids = {e.pid for e in events}
     assert len(pids) == 2
-    core_pid = next(e["pid"] for e in events if e["kind"] == "kv.init")
+    core_pid = next(e.pid for e in events if e.kind == "kv.init")
     front_pid = (pids - {core_pid}).pop()
-    assert {e["kind"] for e in events if e["pid"] == front_pid} >= {"request.added", "request.output"}
+    front_kinds = {e.kind for e in events if e.pid == front_pid}
+    assert front_kinds >= {"request.added", "request.output"}
     replay = TraceReplay(events)
     assert replay.final_state.unfinished_requests() == {}
     assert {r.status for r in replay.final_state.requests.values()} == {"FINISHED_LENGTH_CAPPED"}
     # Front-end events carry no step; the replay places them by time.
-    step_of_outputs = [replay.step_of(e) for e in events if e["kind"] == "request.output"]
+    step_of_outputs = [replay.step_of(e) for e in events if e.kind == "request.output"]
     assert step_of_outputs == sorted(step_of_outputs) and min(step_of_outputs) >= 1
     doc = build_perfetto(events)
     validate_trace_events(doc)
@@ -52,7 +59,7 @@ def test_multiprocess_trace_replays_and_exports(tiny_model_dir, tmp_path):
     assert ("request in", "s", front_pid) in crossing and ("request in", "f", core_pid) in crossing
     # The multi-process engine's own hop events carry the arrows.
     hops = {"request.sent", "request.received", "output.sent", "output.received"}
-    assert hops <= {e["kind"] for e in events}
+    assert hops <= {e.kind for e in events}
     assert ("outputs", "s", core_pid) in crossing and ("outputs", "f", front_pid) in crossing
 
 
@@ -62,18 +69,22 @@ def _write(path, events):
 
 def test_merge_trace_parts(tmp_path):
     path = tmp_path / "t.jsonl"
-    ev = lambda pid, seq, ts, kind="x.y": {"ts": ts, "pid": pid, "seq": seq, "kind": kind}
+
+    def ev(pid, seq, ts):
+        return {"kind": "kv.cache_reset", "ts": ts, "pid": pid, "seq": seq}
+
     # A previous run's merged trace under the same name is replaced...
     _write(path, [ev(9, 1, 10), ev(9, 2, 20)])
     _write(tmp_path / "t.jsonl.frontend-1.part", [ev(1, 1, 100), ev(1, 2, 300)])
     _write(tmp_path / "t.jsonl.core-2.part", [ev(2, 1, 200), ev(2, 2, 300)])
     assert merge_trace_parts(str(path)) == str(path)
-    assert [(e["pid"], e["ts"]) for e in load_trace(str(path))] == [(1, 100), (2, 200), (1, 300), (2, 300)]
+    merged = [(e.pid, e.ts) for e in load_trace(str(path))]
+    assert merged == [(1, 100), (2, 200), (1, 300), (2, 300)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
     # ...while one written during this run is merged in.
     _write(tmp_path / "t.jsonl.core-3.part", [ev(3, 1, 250)])
     merge_trace_parts(str(path))
-    assert [e["ts"] for e in load_trace(str(path))] == [100, 200, 250, 300, 300]
+    assert [e.ts for e in load_trace(str(path))] == [100, 200, 250, 300, 300]
     # Nothing to merge: the trace is left alone.
     merge_trace_parts(str(path))
     assert len(load_trace(str(path))) == 5

@@ -75,9 +75,7 @@ def validate_trace_events(doc: dict) -> dict[str, int]:
                 assert end <= stack[-1][1] + eps, f"{name} overlaps {stack[-1][2]} on {track}"
             stack.append((start, end, name))
     # Async spans balance per (cat, id), in time order (stable for equal ts).
-    events = sorted(
-        (ev for ev in doc["traceEvents"] if ev["ph"] in "bne"), key=lambda ev: ev["ts"]
-    )
+    events = sorted((ev for ev in doc["traceEvents"] if ev["ph"] in "bne"), key=lambda ev: ev["ts"])
     open_spans = defaultdict(list)
     for ev in events:
         key = (ev["cat"], ev["id"])
@@ -120,11 +118,11 @@ def test_export_of_a_real_run_is_valid(scenario_trace, tmp_path):
     for ph in ("X", "b", "e", "n", "C", "s", "f", "M", "i"):
         assert counts.get(ph, 0) > 0, ph
     events = load_trace(scenario_trace)
-    num_steps = sum(e["kind"] == "sched.step" for e in events)
+    num_steps = sum(e.kind == "sched.step" for e in events)
     names = [ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "X"]
     assert sum(n.startswith("step ") for n in names) == num_steps
     assert names.count("schedule()") == num_steps
-    assert names.count("forward") == sum(e["kind"] == "runner.forward" for e in events)
+    assert names.count("forward") == sum(e.kind == "runner.forward" for e in events)
     # One front-end span and one core span per request.
     spans = {ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "b"}
     for rid in ("a", "b", "long", "stop", "doomed", "c", "d"):
@@ -135,21 +133,31 @@ def test_export_of_a_real_run_is_valid(scenario_trace, tmp_path):
     # Without process-hop events, flows join request.added -> sched.queued and
     # sched.update -> request.output: one per request in, one per output back.
     flows = [ev for ev in doc["traceEvents"] if ev["ph"] == "s"]
-    outputs = sum(e["kind"] == "request.output" for e in events)
+    outputs = sum(e.kind == "request.output" for e in events)
     assert sum(f["name"] == "request in" for f in flows) == 7
     assert sum(f["name"] == "output" for f in flows) == outputs
 
 
-def test_forward_slice_is_placed_by_start_ts_when_present():
-    """On CUDA ``runner.forward`` is written after sampling; its slice starts at ``start_ts``."""
+def test_forward_slice_is_placed_by_start_ts_when_present(tmp_path):
+    """On CUDA ``runner.forward`` is written after sampling; its slice starts at
+    ``start_ts``. A version-1 trace's forward without ``start_ts`` (written on
+    CPU right after the forward) ends at its ``ts``."""
     base = 1_000_000_000_000
+    fields = {"kind": "runner.forward", "pid": 1, "num_tokens": 4, "num_logits": 4}
     events = [
-        {"ts": base + 9_000_000, "pid": 1, "seq": 1, "kind": "runner.forward", "step": 1,
-         "duration_ns": 2_000_000, "num_tokens": 4, "num_logits": 4, "start_ts": base + 1_000_000},
-        {"ts": base + 20_000_000, "pid": 1, "seq": 2, "kind": "runner.forward", "step": 2,
-         "duration_ns": 3_000_000, "num_tokens": 4, "num_logits": 4},
+        {
+            **fields,
+            "ts": base + 9_000_000,
+            "seq": 1,
+            "step": 1,
+            "duration_ns": 2_000_000,
+            "start_ts": base + 1_000_000,
+        },
+        {**fields, "ts": base + 20_000_000, "seq": 2, "step": 2, "duration_ns": 3_000_000},
     ]
-    doc = build_perfetto(events)
+    path = tmp_path / "forwards.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    doc = build_perfetto(load_trace(str(path)))
     slices = sorted(
         (ev for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["name"] == "forward"),
         key=lambda ev: ev["ts"],
@@ -177,27 +185,68 @@ def test_process_hop_events_become_flows_across_processes(tmp_path):
         return {"ts": ts + dt * 1000, "pid": pid, "seq": seq, "kind": kind, **fields}
 
     front_events = [
-        ev(1, 1, 0, "api.request", request_id="r1", path="/v1/completions"),
+        ev(1, 1, 0, "api.request", request_id="r1", endpoint="/v1/completions"),
         ev(1, 2, 5, "request.added", request_id="r1", num_prompt_tokens=3),
-        ev(1, 3, 6, "request.sent", request_id="r1"),
+        ev(1, 3, 6, "request.sent", type="add", request_id="r1"),
         ev(1, 4, 90, "output.received", request_ids=["r1"]),
         ev(1, 5, 91, "request.output", request_id="r1", new_token_ids=[7], text_delta="x"),
         ev(1, 6, 92, "request.finished", request_id="r1", finish_reason="length"),
-        ev(1, 7, 95, "api.chunk", request_id="r1"),
+        ev(1, 7, 95, "api.chunk", request_id="r1", num_bytes=12),
     ]
     core_events = [
         ev(2, 1, 1, "kv.init", num_blocks=4, block_size=4, null_block_id=0, enable_caching=True),
-        ev(2, 2, 20, "request.received", request_id="r1"),
+        ev(2, 2, 20, "request.received", type="add", request_id="r1"),
         ev(2, 3, 21, "sched.queued", request_id="r1", num_prompt_tokens=3, max_tokens=1),
-        ev(2, 4, 30, "sched.admitted", step=1, request_id="r1", resumed=False,
-           num_computed_tokens=0, num_new_tokens=3, num_tokens=3),
+        ev(
+            2,
+            4,
+            30,
+            "sched.admitted",
+            step=1,
+            request_id="r1",
+            resumed=False,
+            num_computed_tokens=0,
+            num_new_tokens=3,
+            num_tokens=3,
+        ),
         ev(2, 5, 31, "kv.allocated", step=1, request_id="r1", block_ids=[1], num_blocks=1),
-        ev(2, 6, 32, "sched.step", step=1, num_scheduled_tokens={"r1": 3},
-           total_num_scheduled_tokens=3, num_running=1, num_waiting=0, duration_ns=3000),
-        ev(2, 7, 60, "sched.finished", step=1, request_id="r1", status="FINISHED_LENGTH_CAPPED"),
+        ev(
+            2,
+            6,
+            32,
+            "sched.step",
+            step=1,
+            token_budget=16,
+            token_budget_left=13,
+            num_scheduled_tokens={"r1": 3},
+            total_num_scheduled_tokens=3,
+            num_running=1,
+            num_waiting=0,
+            duration_ns=3000,
+        ),
+        ev(
+            2,
+            7,
+            60,
+            "sched.finished",
+            step=1,
+            request_id="r1",
+            status="FINISHED_LENGTH_CAPPED",
+            finish_reason="length",
+        ),
         ev(2, 8, 61, "kv.freed", step=1, request_id="r1", block_ids=[1], to_free_queue=[1]),
-        ev(2, 9, 62, "sched.update", step=1, new_token_ids={"r1": [7]}, finished={"r1": "length"},
-           num_running=0, num_waiting=0, duration_ns=2000),
+        ev(
+            2,
+            9,
+            62,
+            "sched.update",
+            step=1,
+            new_token_ids={"r1": [7]},
+            finished={"r1": "length"},
+            num_running=0,
+            num_waiting=0,
+            duration_ns=2000,
+        ),
         ev(2, 10, 70, "output.sent", request_ids=["r1"]),
     ]
     for path, evs in ((front, front_events), (core, core_events)):
@@ -212,7 +261,11 @@ def test_process_hop_events_become_flows_across_processes(tmp_path):
         if e["ph"] in "sf":
             flows[e["id"]].append((e["ph"], e["pid"]))
     assert sorted(flows.values()) == [[("s", 1), ("f", 2)], [("s", 2), ("f", 1)]]
-    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {
+        e["args"]["name"]
+        for e in doc["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     assert names == {"API server + front end (pid 1)", "engine core (pid 2)"}
     assert {e["name"] for e in doc["traceEvents"] if e["ph"] == "i"} >= {"api.request", "api.chunk"}
 
@@ -234,19 +287,23 @@ def test_cli_trace_export(scenario_trace, tmp_path, capsys):
 
 def test_validator_rejects_overlapping_slices_and_open_spans():
     """The checks above can fail."""
-    bad_nesting = {"traceEvents": [
-        {"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 1, "tid": 1},
-        {"name": "b", "ph": "X", "ts": 5, "dur": 10, "pid": 1, "tid": 1},
-    ]}
+    bad_nesting = {
+        "traceEvents": [
+            {"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 1, "tid": 1},
+            {"name": "b", "ph": "X", "ts": 5, "dur": 10, "pid": 1, "tid": 1},
+        ]
+    }
     with pytest.raises(AssertionError, match="overlaps"):
         validate_trace_events(bad_nesting)
     open_span = {"traceEvents": [{"name": "r", "cat": "c", "ph": "b", "id": 1, "ts": 0, "pid": 1}]}
     with pytest.raises(AssertionError, match="left open"):
         validate_trace_events(open_span)
-    lonely_flow = {"traceEvents": [
-        {"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 1, "tid": 1},
-        {"name": "h", "cat": "hop", "ph": "s", "id": 1, "ts": 1, "pid": 1, "tid": 1},
-    ]}
+    lonely_flow = {
+        "traceEvents": [
+            {"name": "a", "ph": "X", "ts": 0, "dur": 10, "pid": 1, "tid": 1},
+            {"name": "h", "cat": "hop", "ph": "s", "id": 1, "ts": 1, "pid": 1, "tid": 1},
+        ]
+    }
     with pytest.raises(AssertionError):
         validate_trace_events(lonely_flow)
 

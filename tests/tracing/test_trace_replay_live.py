@@ -21,7 +21,7 @@ def test_replay_equals_live_block_pool_after_every_step(tiny_model_dir, tmp_path
     assert sum(label.startswith("step") for label in checked) >= 10
 
     # The run really went through every path the replay must model.
-    kinds = [e["kind"] for e in load_trace(trace)]
+    kinds = [e.kind for e in load_trace(trace)]
     for kind in ("sched.preempted", "kv.evicted", "kv.touched", "kv.freed", "kv.cached"):
         assert kind in kinds, kind
 
@@ -36,8 +36,14 @@ def test_replay_random_access_equals_forward_pass(tiny_model_dir, tmp_path):
     dense = TraceReplay(trace, snapshot_interval=1)
     sparse = TraceReplay(trace, snapshot_interval=7)
     forward = [
-        (s.step, list(s.waiting), list(s.running), list(s.ref_cnt), s.free_queue,
-         {h: list(v) for h, v in s.cached.items()})
+        (
+            s.step,
+            list(s.waiting),
+            list(s.running),
+            list(s.ref_cnt),
+            s.free_queue,
+            {h: list(v) for h, v in s.cached.items()},
+        )
         for s in dense.iter_states()
     ]
     # Backwards, so every lookup starts from a snapshot, not from the last one.

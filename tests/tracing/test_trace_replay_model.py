@@ -5,8 +5,9 @@ contradicts it."""
 
 from __future__ import annotations
 
-import json
+import copy
 
+import msgspec
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -27,22 +28,26 @@ def real_trace(tiny_model_dir, tmp_path_factory):
     return trace
 
 
+def _by_request(slot) -> str:
+    return slot.request_id
+
+
 def test_scheduler_derived_batch_equals_the_runners(real_trace):
     """With runner events removed, the replay derives each step's batch from
     the scheduler's decision and its own block tables; it must be the batch
     the runner actually built (rows, positions and KV slots)."""
     events = load_trace(real_trace)
     with_runner = TraceReplay(events)
-    without = TraceReplay([e for e in events if not e["kind"].startswith(("runner.", "sampler."))])
+    without = TraceReplay([e for e in events if not e.kind.startswith(("runner.", "sampler."))])
     compared = 0
     for step in with_runner.steps:
         a, b = with_runner.view(step), without.view(step)
         if a.batch_source == "none":
             continue
         assert (a.batch_source, b.batch_source) == ("runner", "scheduler")
-        key = lambda slot: slot.request_id  # row order differs: the runner condenses
-        assert sorted(a.batch, key=key) == sorted(b.batch, key=key), f"step {step}"
-        assert [s["request_id"] for s in a.sampler] == [s.request_id for s in a.batch if s.sampled]
+        # Row order differs: the runner condenses.
+        assert sorted(a.batch, key=_by_request) == sorted(b.batch, key=_by_request), f"step {step}"
+        assert [s.request_id for s in a.sampler] == [s.request_id for s in a.batch if s.sampled]
         assert b.sampler == []
         compared += 1
     assert compared >= 10
@@ -51,18 +56,18 @@ def test_scheduler_derived_batch_equals_the_runners(real_trace):
 def test_view_of_a_step(real_trace):
     replay = TraceReplay(real_trace)
     view = replay.view(1)
-    assert view.sched_step["step"] == 1
+    assert view.sched_step.step == 1
     assert view.waiting == view.state.waiting and view.running == view.state.running
-    assert set(view.new_token_ids) <= set(view.sched_step["num_scheduled_tokens"])
-    assert all(e["step"] == 1 for e in view.events if "step" in e)
+    assert set(view.new_token_ids) <= set(view.sched_step.num_scheduled_tokens)
+    assert all(e.step == 1 for e in view.events if e.step is not None)
     assert replay.view(0).sched_step is None and replay.view(0).batch == []
     with pytest.raises(ValueError, match="step must be an int"):
         replay.state_at(replay.last_step + 1)
     with pytest.raises(ValueError, match="block_id must be"):
         view.state.block(10_000)
     events = replay.request_events("doomed")
-    assert events[0]["kind"] == "request.added"
-    kinds = [e["kind"] for e in events]
+    assert events[0].kind == "request.added"
+    kinds = [e.kind for e in events]
     # The front end forgets it first, then the core finishes it (and frees any blocks).
     assert kinds.index("request.finished") < kinds.index("sched.finished")
     assert kinds[-1] in ("sched.finished", "kv.freed")
@@ -80,16 +85,22 @@ def test_priority_policy_queue_order(tiny_model_dir, tmp_path):
     try:
         for i, prio in enumerate([3, 1, 2, 1, 0, 5]):
             engine.add_request(
-                f"r{i}", {"prompt_token_ids": ids(f"w{i} w{i + 10} w{i + 20} w{i + 30} w{i + 40}")},
-                SamplingParams(temperature=0.0, max_tokens=8), priority=prio,
+                f"r{i}",
+                {"prompt_token_ids": ids(f"w{i} w{i + 10} w{i + 20} w{i + 30} w{i + 40}")},
+                SamplingParams(temperature=0.0, max_tokens=8),
+                priority=prio,
             )
         for _ in range(4):
             engine.step()
             engine.tracer.flush()
             replay = TraceReplay(trace)
             assert_replay_matches_engine(replay.state_at(replay.last_step), scheduler)
-        engine.add_request("late", {"prompt_token_ids": ids("w1 w2")},
-                           SamplingParams(temperature=0.0, max_tokens=2), priority=-1)
+        engine.add_request(
+            "late",
+            {"prompt_token_ids": ids("w1 w2")},
+            SamplingParams(temperature=0.0, max_tokens=2),
+            priority=-1,
+        )
         while engine.has_unfinished_requests():
             engine.step()
             engine.tracer.flush()
@@ -102,19 +113,19 @@ def test_priority_policy_queue_order(tiny_model_dir, tmp_path):
 def test_a_trace_that_contradicts_the_model_raises(real_trace, tmp_path):
     events = load_trace(real_trace)
     # Drop the first allocation: the next one pops a block that is not at the head.
-    first_alloc = next(i for i, e in enumerate(events) if e["kind"] == "kv.allocated")
+    first_alloc = next(i for i, e in enumerate(events) if e.kind == "kv.allocated")
     with pytest.raises(ReplayError):
-        TraceReplay(events[:first_alloc] + events[first_alloc + 1:])
+        TraceReplay(events[:first_alloc] + events[first_alloc + 1 :])
     # Lie about the queue length in one step.
-    broken = [dict(e) for e in events]
-    step_event = next(e for e in broken if e["kind"] == "sched.step")
-    step_event["num_waiting"] += 1
+    broken = [copy.copy(e) for e in events]
+    step_event = next(e for e in broken if e.kind == "sched.step")
+    step_event.num_waiting += 1
     with pytest.raises(ReplayError, match="waiting"):
         TraceReplay(broken)
     with pytest.raises(ReplayError, match="no kv.init"):
-        TraceReplay([e for e in events if e["kind"] != "kv.init"])
+        TraceReplay([e for e in events if e.kind != "kv.init"])
     path = tmp_path / "lines.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    path.write_bytes(msgspec.json.Encoder().encode_lines(events))
     assert TraceReplay(str(path)).last_step == TraceReplay(events).last_step
     with pytest.raises(ValueError, match="snapshot_interval"):
         TraceReplay(events, snapshot_interval=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from engine.tracing import StepView, TraceReplay
+from engine.tracing import SchedPreempted, StepView, TraceReplay
 from tui.app import TraceApp
 from tui.session import TraceSession
 from tui.widgets.common import Panel
@@ -56,12 +56,13 @@ def assert_panels_match_replay(app: TraceApp, replay: TraceReplay, session: Trac
     assert ids_after(sched, "running") == state.running
     assert ids_after(sched, "waiting") == state.waiting
     if view.sched_step is not None:
-        for rid, n in view.sched_step["num_scheduled_tokens"].items():
-            assert re.search(rf"^{re.escape(rid)}\s+(prefill|decode|recompute)\s+{n}\b", sched,
-                             re.MULTILINE), (rid, n, sched)
+        for rid, n in view.sched_step.num_scheduled_tokens.items():
+            assert re.search(
+                rf"^{re.escape(rid)}\s+(prefill|decode|recompute)\s+{n}\b", sched, re.MULTILINE
+            ), (rid, n, sched)
         for e in view.events:
-            if e["kind"] == "sched.preempted":
-                assert re.search(rf"preempted\s+.*\b{re.escape(e['request_id'])}\b", sched)
+            if isinstance(e, SchedPreempted):
+                assert re.search(rf"preempted\s+.*\b{re.escape(e.request_id)}\b", sched)
     # Requests: each line's status agrees with the replayed request.
     lines = dict(zip(session.request_ids, app.query_one(RequestList).lines))
     for rid, line in lines.items():
@@ -92,14 +93,17 @@ def assert_panels_match_replay(app: TraceApp, replay: TraceReplay, session: Trac
     for slot in view.batch:
         first, last = slot.num_computed_tokens, slot.seq_len - 1
         pos = str(first) if first == last else f"{first}-{last}"
-        assert re.search(rf"^{re.escape(slot.request_id[:9])}\S*\s+{slot.query_len}\s+{pos}\s",
-                         runner, re.MULTILINE), (slot, runner)
+        assert re.search(
+            rf"^{re.escape(slot.request_id[:9])}\S*\s+{slot.query_len}\s+{pos}\s",
+            runner,
+            re.MULTILINE,
+        ), (slot, runner)
     # Sampler: the followed request's chosen token, or why there is none.
     sampler = app.query_one(SamplerPanel).plain_text(200)
-    sample = next((e for e in view.sampler if e["request_id"] == follow), None)
+    sample = next((e for e in view.sampler if e.request_id == follow), None)
     if sample is not None:
-        text = session.token_text(sample["token_id"])
-        shown = repr(text.replace("\n", "↵")) if text is not None else f"#{sample['token_id']}"
+        text = session.token_text(sample.token_id)
+        shown = repr(text.replace("\n", "↵")) if text is not None else f"#{sample.token_id}"
         assert f"chose {shown}" in sampler, sampler
     else:
         assert "chose" not in sampler

@@ -6,42 +6,71 @@ engine would write for it -- ``kv.init``, ``sched.queued``, ``kv.allocated``,
 ``sched.admitted``, ``sched.step``, ``runner.batch``, ``sampler.sampled``,
 ``sched.update``, ``sched.finished``, ``kv.freed`` -- in the engine's order,
 so the replay model accepts it (it checks every allocation against its free
-queue and every queue length against ``sched.step``).
+queue and every queue length against ``sched.step``). The events are the
+typed classes of ``engine.tracing``; the file holds them as JSON lines.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
-from engine.tracing import EngineState
+import msgspec
+
+from engine.tracing import (
+    EngineConfig,
+    EngineState,
+    KVAllocated,
+    KVFreed,
+    KVInit,
+    RunnerBatch,
+    SamplerSampled,
+    SchedAdmitted,
+    SchedFinished,
+    SchedQueued,
+    SchedStep,
+    SchedUpdate,
+    TraceEvent,
+)
 
 
-def synthetic_events(num_steps: int, num_blocks: int = 64, block_size: int = 16,
-                     max_running: int = 4, seed: int = 0) -> list[dict[str, Any]]:
+def synthetic_events(
+    num_steps: int, num_blocks: int = 64, block_size: int = 16, max_running: int = 4, seed: int = 0
+) -> list[TraceEvent]:
     rng = random.Random(seed)
-    events: list[dict[str, Any]] = []
+    events: list[TraceEvent] = []
     state = EngineState()  # tracks the free queue so allocations pop its head
     seq = 0
 
-    def emit(kind: str, step: int | None, **fields: Any) -> None:
+    def emit(cls: type[TraceEvent], step: int | None, **fields: Any) -> None:
         nonlocal seq
         seq += 1
-        e = {"ts": 1_000_000 + seq * 1000, "pid": 7, "seq": seq, "kind": kind}
-        if step is not None:
-            e["step"] = step
-        e.update(fields)
+        e = cls(ts=1_000_000 + seq * 1000, pid=7, seq=seq, step=step, **fields)
         events.append(e)
         state.apply(e)
 
-    emit("engine.config", None, max_num_seqs=max_running, max_num_batched_tokens=256,
-         max_model_len=128, enable_chunked_prefill=True, long_prefill_token_threshold=0,
-         policy="fcfs", block_size=block_size, enable_prefix_caching=False,
-         num_gpu_blocks=num_blocks)
-    emit("kv.init", None, num_blocks=num_blocks, block_size=block_size, null_block_id=0,
-         enable_caching=False)
+    emit(
+        EngineConfig,
+        None,
+        max_num_seqs=max_running,
+        max_num_batched_tokens=256,
+        max_model_len=128,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        policy="fcfs",
+        block_size=block_size,
+        enable_prefix_caching=False,
+        num_gpu_blocks=num_blocks,
+    )
+    emit(
+        KVInit,
+        None,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        null_block_id=0,
+        enable_caching=False,
+    )
     lengths: dict[str, tuple[int, int]] = {}
     counter = 0
 
@@ -51,8 +80,16 @@ def synthetic_events(num_steps: int, num_blocks: int = 64, block_size: int = 16,
         counter += 1
         prompt, out = rng.randint(8, 40), rng.randint(3, 40)
         lengths[rid] = (prompt, out)
-        emit("sched.queued", step, request_id=rid, num_prompt_tokens=prompt, max_tokens=out,
-             priority=0, arrival_time=float(counter), num_block_hashes=0)
+        emit(
+            SchedQueued,
+            step,
+            request_id=rid,
+            num_prompt_tokens=prompt,
+            max_tokens=out,
+            priority=0,
+            arrival_time=float(counter),
+            num_block_hashes=0,
+        )
 
     for _ in range(6):
         add_request(None)
@@ -62,8 +99,13 @@ def synthetic_events(num_steps: int, num_blocks: int = 64, block_size: int = 16,
         for rid in list(state.running):
             req = state.requests[rid]
             if req.num_computed_tokens + 1 > len(req.block_ids) * block_size:
-                emit("kv.allocated", step, request_id=rid, block_ids=[state.free_queue[0]],
-                     num_blocks=len(req.block_ids) + 1)
+                emit(
+                    KVAllocated,
+                    step,
+                    request_id=rid,
+                    block_ids=[state.free_queue[0]],
+                    num_blocks=len(req.block_ids) + 1,
+                )
             scheduled[rid] = 1
         while state.waiting and len(state.running) < max_running:
             rid = state.waiting[0]
@@ -71,36 +113,73 @@ def synthetic_events(num_steps: int, num_blocks: int = 64, block_size: int = 16,
             need = -(-prompt // block_size)
             if need > state.num_free_blocks:
                 break
-            emit("kv.allocated", step, request_id=rid, block_ids=state.free_queue[:need],
-                 num_blocks=need)
-            emit("sched.admitted", step, request_id=rid, resumed=False, num_computed_tokens=0,
-                 num_new_tokens=prompt, num_tokens=prompt)
+            emit(
+                KVAllocated,
+                step,
+                request_id=rid,
+                block_ids=state.free_queue[:need],
+                num_blocks=need,
+            )
+            emit(
+                SchedAdmitted,
+                step,
+                request_id=rid,
+                resumed=False,
+                num_computed_tokens=0,
+                num_new_tokens=prompt,
+                num_tokens=prompt,
+            )
             scheduled[rid] = prompt
             new_ids.append(rid)
-        emit("sched.step", step, token_budget=256,
-             token_budget_left=256 - sum(scheduled.values()),
-             num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-             new_req_ids=new_ids, resumed_req_ids=[],
-             running_req_ids=[r for r in scheduled if r not in new_ids],
-             preempted_req_ids=[], finished_req_ids=[], num_running=len(state.running),
-             num_waiting=len(state.waiting), num_common_prefix_blocks=[0],
-             kv_cache_usage=state.kv_cache_usage, duration_ns=50_000)
+        emit(
+            SchedStep,
+            step,
+            token_budget=256,
+            token_budget_left=256 - sum(scheduled.values()),
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            new_req_ids=new_ids,
+            resumed_req_ids=[],
+            running_req_ids=[r for r in scheduled if r not in new_ids],
+            preempted_req_ids=[],
+            finished_req_ids=[],
+            num_running=len(state.running),
+            num_waiting=len(state.waiting),
+            num_common_prefix_blocks=[0],
+            kv_cache_usage=state.kv_cache_usage,
+            duration_ns=50_000,
+        )
         rows = list(scheduled)
         if rows:
             reqs = [state.requests[r] for r in rows]
-            emit("runner.batch", step, num_reqs=len(rows), num_tokens=sum(scheduled.values()),
-                 num_tokens_padded=sum(scheduled.values()), attn_backend="CPU_ATTN",
-                 cudagraph_mode="NONE", req_ids=rows,
-                 query_lens=[scheduled[r] for r in rows],
-                 num_computed_tokens=[q.num_computed_tokens - scheduled[q.request_id]
-                                      for q in reqs],
-                 seq_lens=[q.num_computed_tokens for q in reqs],
-                 slot_mapping=[[] for _ in rows], discard_req_ids=[], max_query_len=1,
-                 max_seq_len=1)
+            emit(
+                RunnerBatch,
+                step,
+                num_reqs=len(rows),
+                num_tokens=sum(scheduled.values()),
+                num_tokens_padded=sum(scheduled.values()),
+                attn_backend="CPU_ATTN",
+                cudagraph_mode="NONE",
+                req_ids=rows,
+                query_lens=[scheduled[r] for r in rows],
+                num_computed_tokens=[q.num_computed_tokens - scheduled[q.request_id] for q in reqs],
+                seq_lens=[q.num_computed_tokens for q in reqs],
+                slot_mapping=[[] for _ in rows],
+                discard_req_ids=[],
+                max_query_len=1,
+                max_seq_len=1,
+            )
         new_tokens = {r: [rng.randint(3, 200)] for r in rows}
         for i, r in enumerate(rows):
-            emit("sampler.sampled", step, request_id=r, row=i, token_id=new_tokens[r][0],
-                 logprob=-0.5, greedy=True)
+            emit(
+                SamplerSampled,
+                step,
+                request_id=r,
+                row=i,
+                token_id=new_tokens[r][0],
+                logprob=-0.5,
+                greedy=True,
+            )
         finished = {}
         for r in rows:
             req = state.requests[r]
@@ -108,19 +187,36 @@ def synthetic_events(num_steps: int, num_blocks: int = 64, block_size: int = 16,
                 finished[r] = "length"
         for r in finished:
             req = state.requests[r]
-            emit("sched.finished", step, request_id=r, status="FINISHED_LENGTH_CAPPED",
-                 finish_reason="length", stop_reason=None, num_prompt_tokens=lengths[r][0],
-                 num_output_tokens=lengths[r][1], num_cached_tokens=0, num_preemptions=0)
+            emit(
+                SchedFinished,
+                step,
+                request_id=r,
+                status="FINISHED_LENGTH_CAPPED",
+                finish_reason="length",
+                stop_reason=None,
+                num_prompt_tokens=lengths[r][0],
+                num_output_tokens=lengths[r][1],
+                num_cached_tokens=0,
+                num_preemptions=0,
+            )
             blocks = list(reversed(req.block_ids))
-            emit("kv.freed", step, request_id=r, block_ids=blocks, to_free_queue=blocks)
-        emit("sched.update", step, new_token_ids=new_tokens, finished=finished,
-             num_running=len(state.running), num_waiting=len(state.waiting), duration_ns=20_000)
+            emit(KVFreed, step, request_id=r, block_ids=blocks, to_free_queue=blocks)
+        emit(
+            SchedUpdate,
+            step,
+            new_token_ids=new_tokens,
+            finished=finished,
+            num_running=len(state.running),
+            num_waiting=len(state.waiting),
+            duration_ns=20_000,
+        )
         while len(state.waiting) < 3:
             add_request(step)
     return events
 
 
 def write_synthetic_trace(path: Path, num_steps: int, **kwargs: Any) -> Path:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in synthetic_events(num_steps, **kwargs))
+    """The trace as JSON lines, as the engine's tracer writes them."""
+    events = synthetic_events(num_steps, **kwargs)
+    path.write_bytes(msgspec.json.Encoder().encode_lines(events))
     return path

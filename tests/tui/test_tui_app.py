@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tracing import TraceReplay
+from engine.tracing import (
+    KVEvicted,
+    SchedAdmitted,
+    SchedFinished,
+    SchedPreempted,
+    TraceReplay,
+)
 from tests.tui.pilot_helpers import assert_panels_match_replay, wait_ready
 from tui.app import PANEL_IDS, TraceApp
 from tui.widgets.help import HelpScreen, help_text
@@ -25,8 +31,8 @@ SIZE = (120, 40)
 
 
 def interesting_steps(replay: TraceReplay) -> list[int]:
-    kinds = ("sched.preempted", "sched.admitted", "sched.finished", "kv.evicted")
-    return sorted({replay.step_of(e) for e in replay.events if e["kind"] in kinds})
+    types = (SchedPreempted, SchedAdmitted, SchedFinished, KVEvicted)
+    return sorted({replay.step_of(e) for e in replay.events if isinstance(e, types)})
 
 
 async def test_stepping_moves_every_panel_consistently_with_the_replay(fresh_session):
@@ -56,8 +62,11 @@ async def test_stepping_moves_every_panel_consistently_with_the_replay(fresh_ses
         # Every step where the scheduler preempted, admitted or finished a
         # request, following each request it touched.
         for step in interesting_steps(replay):
-            for rid in {e["request_id"] for e in replay.events_at(step)
-                        if e["kind"] in ("sched.preempted", "sched.admitted", "sched.finished")}:
+            for rid in {
+                e.request_id
+                for e in replay.events_at(step)
+                if isinstance(e, (SchedPreempted, SchedAdmitted, SchedFinished))
+            }:
                 app.follow = rid
                 app.go_to_step(step)
                 await pilot.pause()
@@ -208,13 +217,13 @@ async def test_the_app_reports_a_bad_trace_instead_of_crashing(tmp_path):
     # message names both versions (no traceback, no half-drawn panels).
     future = tmp_path / "future.jsonl"
     future.write_text(
-        '{"ts": 1, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 2, '
-        '"glassbox_version": "9.0.0"}\n{"ts": 2, "pid": 1, "seq": 1, "kind": "kv.init"}\n'
+        '{"kind": "trace.header", "ts": 1, "pid": 1, "seq": 0, "trace_format_version": "2.0", '
+        '"glassbox_version": "9.0.0"}\n{"kind": "kv.init", "ts": 2, "pid": 1, "seq": 1}\n'
     )
     app = TraceApp(str(future))
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_ready(app, pilot)
         assert app.error is not None and not app.ready
         shown = str(app.query_one("#error").render())
-        assert "trace format version 2; this Glassbox reads version 1" in shown
+        assert "trace format version '2.0'; this Glassbox reads version 1" in shown
         assert "9.0.0" in shown and "Traceback" not in shown

@@ -5,12 +5,20 @@ a traced run. (Running ``glassbox trace`` on the real model is
 from __future__ import annotations
 
 import argparse
-import json
 
+import msgspec
 import pytest
 
 from engine.entrypoints.cli import trace as trace_cli
 from engine.entrypoints.cli.main import COMMANDS, build_parser, main
+from engine.tracing import (
+    RequestAdded,
+    RunnerInputs,
+    SamplerSampled,
+    SamplerStage,
+    SchedUpdate,
+    TensorSummary,
+)
 
 
 def test_commands_are_registered():
@@ -26,8 +34,10 @@ def test_commands_are_registered():
         (None, "no trace file at"),
         ("", "is empty"),
         ('{"ts": 1, "pid": 1, "kind": "kv.init", "num_bl', "is truncated"),
-        ('{"ts": 0, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 99}\n',
-         "trace format version 99"),
+        (
+            '{"ts": 0, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": "99"}\n',
+            "trace format version '99'",
+        ),
         ('{"a": 1}\n', "not a Glassbox trace"),
     ],
     ids=["missing", "empty", "truncated", "other-version", "not-a-trace"],
@@ -102,16 +112,37 @@ def test_pool_size_is_small_but_holds_one_full_sequence():
 
 
 def test_token_texts_cover_every_id_in_the_trace(tmp_path):
+    empty = TensorSummary(shape=[0], dtype="int32")
     events = [
-        {"ts": 1, "pid": 1, "seq": 1, "kind": "request.added", "prompt_token_ids": [5, 6]},
-        {"ts": 2, "pid": 1, "seq": 2, "kind": "sched.update", "new_token_ids": {"a": [7]}},
-        {"ts": 3, "pid": 1, "seq": 3, "kind": "sampler.sampled", "token_id": 7,
-         "stages": [{"stage": "raw", "token_ids": [7, 8], "probs": [0.6, 0.4]}]},
-        {"ts": 4, "pid": 1, "seq": 4, "kind": "runner.inputs",
-         "input_ids": {"head": [9], "tail": [10]}},
+        RequestAdded(
+            ts=1, pid=1, seq=1, request_id="a", num_prompt_tokens=2, prompt_token_ids=[5, 6]
+        ),
+        SchedUpdate(ts=2, pid=1, seq=2, new_token_ids={"a": [7]}),
+        SamplerSampled(
+            ts=3,
+            pid=1,
+            seq=3,
+            request_id="a",
+            row=0,
+            token_id=7,
+            logprob=-0.5,
+            stages=[SamplerStage(stage="raw", token_ids=[7, 8], probs=[0.6, 0.4])],
+        ),
+        RunnerInputs(
+            ts=4,
+            pid=1,
+            seq=4,
+            input_ids=TensorSummary(shape=[40], dtype="int32", head=[9], tail=[10]),
+            positions=empty,
+            query_start_loc=empty,
+            seq_lens=empty,
+            slot_mapping=empty,
+            block_table=empty,
+            logits_indices=empty,
+        ),
     ]
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    path.write_bytes(msgspec.json.Encoder().encode_lines(events))
 
     class Tok:
         def decode(self, ids):

@@ -7,9 +7,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from engine.tracing import TraceReplay, load_trace
+from engine.tracing import (
+    TRACE_FORMAT_VERSION,
+    KVAllocated,
+    KVTouched,
+    RunnerBatch,
+    SamplerSampled,
+    SchedPreempted,
+    SchedQueued,
+    SchedStep,
+    SchedUpdate,
+    TraceEvent,
+    TraceHeader,
+    TraceReplay,
+    load_trace,
+)
 from tui.session import (
     DECODE,
     FINISHED,
@@ -30,23 +45,25 @@ from tui.summary import compress_phases, request_summary
 def test_the_committed_trace_shows_what_it_should(small_session: TraceSession):
     # The run the TUI is demonstrated on: chunked prefill, prefix hits,
     # preemption, several requests sharing steps, full-level sampler stages.
-    kinds = {e["kind"] for e in small_session.events}
-    assert {"sched.preempted", "kv.touched", "sampler.sampled", "runner.batch"} <= kinds
+    types = {type(e) for e in small_session.events}
+    assert {SchedPreempted, KVTouched, SamplerSampled, RunnerBatch} <= types
     assert small_session.info.trace_level == "full"
     assert small_session.info.followed_request_id == "prompt"
     assert len(small_session.request_ids) >= 5
-    assert any(e.kind == "prefill" and "chunk" in e.text
-               for tl in small_session.timelines.values() for e in tl.events)
+    assert any(
+        e.kind == "prefill" and "chunk" in e.text
+        for tl in small_session.timelines.values()
+        for e in tl.events
+    )
     assert small_session.token_texts, "glassbox trace adds token texts"
 
 
 def test_phases_agree_with_the_replay_at_every_step(small_session: TraceSession):
     replay = TraceReplay(small_session.events, snapshot_interval=1)
     for step, state in zip(replay.steps, replay.iter_states()):
-        sched = next((e for e in replay.events_at(step) if e["kind"] == "sched.step"), None)
-        scheduled = sched["num_scheduled_tokens"] if sched else {}
-        preempted = {e["request_id"] for e in replay.events_at(step)
-                     if e["kind"] == "sched.preempted"}
+        sched = next((e for e in replay.events_at(step) if isinstance(e, SchedStep)), None)
+        scheduled = sched.num_scheduled_tokens if sched is not None else {}
+        preempted = {e.request_id for e in replay.events_at(step) if isinstance(e, SchedPreempted)}
         for rid, tl in small_session.timelines.items():
             phase = tl.phase_at(step)
             req = state.requests.get(rid)
@@ -62,9 +79,11 @@ def test_phases_agree_with_the_replay_at_every_step(small_session: TraceSession)
                 assert phase in (PREFILL, RECOMPUTE, DECODE), where
                 # A decode computes the one token not yet in the cache (after
                 # the step the sampled one is that token again).
-                decode = (scheduled[rid] == 1
-                          and req.num_computed_tokens - 1 >= req.num_prompt_tokens
-                          and req.num_computed_tokens == req.num_tokens - 1)
+                decode = (
+                    scheduled[rid] == 1
+                    and req.num_computed_tokens - 1 >= req.num_prompt_tokens
+                    and req.num_computed_tokens == req.num_tokens - 1
+                )
                 assert (phase == DECODE) == decode, where
             elif rid in state.running:
                 assert phase == STALLED, where
@@ -80,8 +99,10 @@ def test_outputs_and_counts_match_the_trace(small_session: TraceSession):
         assert tl.num_preemptions == req.num_preemptions
         assert tl.finished_step == req.finished_step
         assert [t for _, t in tl.output_tokens] == [
-            t for e in small_session.events if e["kind"] == "sched.update"
-            for t in e["new_token_ids"].get(rid, [])
+            t
+            for e in small_session.events
+            if isinstance(e, SchedUpdate)
+            for t in e.new_token_ids.get(rid, [])
         ]
         # "Next event" walks the lifecycle lines' start steps in order.
         steps = tl.event_steps()
@@ -120,13 +141,19 @@ def test_summary_tells_the_followed_request_story(small_session: TraceSession):
 # Bad input: one clear sentence, never a traceback
 # ---------------------------------------------------------------------------
 def _write(path: Path, lines: list) -> str:
-    path.write_text("".join((json.dumps(x) if not isinstance(x, str) else x) + "\n"
-                            for x in lines))
+    """JSON lines: typed events as the tracer writes them, dicts and strings as given."""
+
+    def line(x) -> str:
+        if isinstance(x, TraceEvent):
+            return msgspec.json.encode(x).decode()
+        return x if isinstance(x, str) else json.dumps(x)
+
+    path.write_text("".join(line(x) + "\n" for x in lines))
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def small_events(small_trace_path) -> list[dict]:
+def small_events(small_trace_path) -> list[TraceEvent]:
     return load_trace(small_trace_path)
 
 
@@ -159,33 +186,58 @@ def test_json_that_is_not_a_trace(tmp_path):
     with pytest.raises(TraceLoadError, match="not a Glassbox trace"):
         open_session(_write(tmp_path / "b.jsonl", [[1, 2, 3]]))
     # A lifecycle-less trace (only front-end events): nothing to replay.
+    added = {
+        "ts": 1,
+        "pid": 1,
+        "seq": 1,
+        "kind": "request.added",
+        "request_id": "a",
+        "num_prompt_tokens": 3,
+    }
     with pytest.raises(TraceLoadError, match="cannot be replayed: .*kv.init"):
-        open_session(_write(tmp_path / "c.jsonl",
-                            [{"ts": 1, "pid": 1, "seq": 1, "kind": "request.added"}]))
+        open_session(_write(tmp_path / "c.jsonl", [added]))
+    # Events that load_trace did not read (plain dicts) are refused, not half-replayed.
+    with pytest.raises(TraceLoadError, match="not a Glassbox trace: event 1 is a dict"):
+        session_from_events([added])
 
 
 def test_traces_from_another_version(tmp_path, small_events):
     # Announces a format this version does not read.
-    header = {"ts": 0, "pid": 1, "seq": 0, "kind": "trace.header", "trace_format_version": 99}
-    with pytest.raises(TraceLoadError, match="trace format version 99; this Glassbox reads"):
+    header = TraceHeader(
+        ts=0, pid=1, seq=0, trace_format_version="99", glassbox_version="7.1", trace_level="full"
+    )
+    with pytest.raises(TraceLoadError, match="trace format version '99'; this Glassbox reads"):
         session_from_events([header, *small_events], path="old.jsonl")
     # The same from a file (load_trace checks the header).
-    path = _write(tmp_path / "v99.jsonl", [dict(header, glassbox_version="7.1"), *small_events])
-    with pytest.raises(TraceLoadError, match=r"version 99; this Glassbox reads version 1 .*7\.1"):
+    path = _write(tmp_path / "v99.jsonl", [header, *small_events])
+    with pytest.raises(
+        TraceLoadError, match=r"version '99'; this Glassbox reads version 1\.x .*7\.1"
+    ):
         open_session(path)
-    # A header of this version, or none (the committed trace has none: version 1), opens.
-    path = _write(tmp_path / "v1.jsonl", [dict(header, trace_format_version=1), *small_events])
+    # A header of this version, or none (version 1.0), opens.
+    this_version = msgspec.structs.replace(header, trace_format_version=TRACE_FORMAT_VERSION)
+    path = _write(tmp_path / "v1.jsonl", [this_version, *small_events])
+    assert open_session(path).num_steps == session_from_events(small_events).num_steps
+    path = _write(tmp_path / "none.jsonl", small_events)
     assert open_session(path).num_steps == session_from_events(small_events).num_steps
     # Written by a version whose events carried other field names.
     renamed = [
-        {("prompt_len" if k == "num_prompt_tokens" else k): v for k, v in e.items()}
-        if e["kind"] == "sched.queued" else e
+        {
+            ("prompt_len" if k == "num_prompt_tokens" else k): v
+            for k, v in msgspec.to_builtins(e).items()
+        }
+        if isinstance(e, SchedQueued)
+        else e
         for e in small_events
     ]
     with pytest.raises(TraceLoadError, match="another version of Glassbox.*num_prompt_tokens"):
-        session_from_events(renamed, path="old.jsonl")
+        open_session(_write(tmp_path / "renamed.jsonl", renamed))
     # Or whose block pool worked differently: the replay's own checks catch it.
-    shuffled = [dict(e, block_ids=e["block_ids"][::-1]) if e["kind"] == "kv.allocated"
-                and len(e["block_ids"]) > 1 else e for e in small_events]
+    shuffled = [
+        msgspec.structs.replace(e, block_ids=e.block_ids[::-1])
+        if isinstance(e, KVAllocated) and len(e.block_ids) > 1
+        else e
+        for e in small_events
+    ]
     with pytest.raises(TraceLoadError, match="cannot be replayed: .*another version"):
         session_from_events(shuffled, path="odd.jsonl")

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from engine.tracing import EngineState
+from engine.tracing import EngineState, SchedStep
 from tests.tui.pilot_helpers import wait_ready
 from tests.tui.synthetic import write_synthetic_trace
 from tui.app import LoadingView, TraceApp
@@ -50,7 +50,9 @@ def test_any_step_is_a_snapshot_copy_plus_a_few_steps_of_events(long_trace, monk
     assert 16 <= interval <= 64
     applied, copies = [], []
     real_apply, real_copy = EngineState.apply, EngineState.copy
-    monkeypatch.setattr(EngineState, "apply", lambda self, e: applied.append(e) or real_apply(self, e))
+    monkeypatch.setattr(
+        EngineState, "apply", lambda self, e: applied.append(e) or real_apply(self, e)
+    )
     monkeypatch.setattr(EngineState, "copy", lambda self: copies.append(1) or real_copy(self))
     for step in (0, 1, interval - 1, interval, 1500, 1500 + interval - 1, NUM_STEPS - 1, NUM_STEPS):
         applied.clear()
@@ -75,8 +77,17 @@ def test_a_snapshot_copy_shares_the_requests_copy_on_write(long_trace):
     # Changing a request goes through a private copy; the snapshot keeps its own.
     running = state.running[0]
     before = snapshot.requests[running].num_computed_tokens
-    state.apply({"ts": 0, "pid": replay.engine_pid, "seq": 0, "kind": "sched.step", "step": step,
-                 "num_scheduled_tokens": {running: 5}})
+    state.apply(
+        SchedStep(
+            pid=replay.engine_pid,
+            step=step,
+            token_budget=5,
+            token_budget_left=0,
+            num_scheduled_tokens={running: 5},
+            num_running=len(state.running),
+            num_waiting=len(state.waiting),
+        )
+    )
     assert state.requests[running] is not snapshot.requests[running]
     assert state.requests[running].num_computed_tokens == before + 5
     assert snapshot.requests[running].num_computed_tokens == before

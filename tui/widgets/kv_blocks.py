@@ -18,7 +18,15 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from engine.tracing import EngineState
+from engine.tracing import (
+    EngineState,
+    KVAllocated,
+    KVCached,
+    KVCacheReset,
+    KVEvicted,
+    KVFreed,
+    KVTouched,
+)
 from tui.widgets.common import DIM, Panel, StepContext, contrast_text, request_chip
 
 CACHED_FREE_BG = "#a8a8a8"  # a free block that still holds a cached prefix
@@ -69,14 +77,20 @@ def render_grid(ctx: StepContext, state: EngineState, width: int) -> Text:
             grid.append("∅" if compact else f"{'∅':>{id_width}}", style=DIM)
         elif ref > 0:
             bg = _owner_colour(ctx, state.owners[b]) if state.owners[b] else "#8a8a8a"
-            style = Style(bgcolor=bg, color=contrast_text(bg), bold=b in followed_blocks,
-                          underline=ref > 1)
-            grid.append(("▓" if ref > 1 else "█") if compact else label,
-                        style=Style(color=bg) if compact else style)
+            style = Style(
+                bgcolor=bg, color=contrast_text(bg), bold=b in followed_blocks, underline=ref > 1
+            )
+            grid.append(
+                ("▓" if ref > 1 else "█") if compact else label,
+                style=Style(color=bg) if compact else style,
+            )
         elif cached:
-            grid.append("▒" if compact else label,
-                        style=Style(color=CACHED_FREE_BG) if compact
-                        else Style(bgcolor=CACHED_FREE_BG, color="#000000", italic=True))
+            grid.append(
+                "▒" if compact else label,
+                style=Style(color=CACHED_FREE_BG)
+                if compact
+                else Style(bgcolor=CACHED_FREE_BG, color="#000000", italic=True),
+            )
         else:
             grid.append("·" if compact else label, style=Style(color=FREE_FG))
     if state.num_blocks > n:
@@ -105,26 +119,25 @@ def step_changes(ctx: StepContext) -> Table:
     table.add_column(no_wrap=True, style=DIM)
     table.add_column()
     for e in ctx.view.events:
-        kind = e["kind"]
-        if kind == "kv.allocated":
-            text = request_chip(ctx, e["request_id"]) + Text(f" got {_ids(e['block_ids'])}")
+        if isinstance(e, KVAllocated):
+            text = request_chip(ctx, e.request_id) + Text(f" got {_ids(e.block_ids)}")
             table.add_row("allocated", text)
-        elif kind == "kv.touched":
-            text = request_chip(ctx, e["request_id"]) + Text(
-                f" reuses {_ids(e['block_ids'])} (prefix hit)"
+        elif isinstance(e, KVTouched):
+            text = request_chip(ctx, e.request_id) + Text(
+                f" reuses {_ids(e.block_ids)} (prefix hit)"
             )
             table.add_row("hit", text)
-        elif kind == "kv.freed":
-            back = e.get("to_free_queue", [])
-            text = request_chip(ctx, e["request_id"]) + Text(f" releases {_ids(e['block_ids'])}")
+        elif isinstance(e, KVFreed):
+            back = e.to_free_queue
+            text = request_chip(ctx, e.request_id) + Text(f" releases {_ids(e.block_ids)}")
             if back:
                 text.append(f"; {_ids(back)} to free-queue tail", style=DIM)
             table.add_row("freed", text)
-        elif kind == "kv.evicted":
-            table.add_row("evicted", Text(f"{e['block_id']} (hash {e['block_hash'][:6]} dropped)"))
-        elif kind == "kv.cache_reset":
+        elif isinstance(e, KVEvicted):
+            table.add_row("evicted", Text(f"{e.block_id} (hash {e.block_hash[:6]} dropped)"))
+        elif isinstance(e, KVCacheReset):
             table.add_row("reset", Text("prefix cache cleared"))
-    cached = [e["block_id"] for e in ctx.view.events if e["kind"] == "kv.cached"]
+    cached = [e.block_id for e in ctx.view.events if isinstance(e, KVCached)]
     if cached:
         table.add_row("hashed", Text(f"{_ids(cached)} (full, now hittable)"))
     return table
@@ -146,8 +159,12 @@ def free_queue_line(state: EngineState, width: int) -> Text:
             out.append(f"… +{len(queue) - i}", style=DIM)
             break
         cached = state.block_hash[b] is not None
-        out.append(str(b), style=Style(italic=True, color="#000000", bgcolor=CACHED_FREE_BG)
-                   if cached else Style(color=FREE_FG))
+        out.append(
+            str(b),
+            style=Style(italic=True, color="#000000", bgcolor=CACHED_FREE_BG)
+            if cached
+            else Style(color=FREE_FG),
+        )
         out.append(" ")
         shown += len(piece)
     return out
@@ -168,8 +185,10 @@ def block_table(ctx: StepContext, width: int) -> RenderableType:
     if not req.block_ids:
         reason = "finished, blocks released" if req.is_finished else "holds no blocks"
         return head + Text(f" {reason}", style=DIM)
-    head.append(f" block table ({len(req.block_ids)} blocks, {req.num_computed_tokens} tokens "
-                "computed)", style=DIM)
+    head.append(
+        f" block table ({len(req.block_ids)} blocks, {req.num_computed_tokens} tokens computed)",
+        style=DIM,
+    )
     tl = ctx.session.timelines[rid]
     tokens = list(tl.prompt_token_ids or []) + tl.output_ids_until(ctx.step)
     # Fixed widths for the numbers; the block's text takes what is left.
@@ -212,8 +231,9 @@ def render_kv(ctx: StepContext, width: int) -> RenderableType:
     used = usable - state.num_free_blocks
     head = Text()
     head.append(f"{used} in use", style=Style(bold=True))
-    head.append(f" · {state.num_free_blocks} free · {state.num_cached_free_blocks} cached",
-                style=DIM)
+    head.append(
+        f" · {state.num_free_blocks} free · {state.num_cached_free_blocks} cached", style=DIM
+    )
     parts: list[RenderableType] = [head, render_grid(ctx, state, width)]
     changes = step_changes(ctx)
     if changes.row_count:

@@ -19,6 +19,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from engine.tracing import RunnerForward
 from tui.widgets.common import DIM, Panel, StepContext, request_chip
 
 
@@ -26,9 +27,9 @@ class RunnerPanel(Panel):
     TITLE = "Runner batch"
 
     def update_titles(self, ctx: StepContext) -> None:
-        forward = next((e for e in ctx.view.events if e["kind"] == "runner.forward"), None)
+        forward = next((e for e in ctx.view.events if isinstance(e, RunnerForward)), None)
         self.border_subtitle = (
-            f"forward {forward['duration_ns'] / 1e6:.1f} ms" if forward is not None else ""
+            f"forward {forward.duration_ns / 1e6:.1f} ms" if forward is not None else ""
         )
 
     def render_step(self, ctx: StepContext, width: int) -> RenderableType:
@@ -46,15 +47,17 @@ def render_runner(ctx: StepContext, width: int) -> RenderableType:
             "No batch ran at this step." if ctx.step else "Step 0: nothing has run yet.",
             style=DIM,
         )
-    rb = view.runner_batch or {}
-    num_tokens = rb.get("num_tokens", sum(s.query_len for s in view.batch))
-    padded = rb.get("num_tokens_padded", num_tokens)
+    rb = view.runner_batch  # None: the layout was derived from the scheduler
+    if rb is not None:
+        num_tokens, padded, mode = rb.num_tokens, rb.num_tokens_padded, rb.cudagraph_mode
+    else:
+        num_tokens = sum(s.query_len for s in view.batch)
+        padded, mode = num_tokens, None
     head = Text()
     head.append(f"{len(view.batch)} requests, {num_tokens} tokens", style=Style(bold=True))
-    backend = rb.get("attn_backend") or ctx.session.info.attn_backend
+    backend = (rb.attn_backend if rb is not None else None) or ctx.session.info.attn_backend
     if backend:
         head.append(f" · {backend}", style=DIM)
-    mode = rb.get("cudagraph_mode")
     graph = Text()
     if mode and mode != "NONE":
         graph.append(f"CUDA graph {mode}: {num_tokens} tokens padded to {padded}")
@@ -65,24 +68,35 @@ def render_runner(ctx: StepContext, width: int) -> RenderableType:
         if padded > num_tokens:
             graph.append(f", padded to {padded}", style=DIM)
     if view.batch_source != "runner":
-        graph.append(
-            "  (layout derived from the scheduler; no runner.batch event)", style=DIM
-        )
+        graph.append("  (layout derived from the scheduler; no runner.batch event)", style=DIM)
     rows = []
     for slot in view.batch:
         first, last = slot.num_computed_tokens, slot.seq_len - 1
         positions = str(first) if first == last else f"{first}-{last}"
         sample = Text("✓") if slot.sampled else Text("✗", style=DIM)
-        rows.append((request_chip(ctx, slot.request_id), str(slot.query_len), positions,
-                     _slots(slot.slot_mapping), sample))
+        rows.append(
+            (
+                request_chip(ctx, slot.request_id),
+                str(slot.query_len),
+                positions,
+                _slots(slot.slot_mapping),
+                sample,
+            )
+        )
     # Fixed column widths: ids, counts and positions never truncate; the slot
     # runs take what is left (and end in "…" when a long prefill has many).
     req_w = min(10, max(3, max(len(r[0]) for r in rows)))
     q_w = max(1, max(len(r[1]) for r in rows))
     pos_w = max(3, max(len(r[2]) for r in rows))
     slots_w = max(5, width - req_w - q_w - pos_w - 1 - 4)
-    table = Table(box=None, padding=(0, 1, 0, 0), show_edge=False, header_style=DIM,
-                  expand=False, collapse_padding=True)
+    table = Table(
+        box=None,
+        padding=(0, 1, 0, 0),
+        show_edge=False,
+        header_style=DIM,
+        expand=False,
+        collapse_padding=True,
+    )
     table.add_column("req", no_wrap=True, width=req_w, overflow="ellipsis")
     table.add_column("q", justify="right", no_wrap=True, width=q_w)
     table.add_column("pos", no_wrap=True, width=pos_w)
@@ -104,7 +118,11 @@ def render_runner(ctx: StepContext, width: int) -> RenderableType:
     offsets.append("query_start_loc ", style=DIM)
     offsets.append(str(starts))
     parts.append(offsets)
-    parts.append(Text("q: tokens computed this step · pos: their positions · slots: where "
-                      "their K/V go (block:offset+count) · ✓: sampled token kept, ✗ dropped",
-                      style=DIM))
+    parts.append(
+        Text(
+            "q: tokens computed this step · pos: their positions · slots: where "
+            "their K/V go (block:offset+count) · ✓: sampled token kept, ✗ dropped",
+            style=DIM,
+        )
+    )
     return Group(*parts)

@@ -18,6 +18,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from engine.tracing import SamplerSampled, SamplingParamsSummary
 from tui.session import (
     FINISHED,
     NOT_ARRIVED,
@@ -49,8 +50,8 @@ class SamplerPanel(Panel):
         return render_sampler(ctx, width)
 
 
-def followed_sample(ctx: StepContext) -> dict | None:
-    return next((e for e in ctx.view.sampler if e.get("request_id") == ctx.follow), None)
+def followed_sample(ctx: StepContext) -> SamplerSampled | None:
+    return next((e for e in ctx.view.sampler if e.request_id == ctx.follow), None)
 
 
 def _token(ctx: StepContext, token_id: int, limit: int = TOKEN_COLUMN) -> str:
@@ -65,8 +66,10 @@ def why_not_sampled(ctx: StepContext) -> str:
     phase = tl.phase_at(ctx.step)
     slot = next((s for s in ctx.view.batch if s.request_id == rid), None)
     if slot is not None and not slot.sampled:
-        return (f"{rid} ran a prefill chunk (tokens {slot.num_computed_tokens}-{slot.seq_len - 1}) "
-                "that stops short of the prompt's end: its sampled token is dropped.")
+        return (
+            f"{rid} ran a prefill chunk (tokens {slot.num_computed_tokens}-{slot.seq_len - 1}) "
+            "that stops short of the prompt's end: its sampled token is dropped."
+        )
     if phase == NOT_ARRIVED:
         return f"{rid} has not arrived yet (queued at step {tl.queued_step})."
     if phase == FINISHED:
@@ -82,8 +85,8 @@ def why_not_sampled(ctx: StepContext) -> str:
     return f"No sample for {rid} at this step."
 
 
-def stage_table(ctx: StepContext, sample: dict, width: int) -> Table:
-    stages = sample["stages"]
+def stage_table(ctx: StepContext, sample: SamplerSampled, width: int) -> Table:
+    stages = sample.stages or []
     # Columns that fit: always the first and the last stage, then the others.
     col = 7
     fit = max(2, (width - TOKEN_COLUMN - 1) // col)
@@ -92,9 +95,7 @@ def stage_table(ctx: StepContext, sample: dict, width: int) -> Table:
         chosen = [0] + chosen[1:-1][: fit - 2] + [len(stages) - 1]
     shown = [stages[i] for i in chosen]
     # Candidates a stage masked out (probability 0) are not candidates.
-    probs = [
-        {t: p for t, p in zip(s["token_ids"], s["probs"]) if p >= MIN_SHOWN_PROB} for s in shown
-    ]
+    probs = [{t: p for t, p in zip(s.token_ids, s.probs) if p >= MIN_SHOWN_PROB} for s in shown]
     # Rows: the last stage's candidates first (what the draw saw), then any
     # other stage's candidates not yet listed.
     order: list[int] = []
@@ -106,9 +107,9 @@ def stage_table(ctx: StepContext, sample: dict, width: int) -> Table:
     table = Table(box=None, padding=(0, 1), show_edge=False, header_style=DIM)
     table.add_column("token", no_wrap=True, min_width=6, max_width=TOKEN_COLUMN)
     for s in shown:
-        table.add_column(STAGE_LABELS.get(s["stage"], s["stage"]), justify="right", no_wrap=True)
+        table.add_column(STAGE_LABELS.get(s.stage, s.stage), justify="right", no_wrap=True)
     for t in order:
-        is_chosen = t == sample["token_id"]
+        is_chosen = t == sample.token_id
         cells = [Text(_token(ctx, t), style=Style(bold=is_chosen, underline=is_chosen))]
         for p in probs:
             if t in p:
@@ -157,36 +158,34 @@ def render_sampler(ctx: StepContext, width: int) -> RenderableType:
     else:
         head = Text()
         head.append("chose ", style=DIM)
-        head.append(_token(ctx, sample["token_id"], 24), style=Style(bold=True, underline=True))
-        if ctx.session.token_text(sample["token_id"]) is not None:
-            head.append(f" (id {sample['token_id']})", style=DIM)
-        head.append(f" · logprob {sample['logprob']:.3f}", style=DIM)
-        if "rank" in sample:
-            head.append(f" · rank {sample['rank']}", style=DIM)
+        head.append(_token(ctx, sample.token_id, 24), style=Style(bold=True, underline=True))
+        if ctx.session.token_text(sample.token_id) is not None:
+            head.append(f" (id {sample.token_id})", style=DIM)
+        head.append(f" · logprob {sample.logprob:.3f}", style=DIM)
+        if sample.rank is not None:
+            head.append(f" · rank {sample.rank}", style=DIM)
         parts.append(head)
         parts.append(Text(_params_text(tl.sampling_params, sample), style=DIM))
-        if sample.get("stages"):
+        if sample.stages:
             parts.append(stage_table(ctx, sample, width))
         else:
             parts.append(
-                Text(
-                    "Per-stage candidates need a full trace (--trace-level full).", style=DIM
-                )
+                Text("Per-stage candidates need a full trace (--trace-level full).", style=DIM)
             )
     parts.append(output_text(ctx))
     return Group(*parts)
 
 
-def _params_text(params: dict, sample: dict) -> str:
-    if sample.get("greedy"):
+def _params_text(params: SamplingParamsSummary | None, sample: SamplerSampled) -> str:
+    if sample.greedy:
         return "greedy: the argmax after logits processors"
     bits = []
-    if params:
-        bits.append(f"T={params.get('temperature')}")
-        if params.get("top_k") not in (None, 0, -1):
-            bits.append(f"top_k={params['top_k']}")
-        if params.get("top_p") not in (None, 1.0):
-            bits.append(f"top_p={params['top_p']}")
-        if params.get("min_p"):
-            bits.append(f"min_p={params['min_p']}")
+    if params is not None:
+        bits.append(f"T={params.temperature}")
+        if params.top_k not in (0, -1):
+            bits.append(f"top_k={params.top_k}")
+        if params.top_p != 1.0:
+            bits.append(f"top_p={params.top_p}")
+        if params.min_p:
+            bits.append(f"min_p={params.min_p}")
     return "random draw" + (" with " + " ".join(bits) if bits else "")

@@ -16,6 +16,13 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from engine.tracing import (
+    KVAllocationFailed,
+    SchedAdmitted,
+    SchedFinished,
+    SchedPreempted,
+    SchedQueued,
+)
 from tui.session import DECODE, PREFILL, RECOMPUTE
 from tui.widgets.common import DIM, Panel, StepContext, id_list, request_chip
 
@@ -28,11 +35,12 @@ class SchedulerPanel(Panel):
     def update_titles(self, ctx: StepContext) -> None:
         sched = ctx.view.sched_step
         self.border_title = "Scheduler"
-        if sched:
-            used = sched.get("total_num_scheduled_tokens", 0)
-            self.border_title = f"Scheduler · {used}/{sched.get('token_budget', '?')} tokens"
+        if sched is not None:
+            used = sched.total_num_scheduled_tokens
+            self.border_title = f"Scheduler · {used}/{sched.token_budget} tokens"
+        # No duration (0, left out of the file) when the trace did not time schedule().
         self.border_subtitle = (
-            f"{sched.get('duration_ns', 0) / 1e6:.2f} ms" if sched and "duration_ns" in sched else ""
+            f"{sched.duration_ns / 1e6:.2f} ms" if sched is not None and sched.duration_ns else ""
         )
 
     def render_step(self, ctx: StepContext, width: int) -> RenderableType:
@@ -43,10 +51,10 @@ def scheduled_rows(ctx: StepContext) -> list[tuple[str, str, int, int, int]]:
     """(request id, kind, first token index, last token index, tokens) per
     scheduled request, in the scheduler's order."""
     sched = ctx.view.sched_step
-    if not sched:
+    if sched is None:
         return []
     rows = []
-    for rid, n in sched.get("num_scheduled_tokens", {}).items():
+    for rid, n in sched.num_scheduled_tokens.items():
         req = ctx.view.state.requests.get(rid)
         end = req.num_computed_tokens if req is not None else n
         tl = ctx.session.timelines.get(rid)
@@ -73,8 +81,8 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
             )
         )
     else:
-        budget = int(sched.get("token_budget", 0))
-        used = int(sched.get("total_num_scheduled_tokens", budget - sched.get("token_budget_left", 0)))
+        budget = sched.token_budget
+        used = sched.total_num_scheduled_tokens or budget - sched.token_budget_left
         rows = scheduled_rows(ctx)
         head = Text()
         decode = sum(n for _, k, _, _, n in rows if k == "decode")
@@ -104,18 +112,18 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
     changes = Table.grid(padding=(0, 1))
     changes.add_column(no_wrap=True, style=DIM)
     changes.add_column()
-    admitted = [e for e in view.events if e["kind"] == "sched.admitted"]
-    preempted = [e for e in view.events if e["kind"] == "sched.preempted"]
-    finished = [e for e in view.events if e["kind"] == "sched.finished"]
-    queued = [e for e in view.events if e["kind"] == "sched.queued"]
+    admitted = [e for e in view.events if isinstance(e, SchedAdmitted)]
+    preempted = [e for e in view.events if isinstance(e, SchedPreempted)]
+    finished = [e for e in view.events if isinstance(e, SchedFinished)]
+    queued = [e for e in view.events if isinstance(e, SchedQueued)]
     if admitted:
         text = Text()
         for i, e in enumerate(admitted):
             if i:
                 text.append(", ")
-            text.append_text(request_chip(ctx, e["request_id"]))
-            hit = e.get("num_computed_tokens", 0)
-            extra = "resumed" if e.get("resumed") else ""
+            text.append_text(request_chip(ctx, e.request_id))
+            hit = e.num_computed_tokens
+            extra = "resumed" if e.resumed else ""
             if hit:
                 extra = (extra + ", " if extra else "") + f"hit {hit}"
             if extra:
@@ -126,23 +134,22 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
         for i, e in enumerate(preempted):
             if i:
                 text.append(", ")
-            text.append_text(request_chip(ctx, e["request_id"]))
-            if e.get("for_request_id"):
+            text.append_text(request_chip(ctx, e.request_id))
+            if e.for_request_id:
                 text.append(" for ", style=DIM)
-                text.append_text(request_chip(ctx, e["for_request_id"]))
+                text.append_text(request_chip(ctx, e.for_request_id))
         changes.add_row(Text("preempted", style=Style(color="#d62728", bold=True)), text)
     if finished:
-        changes.add_row("finished", id_list(ctx, [e["request_id"] for e in finished]))
+        changes.add_row("finished", id_list(ctx, [e.request_id for e in finished]))
     if queued:
-        changes.add_row("arrived", id_list(ctx, [e["request_id"] for e in queued]))
-    failed = [e for e in view.events if e["kind"] == "kv.allocation_failed"]
-    if failed:
-        e = failed[0]
+        changes.add_row("arrived", id_list(ctx, [e.request_id for e in queued]))
+    failed = next((e for e in view.events if isinstance(e, KVAllocationFailed)), None)
+    if failed is not None:
         changes.add_row(
             Text("no blocks", style=Style(color="#d62728")),
             Text(
-                f"{e.get('request_id')} needed {e.get('num_blocks_needed', '?')}, "
-                f"{e.get('num_free_blocks', '?')} free",
+                f"{failed.request_id} needed {failed.num_blocks_needed}, "
+                f"{failed.num_free_blocks} free",
             ),
         )
     if changes.row_count:
@@ -150,8 +157,9 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
     return Group(*parts)
 
 
-def budget_bar(ctx: StepContext, rows: list[tuple[str, str, int, int, int]], budget: int,
-               width: int) -> Text:
+def budget_bar(
+    ctx: StepContext, rows: list[tuple[str, str, int, int, int]], budget: int, width: int
+) -> Text:
     """The budget as a bar: one coloured segment per scheduled request."""
     bar = Text()
     if budget <= 0:

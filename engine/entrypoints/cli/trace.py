@@ -34,6 +34,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from engine.tracing import RequestAdded, RunnerInputs, SamplerSampled, SchedUpdate, load_trace
+from engine.tracing.engine_trace import CliTrace
+
 HELP = "Run a prompt (plus background requests) with tracing on, then follow it in the TUI."
 
 DEFAULT_TRACE_PATH = "glassbox_trace.jsonl"
@@ -70,42 +73,94 @@ BACKGROUND_REQUESTS: list[tuple[str | None, int, dict[str, Any], int]] = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt to follow")
-    parser.add_argument("--model", default=None,
-                        help="HF checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--trace-level", default="full", choices=("lifecycle", "full"),
-                        help="full adds the sampler's candidates per stage (default: full)")
-    parser.add_argument("--concurrent", type=int, default=DEFAULT_CONCURRENT, metavar="N",
-                        help=f"background requests run alongside (default {DEFAULT_CONCURRENT})")
-    parser.add_argument("--trace-path", default=DEFAULT_TRACE_PATH, metavar="P",
-                        help=f"where the trace is written (default {DEFAULT_TRACE_PATH})")
-    parser.add_argument("--headless", action="store_true",
-                        help="print a text summary of the prompt's lifecycle instead of the TUI")
-    parser.add_argument("--max-tokens", type=int, default=48,
-                        help="new tokens per request at most: your prompt's limit, and a cap on "
-                        "the background requests' own (default 48)")
-    parser.add_argument("--temperature", type=float, default=0.6,
-                        help="your prompt's temperature (0 = greedy; default 0.6)")
+    parser.add_argument(
+        "--trace-level",
+        default="full",
+        choices=("lifecycle", "full"),
+        help="full adds the sampler's candidates per stage (default: full)",
+    )
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        default=DEFAULT_CONCURRENT,
+        metavar="N",
+        help=f"background requests run alongside (default {DEFAULT_CONCURRENT})",
+    )
+    parser.add_argument(
+        "--trace-path",
+        default=DEFAULT_TRACE_PATH,
+        metavar="P",
+        help=f"where the trace is written (default {DEFAULT_TRACE_PATH})",
+    )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="print a text summary of the prompt's lifecycle instead of the TUI",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=48,
+        help="new tokens per request at most: your prompt's limit, and a cap on "
+        "the background requests' own (default 48)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.6,
+        help="your prompt's temperature (0 = greedy; default 0.6)",
+    )
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--top-k", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of every request's sampler (the run is reproducible)")
-    parser.add_argument("--raw-prompt", action="store_true",
-                        help="send PROMPT as is instead of through the model's chat template")
-    engine = parser.add_argument_group("engine options (defaults chosen to show chunking, "
-                                       "prefix hits and preemption)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=64,
-                        help="token budget of one step (default 64)")
-    engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                        help="KV blocks in the pool, null block included (default: ~40%% of "
-                        "what all requests could need at once)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of every request's sampler (the run is reproducible)",
+    )
+    parser.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="send PROMPT as is instead of through the model's chat template",
+    )
+    engine = parser.add_argument_group(
+        "engine options (defaults chosen to show chunking, prefix hits and preemption)"
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=64,
+        help="token budget of one step (default 64)",
+    )
+    engine.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV blocks in the pool, null block included (default: ~40%% of "
+        "what all requests could need at once)",
+    )
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="tokens per sequence at most (default: longest prompt + max tokens)")
-    engine.add_argument("--max-num-seqs", type=int, default=None,
-                        help="running requests at most (default: the engine's)")
-    engine.add_argument("--no-prefix-caching", action="store_true",
-                        help="turn the prefix cache off")
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence at most (default: longest prompt + max tokens)",
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="running requests at most (default: the engine's)",
+    )
+    engine.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn the prefix cache off"
+    )
 
 
 @dataclass
@@ -149,8 +204,9 @@ def plan_requests(args: argparse.Namespace) -> list[PlannedRequest]:
         max_tokens = min(max_tokens, args.max_tokens)
         planned.append(PlannedRequest(f"bg-{i + 1}", text, max_tokens, dict(sampling), arrival))
     first_late = next((k for k, r in enumerate(planned) if r.arrival_step > 0), len(planned))
-    planned.insert(first_late, PlannedRequest(FOLLOWED_REQUEST_ID, args.prompt, args.max_tokens,
-                                              yours, 0))
+    planned.insert(
+        first_late, PlannedRequest(FOLLOWED_REQUEST_ID, args.prompt, args.max_tokens, yours, 0)
+    )
     return planned
 
 
@@ -158,8 +214,10 @@ def _format_prompts(planned: list[PlannedRequest], tokenizer: Any, raw: bool) ->
     chat = not raw and getattr(tokenizer, "chat_template", None)
     for r in planned:
         if chat:
-            messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                        {"role": "user", "content": r.text}]
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": r.text},
+            ]
             r.prompt_text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
@@ -180,8 +238,9 @@ def _pool_size(planned: list[PlannedRequest], block_size: int, max_model_len: in
     """``POOL_FRACTION`` of the blocks all requests would hold at their
     longest, but never less than one full-length sequence (+ the null block
     + 2 spare)."""
-    need = sum(math.ceil((len(r.prompt_token_ids or []) + r.max_tokens) / block_size)
-               for r in planned)
+    need = sum(
+        math.ceil((len(r.prompt_token_ids or []) + r.max_tokens) / block_size) for r in planned
+    )
     floor = math.ceil(max_model_len / block_size) + 3
     return max(floor, int(POOL_FRACTION * need) + 1)
 
@@ -208,9 +267,7 @@ def record_trace(args: argparse.Namespace) -> str:
             f"--max-model-len {max_model_len} is shorter than the longest request "
             f"({longest} tokens of prompt and output); raise it or lower --max-tokens"
         )
-    num_blocks = args.num_gpu_blocks_override or _pool_size(
-        planned, args.block_size, max_model_len
-    )
+    num_blocks = args.num_gpu_blocks_override or _pool_size(planned, args.block_size, max_model_len)
     trace_path = os.path.abspath(args.trace_path)
     engine_args = EngineArgs(
         model=model,
@@ -227,13 +284,18 @@ def record_trace(args: argparse.Namespace) -> str:
         trace_level=args.trace_level,
     )
     if progress := sys.stderr.isatty():
-        print(f"glassbox trace: {len(planned)} requests on {model} "
-              f"({num_blocks} KV blocks of {args.block_size} tokens, "
-              f"{args.max_num_batched_tokens} tokens per step)", file=sys.stderr)
+        print(
+            f"glassbox trace: {len(planned)} requests on {model} "
+            f"({num_blocks} KV blocks of {args.block_size} tokens, "
+            f"{args.max_num_batched_tokens} tokens per step)",
+            file=sys.stderr,
+        )
     engine = LLMEngine.from_engine_args(engine_args, enable_multiprocessing=False)
     tracer = engine.tracer
+    trace = CliTrace.create(tracer)
     try:
-        _emit_run_plan(tracer, planned, args.prompt, model)
+        arrival_steps = {r.request_id: r.arrival_step for r in planned}
+        trace.run_planned(FOLLOWED_REQUEST_ID, args.prompt, model, arrival_steps)
         pending = sorted(planned, key=lambda r: r.arrival_step)  # stable: keeps step-0 order
         step = 0
         while pending or engine.has_unfinished_requests():
@@ -253,51 +315,30 @@ def record_trace(args: argparse.Namespace) -> str:
                 print(f"\rglassbox trace: step {step}", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
-        _emit_token_texts(tracer, trace_path, tokenizer)
+        tracer.flush()  # the token texts are read back from the file
+        trace.token_texts(_token_texts(trace_path, tokenizer))
     finally:
         engine.shutdown()
     return trace_path
 
 
-def _emit_run_plan(tracer: Any, planned: list[PlannedRequest], prompt: str, model: str) -> None:
-    """``trace.cli``: which request is the user's, and when each one arrives."""
-    tracer.emit(
-        "trace.cli",
-        follow_request_id=FOLLOWED_REQUEST_ID,
-        prompt=prompt,
-        model=model,
-        background_request_ids=[r.request_id for r in planned
-                                if r.request_id != FOLLOWED_REQUEST_ID],
-        arrival_steps={r.request_id: r.arrival_step for r in planned},
-    )
-
-
-def _emit_token_texts(tracer: Any, trace_path: str, tokenizer: Any) -> None:
-    """``trace.token_texts``: the text of every token id the trace mentions."""
-    tracer.flush()
-    tracer.emit("trace.token_texts", token_texts=_token_texts(trace_path, tokenizer))
-
-
 def _token_texts(trace_path: str, tokenizer: Any) -> dict[str, str]:
     """The decoded text of every token id the trace mentions so far."""
-    from engine.tracing import load_trace
-
     ids: set[int] = set()
     for e in load_trace(trace_path):
-        kind = e["kind"]
-        if kind == "request.added":
-            ids.update(e.get("prompt_token_ids") or [])
-        elif kind == "sched.update":
-            for tokens in e.get("new_token_ids", {}).values():
+        if isinstance(e, RequestAdded):
+            ids.update(e.prompt_token_ids or [])
+        elif isinstance(e, SchedUpdate):
+            for tokens in e.new_token_ids.values():
                 ids.update(tokens)
-        elif kind == "sampler.sampled":
-            ids.add(e["token_id"])
-            for stage in e.get("stages", ()):
-                ids.update(stage["token_ids"])
-        elif kind == "runner.inputs":
-            summary = e.get("input_ids") or {}
-            for key in ("values", "head", "tail"):
-                ids.update(summary.get(key) or [])
+        elif isinstance(e, SamplerSampled):
+            ids.add(e.token_id)
+            for stage in e.stages or ():
+                ids.update(stage.token_ids)
+        elif isinstance(e, RunnerInputs):
+            summary = e.input_ids
+            for values in (summary.values, summary.head, summary.tail):
+                ids.update(values or [])
     return {str(t): tokenizer.decode([t]) for t in sorted(ids)}
 
 
@@ -317,8 +358,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         session = open_session(trace_path)
     except TraceLoadError as e:
-        print(f"glassbox trace: the run finished but its trace cannot be shown: {e}",
-              file=sys.stderr)
+        print(
+            f"glassbox trace: the run finished but its trace cannot be shown: {e}", file=sys.stderr
+        )
         return 1
     if args.headless:
         from tui.summary import request_summary

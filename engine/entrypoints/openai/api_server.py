@@ -53,6 +53,7 @@ from engine.entrypoints.openai.server_utils import (
 from engine.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from engine.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
 from engine.tracing import NULL_TRACER
+from engine.tracing.engine_trace import ServerTrace
 from engine.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -82,17 +83,12 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return [model]
 
 
-def _tracer(request: Request):
-    engine_client: AsyncLLM = request.app.state.engine_client
-    return getattr(engine_client, "tracer", NULL_TRACER)
-
-
-def _sse_stream(generator: AsyncIterator[str], request_id: str, request: Request) -> AsyncIterator[str]:
-    tracer = _tracer(request)
-
+def _sse_stream(
+    generator: AsyncIterator[str], request_id: str, trace: ServerTrace
+) -> AsyncIterator[str]:
     async def stream() -> AsyncIterator[str]:
         async for chunk in generator:
-            if tracer.lifecycle: tracer.emit("api.chunk", request_id=request_id, num_bytes=len(chunk))  # noqa: E701
+            trace.chunk(request_id, chunk)
             yield chunk
 
     return stream()
@@ -110,14 +106,16 @@ async def _generation_response(
     with SSE when it returned a stream, JSON otherwise."""
     request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
     request.request_id = request_id
-    tracer = _tracer(raw_request)
-    if tracer.lifecycle: tracer.emit("api.request", request_id=request_id, endpoint=endpoint, stream=bool(request.stream))  # noqa: E701
+    trace: ServerTrace = raw_request.app.state.trace
+    trace.request(request_id, endpoint, bool(request.stream))
     try:
         result = await create(request)
     except Exception as e:
         return _error_response(e)
     if hasattr(result, "__aiter__"):
-        return StreamingResponse(_sse_stream(result, request_id, raw_request), media_type="text/event-stream")
+        return StreamingResponse(
+            _sse_stream(result, request_id, trace), media_type="text/event-stream"
+        )
     return JSONResponse(result.model_dump())
 
 
@@ -158,7 +156,9 @@ async def health(raw_request: Request) -> Response:
     try:
         await engine_client.check_health()
     except Exception as e:
-        return error_json(create_error_response(e, "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE))
+        return error_json(
+            create_error_response(e, "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE)
+        )
     return Response(status_code=200)
 
 
@@ -216,6 +216,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 async def init_app_state(engine_client: AsyncLLM, state: Any, args: argparse.Namespace) -> None:
     model_path = engine_client.model_config.model
     state.engine_client = engine_client
+    state.trace = ServerTrace.create(getattr(engine_client, "tracer", NULL_TRACER))
     state.openai_serving_models = models = OpenAIServingModels(
         [BaseModelPath(name, model_path) for name in served_model_names(args)],
         engine_client.model_config.max_model_len,
@@ -251,5 +252,10 @@ async def run_server(args: argparse.Namespace, sock: socket.socket | None = None
         app = build_app(args)
         await init_app_state(engine_client, app.state, args)
         host, port = sock.getsockname()[:2]
-        logger.info("Glassbox API server on http://%s:%d (model %s)", host, port, served_model_names(args)[0])
+        logger.info(
+            "Glassbox API server on http://%s:%d (model %s)",
+            host,
+            port,
+            served_model_names(args)[0],
+        )
         await build_server(app, args).serve(sockets=[sock])

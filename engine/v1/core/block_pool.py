@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.core_trace import KVCacheTrace
 from engine.v1.core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
@@ -98,7 +98,7 @@ class BlockPool:
         num_gpu_blocks: int,
         enable_caching: bool,
         hash_block_size: int,
-        tracer: Tracer = NULL_TRACER,
+        trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be an integer >= 2, got {num_gpu_blocks!r}")
@@ -112,8 +112,8 @@ class BlockPool:
         # for sliding-window holes and padding); it is taken out for good.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        self.tracer = tracer
-        if self.tracer.lifecycle: self.tracer.emit("kv.init", num_blocks=num_gpu_blocks, block_size=hash_block_size, null_block_id=self.null_block.block_id, enable_caching=enable_caching)  # noqa: E701
+        self.trace = trace
+        self.trace.pool_created(self)
 
     # -- prefix cache -------------------------------------------------------
     def get_cached_block(
@@ -157,7 +157,7 @@ class BlockPool:
             key = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
             block.block_hash = key
             self.cached_block_hash_to_block.insert(key, block)
-            if self.tracer.lifecycle: self.tracer.emit("kv.cached", block_id=block.block_id, block_hash=request.block_hashes[i].hex(), kv_cache_group_id=kv_cache_group_id, request_id=request.request_id, block_index=i)  # noqa: E701
+        self.trace.cached(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id)
 
     # -- allocation -----------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -185,7 +185,7 @@ class BlockPool:
         if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
             return False
         block.reset_hash()
-        if self.tracer.lifecycle: self.tracer.emit("kv.evicted", block_id=block.block_id, block_hash=get_block_hash(key).hex(), kv_cache_group_id=get_group_id(key))  # noqa: E701
+        self.trace.evicted(block, get_block_hash(key), get_group_id(key))
         return True
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -202,9 +202,7 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0 or block.is_null, f"ref_cnt below zero: {block}"
-        self.free_block_queue.append_n(
-            [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-        )
+        self.free_block_queue.append_n([b for b in blocks if b.ref_cnt == 0 and not b.is_null])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -213,7 +211,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.reset_hash()
-        if self.tracer.lifecycle: self.tracer.emit("kv.cache_reset")  # noqa: E701
+        self.trace.cache_reset()
         return True
 
     # -- accounting -------------------------------------------------------------

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.core_trace import KVCacheTrace
 from engine.v1.core.block_pool import BlockPool
 from engine.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from engine.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
@@ -31,13 +31,16 @@ if TYPE_CHECKING:
 
 class KVCacheCoordinator(ABC):
     def __init__(
-        self, kv_cache_config: KVCacheConfig, enable_caching: bool, tracer: Tracer = NULL_TRACER
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_caching: bool,
+        trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.block_pool = BlockPool(
-            kv_cache_config.num_blocks, enable_caching, hash_block_size=block_size, tracer=tracer
+            kv_cache_config.num_blocks, enable_caching, hash_block_size=block_size, trace=trace
         )
         self.single_type_managers = tuple(
             get_manager_for_kv_cache_spec(
@@ -69,7 +72,9 @@ class KVCacheCoordinator(ABC):
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int
     ) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
+        return tuple(
+            m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers
+        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
@@ -80,7 +85,9 @@ class KVCacheCoordinator(ABC):
             manager.free(request_id)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers]
+        return [
+            m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers
+        ]
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
@@ -96,9 +103,12 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one KV cache group: every layer shares one block table."""
 
     def __init__(
-        self, kv_cache_config: KVCacheConfig, enable_caching: bool, tracer: Tracer = NULL_TRACER
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_caching: bool,
+        trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
-        super().__init__(kv_cache_config, enable_caching, tracer)
+        super().__init__(kv_cache_config, enable_caching, trace)
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size
 
@@ -116,11 +126,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 def get_kv_cache_coordinator(
-    kv_cache_config: KVCacheConfig, enable_caching: bool, tracer: Tracer = NULL_TRACER
+    kv_cache_config: KVCacheConfig, enable_caching: bool, trace: KVCacheTrace = KVCacheTrace.NULL
 ) -> KVCacheCoordinator:
     if len(kv_cache_config.kv_cache_groups) != 1:
         raise ValueError(
             f"Glassbox supports exactly one KV cache group, got "
             f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not implemented)"
         )
-    return UnitaryKVCacheCoordinator(kv_cache_config, enable_caching, tracer)
+    return UnitaryKVCacheCoordinator(kv_cache_config, enable_caching, trace)

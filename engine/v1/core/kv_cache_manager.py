@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.core_trace import KVCacheTrace
 from engine.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from engine.v1.core.kv_cache_utils import KVCacheBlock
 from engine.v1.kv_cache_interface import KVCacheConfig
@@ -66,19 +66,21 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         log_stats: bool = False,
-        tracer: Tracer = NULL_TRACER,
+        trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
         self.max_model_len = max_model_len
-        self.tracer = tracer
+        self.trace = trace
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.coordinator = get_kv_cache_coordinator(kv_cache_config, enable_caching, tracer)
+        self.coordinator = get_kv_cache_coordinator(kv_cache_config, enable_caching, trace)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
         # Shared empty result, so a miss allocates nothing.
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
 
     @property
     def usage(self) -> float:
@@ -107,7 +109,7 @@ class KVCacheManager:
         hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
-        if self.tracer.lifecycle: self.tracer.emit("kv.cache_hit", request_id=request.request_id, num_cached_tokens=num_hit_tokens, block_ids=[b.block_id for b in hit_blocks[0]], num_tokens=request.num_tokens, num_block_hashes=len(request.block_hashes))  # noqa: E701
+        self.trace.cache_hit(request, hit_blocks, num_hit_tokens)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,
@@ -149,7 +151,7 @@ class KVCacheManager:
             request.request_id, num_tokens_need_slot, hit_blocks
         )
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
-            if self.tracer.lifecycle: self.tracer.emit("kv.allocation_failed", request_id=request.request_id, num_new_tokens=num_new_tokens, num_blocks_needed=num_blocks_to_allocate, num_free_blocks=self.block_pool.get_num_free_blocks())  # noqa: E701
+            self.trace.allocation_failed(self, request, num_new_tokens, num_blocks_to_allocate)
             return None
 
         if any(hit_blocks):

@@ -52,8 +52,8 @@ class SingleTypeKVCacheManager(ABC):
         # Present from the request's first allocation until it is freed.
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
-        # The pool's tracer: block events name the request that caused them.
-        self.tracer = block_pool.tracer
+        # The pool's trace: block events name the request that caused them.
+        self.trace = block_pool.trace
 
     @staticmethod
     def _get_num_evictable_blocks(blocks: Sequence[KVCacheBlock]) -> int:
@@ -85,7 +85,7 @@ class SingleTypeKVCacheManager(ABC):
         assert not req_blocks, f"{request_id} already holds blocks"
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
-            if self.tracer.lifecycle and new_computed_blocks: self.tracer.emit("kv.touched", request_id=request_id, block_ids=[b.block_id for b in new_computed_blocks], ref_cnts=[b.ref_cnt for b in new_computed_blocks])  # noqa: E701
+            self.trace.touched(request_id, new_computed_blocks)
         else:
             assert not new_computed_blocks, "prefix hits while prefix caching is off"
         req_blocks.extend(new_computed_blocks)
@@ -101,7 +101,7 @@ class SingleTypeKVCacheManager(ABC):
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
-        if self.tracer.lifecycle: self.tracer.emit("kv.allocated", request_id=request_id, block_ids=[b.block_id for b in new_blocks], num_blocks=len(req_blocks))  # noqa: E701
+        self.trace.allocated(request_id, new_blocks, req_blocks)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -125,7 +125,7 @@ class SingleTypeKVCacheManager(ABC):
         # Tail first: the last blocks of a sequence are the least likely to be
         # shared by a future prompt, so they should be evicted first.
         self.block_pool.free_blocks(reversed(req_blocks))
-        if self.tracer.lifecycle and req_blocks: self.tracer.emit("kv.freed", request_id=request_id, block_ids=[b.block_id for b in reversed(req_blocks)], to_free_queue=[b.block_id for b in reversed(req_blocks) if b.ref_cnt == 0 and not b.is_null])  # noqa: E701
+        self.trace.freed(request_id, req_blocks)
         self.num_cached_block.pop(request_id, None)
 
     @abstractmethod
@@ -184,9 +184,7 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 }
 
 
-def get_manager_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec, **kwargs
-) -> SingleTypeKVCacheManager:
+def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, **kwargs) -> SingleTypeKVCacheManager:
     manager_class = spec_manager_map.get(type(kv_cache_spec))
     if manager_class is None:
         raise ValueError(f"no KV cache manager for spec type {type(kv_cache_spec).__name__}")

@@ -40,6 +40,7 @@ from engine.engine.arg_utils import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
+from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine import EngineCoreRequest, FinishReason
 from engine.v1.engine.core_client import AsyncMPClient, EngineCoreClient
@@ -121,7 +122,9 @@ class AsyncLLM:
             part_path(self._trace_path, "frontend") if self._trace_path else None, obs.trace_level
         )
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, OutputProcessorTrace.create(self.tracer)
+        )
         self.stat_logger = StatLogger(model_config.model) if log_stats else None
         # request id (the parent's for n > 1) -> where its outputs go.
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -242,7 +245,9 @@ class AsyncLLM:
         anything else (the request is aborted; the engine keeps serving)."""
         collector: RequestOutputCollector | None = None
         try:
-            collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+            collector = await self.add_request(
+                request_id, prompt, sampling_params, priority=priority
+            )
             finished = False
             while not finished:
                 # Take what is there without a task switch when possible.
@@ -285,7 +290,9 @@ class AsyncLLM:
                 for c in children:
                     if c in states:
                         states[c]._new_tokens = 0  # nothing new since the last output
-                        completions.append(states[c].make_completion_output(FinishReason.ABORT, None, True))
+                        completions.append(
+                            states[c].make_completion_output(FinishReason.ABORT, None, True)
+                        )
                 first = next((states[c] for c in children if c in states), None)
                 if first is not None:
                     final[rid] = RequestOutput(
@@ -318,19 +325,19 @@ class AsyncLLM:
         output_processor = self.output_processor
         collectors = self.collectors
         stat_logger = self.stat_logger
-        tracer = self.tracer
 
         async def output_handler() -> None:
             try:
                 while True:
                     # 1) Pull a batch from EngineCore.
                     outputs = await engine_core.get_output_async()
-                    if tracer.lifecycle: tracer.emit("output.received", request_ids=[o.request_id for o in outputs.outputs])  # noqa: E701
                     batch = outputs.outputs
                     reqs_to_abort: list[str] = []
                     for start in range(0, max(len(batch), 1), OUTPUT_PROC_CHUNK_SIZE):
                         # 2) Detokenize, check stop strings, group n > 1.
-                        processed = output_processor.process_outputs(batch[start : start + OUTPUT_PROC_CHUNK_SIZE])
+                        processed = output_processor.process_outputs(
+                            batch[start : start + OUTPUT_PROC_CHUNK_SIZE]
+                        )
                         # 3) Hand each RequestOutput to its generate().
                         for request_output in processed.request_outputs:
                             collector = collectors.get(request_output.request_id)
@@ -341,7 +348,9 @@ class AsyncLLM:
                                 del collectors[request_output.request_id]
                         reqs_to_abort += processed.reqs_to_abort
                         if stat_logger is not None:
-                            stat_logger.record_tokens(processed.num_prompt_tokens, processed.num_generation_tokens)
+                            stat_logger.record_tokens(
+                                processed.num_prompt_tokens, processed.num_generation_tokens
+                            )
                         if start + OUTPUT_PROC_CHUNK_SIZE < len(batch):
                             await asyncio.sleep(0)
                     # 4) Requests a stop string ended are still running in the core.
@@ -406,4 +415,3 @@ class AsyncLLM:
         if self.stat_logger is None:
             raise RuntimeError("metrics are off: the engine was built with disable_log_stats=True")
         return self.stat_logger.render_prometheus()
-

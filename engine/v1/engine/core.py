@@ -6,8 +6,9 @@ Read it for:
     (``_initialize_kv_caches``), then build the scheduler with the final
     block count and the request block hasher;
   * ``step()`` -- the heart of V1: ``schedule()`` -> ``execute_model()`` ->
-    (``sample_tokens()``) -> ``update_from_output()``. Nothing else happens
-    in a step.
+    (``sample_tokens()``) -> ``update_from_output()``, as vLLM's, with its
+    error-detail context around the model's part. Nothing else happens in a
+    step.
   * ``EngineCoreProc`` -- the same core in its own process. Three threads:
     the input thread reads ZMQ frames, decodes them and puts
     ``(request_type, request)`` on ``input_queue``; the busy loop
@@ -21,7 +22,13 @@ Sessions: 01 (engine loop).
 
 Simpler than vLLM: no batch queue / pipelining, no structured-output grammar
 bitmask, no data parallelism, no drain-on-shutdown timeout (a shutdown request
-aborts whatever is still running, vLLM's ``shutdown_timeout=0``).
+aborts whatever is still running, vLLM's ``shutdown_timeout=0``), no separate
+aborts queue. ``log_error_detail`` logs a summary of the step instead of
+vLLM's full dump of the config and the scheduler output.
+
+Tracing (Glassbox's own): ``EngineCoreTrace`` (``engine/tracing/
+engine_trace.py``) writes the process's trace while the device runs each
+forward and records the process hop (requests received, outputs sent).
 """
 
 from __future__ import annotations
@@ -43,7 +50,10 @@ import zmq
 
 from engine.config import GlassboxConfig
 from engine.tracing import Tracer, part_path
+from engine.tracing.core_trace import SchedulerTrace
+from engine.tracing.engine_trace import EngineCoreTrace
 from engine.v1.core.kv_cache_utils import get_kv_cache_config, get_request_block_hasher
+from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import (
     EngineCoreOutput,
@@ -62,7 +72,6 @@ from engine.v1.engine.utils import (
 )
 from engine.v1.executor.abstract import Executor
 from engine.v1.kv_cache_interface import KVCacheConfig
-from engine.v1.outputs import ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
 from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -84,6 +93,7 @@ class EngineCore:
             tracer = Tracer(obs.trace_path, obs.trace_level)
         # One tracer per process; the executor's in-process worker shares it.
         self.tracer = tracer
+        self.trace = EngineCoreTrace.create(tracer)
         self.model_executor = executor_class(glassbox_config, tracer=tracer)
         try:
             kv_cache_config = self._initialize_kv_caches(glassbox_config)
@@ -93,7 +103,7 @@ class EngineCore:
                 cache_config=glassbox_config.cache_config,
                 kv_cache_config=kv_cache_config,
                 log_stats=log_stats,
-                tracer=tracer,
+                trace=SchedulerTrace.create(tracer),
             )
         except BaseException:
             # Don't leave a loaded model (or worker processes) behind.
@@ -111,7 +121,9 @@ class EngineCore:
         start = time.perf_counter()
         kv_cache_specs = self.model_executor.get_kv_cache_specs()
         override = config.cache_config.num_gpu_blocks_override
-        available_memory = 0 if override is not None else self.model_executor.determine_available_memory()
+        available_memory = (
+            0 if override is not None else self.model_executor.determine_available_memory()
+        )
         kv_cache_config = get_kv_cache_config(
             kv_cache_specs,
             available_memory,
@@ -141,34 +153,43 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     # -- the loop ------------------------------------------------------------
-    def execute_model_with_error_logging(self, scheduler_output) -> ModelRunnerOutput:
+    @contextlib.contextmanager
+    def log_error_detail(self, scheduler_output: SchedulerOutput) -> Iterator[None]:
+        """Log what the step was doing if the model's part of it fails."""
         try:
-            output = self.model_executor.execute_model(scheduler_output)
-            # On a GPU the forward was only launched: write the trace while it runs
-            # (every step: see Tracer.flush for why not every few).
-            if self.tracer.lifecycle: self.tracer.flush()  # noqa: E701
-            if output is None:
-                output = self.model_executor.sample_tokens()
-            return output
+            yield
         except Exception:
-            logger.exception("model execution failed at step %d", scheduler_output.step)
+            logger.exception(
+                "model execution failed at step %d: %d requests, %d tokens scheduled (%s)",
+                scheduler_output.step,
+                len(scheduler_output.num_scheduled_tokens),
+                scheduler_output.total_num_scheduled_tokens,
+                scheduler_output.num_scheduled_tokens,
+            )
             raise
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
-        """One engine step. Returns outputs per client and whether the model ran."""
+        """Schedule, execute, sample, update. Returns the outputs per client and
+        whether the model ran."""
+        # Requests in the scheduler: unfinished, or finished and not yet dropped by the worker.
         if not self.scheduler.has_requests():
             return {}, False
         scheduler_output = self.scheduler.schedule()
-        model_output = self.execute_model_with_error_logging(scheduler_output)
+        future = self.model_executor.execute_model(scheduler_output, non_block=True)
+        self.trace.forward_launched()
+        with self.log_error_detail(scheduler_output):
+            model_output = future.result()
+            if model_output is None:
+                model_output = self.model_executor.sample_tokens(None)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        # This step's own events wait for the next step's forward, unless none follows.
-        if self.tracer.lifecycle and not self.scheduler.has_requests(): self.tracer.flush()  # noqa: E701
+        self.trace.step_done(self.scheduler.has_requests())
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
+        """Glassbox's own utility call (tests and the front end ask it)."""
         return self.scheduler.get_num_unfinished_requests()
 
     def shutdown(self) -> None:
@@ -249,7 +270,9 @@ class EngineCoreProc(EngineCore):
 
     # -- start-up ------------------------------------------------------------------
     @contextlib.contextmanager
-    def _perform_handshake(self, handshake_address: str, identity: bytes) -> Iterator[EngineZmqAddresses]:
+    def _perform_handshake(
+        self, handshake_address: str, identity: bytes
+    ) -> Iterator[EngineZmqAddresses]:
         """HELLO -> addresses; the caller builds the engine; then READY."""
         ctx = zmq.Context()
         try:
@@ -289,7 +312,9 @@ class EngineCoreProc(EngineCore):
 
         def request_shutdown() -> None:
             assert engine_core is not None
-            engine_core.shutdown_state = max(engine_core.shutdown_state, EngineShutdownState.REQUESTED)
+            engine_core.shutdown_state = max(
+                engine_core.shutdown_state, EngineShutdownState.REQUESTED
+            )
             engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
         def signal_handler(signum, frame) -> None:
@@ -297,7 +322,9 @@ class EngineCoreProc(EngineCore):
                 # Still starting up: there is nothing to drain, just leave.
                 raise SystemExit(0)
             # Only flip state and poke the helper thread: see SignalCallback.
-            engine_core.shutdown_state = max(engine_core.shutdown_state, EngineShutdownState.REQUESTED)
+            engine_core.shutdown_state = max(
+                engine_core.shutdown_state, EngineShutdownState.REQUESTED
+            )
             if signal_callback is not None:
                 signal_callback.trigger()
 
@@ -330,7 +357,9 @@ class EngineCoreProc(EngineCore):
                 engine_core.shutdown()
 
     def watch_parent(self, death_pipe: Any, request_shutdown) -> None:
-        """Exit when the front end dies, even if it was SIGKILLed: no orphans."""
+        """Exit when the front end dies, even if it was SIGKILLed: no orphans.
+        Glassbox's own: vLLM's workers watch a death pipe like this one
+        (``WorkerProc.monitor_death_pipe`` in ``multiproc_executor.py``)."""
 
         def wait_for_parent_death() -> None:
             try:
@@ -344,7 +373,9 @@ class EngineCoreProc(EngineCore):
             time.sleep(PARENT_DEATH_EXIT_GRACE_S)
             os._exit(1)
 
-        threading.Thread(target=wait_for_parent_death, daemon=True, name="ParentDeathWatcher").start()
+        threading.Thread(
+            target=wait_for_parent_death, daemon=True, name="ParentDeathWatcher"
+        ).start()
 
     # -- the busy loop ---------------------------------------------------------------
     def has_work(self) -> bool:
@@ -396,14 +427,18 @@ class EngineCoreProc(EngineCore):
         if request_type == EngineCoreRequestType.ADD:
             if not self.is_running():
                 logger.info("Rejecting request %s: shutting down.", request.request_id)
-                self._send_finish_outputs([request.request_id], request.client_index, FinishReason.ABORT)
+                self._send_finish_outputs(
+                    [request.request_id], request.client_index, FinishReason.ABORT
+                )
                 return
             try:
                 self.add_request(request)
             except ValueError:
                 # e.g. a duplicate id: fail this request, keep serving.
                 logger.exception("Could not add request %s", request.request_id)
-                self._send_finish_outputs([request.request_id], request.client_index, FinishReason.ERROR)
+                self._send_finish_outputs(
+                    [request.request_id], request.client_index, FinishReason.ERROR
+                )
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(request)
         elif request_type == EngineCoreRequestType.UTILITY:
@@ -422,12 +457,22 @@ class EngineCoreProc(EngineCore):
 
     # -- outputs -------------------------------------------------------------------
     def _put_output(self, client_index: int, outputs: EngineCoreOutputs) -> None:
-        if self.tracer.lifecycle: self.tracer.emit("output.sent", request_ids=[o.request_id for o in outputs.outputs])  # noqa: E701
+        """Hand a batch to the output thread (Glassbox's own helper; vLLM puts
+        on ``output_queue`` inline)."""
+        self.trace.output_sent(outputs)
         self.output_queue.put_nowait((client_index, outputs))
 
-    def _send_finish_outputs(self, request_ids: list[str], client_index: int, reason: FinishReason) -> None:
-        outputs = [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=reason) for rid in request_ids]
-        self._put_output(client_index, EngineCoreOutputs(outputs=outputs, finished_requests=set(request_ids)))
+    def _send_finish_outputs(
+        self, request_ids: list[str], client_index: int, reason: FinishReason
+    ) -> None:
+        """Finish ``request_ids`` with ``reason`` and no tokens (Glassbox's own helper)."""
+        outputs = [
+            EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=reason)
+            for rid in request_ids
+        ]
+        self._put_output(
+            client_index, EngineCoreOutputs(outputs=outputs, finished_requests=set(request_ids))
+        )
 
     def _send_abort_outputs(self, aborted: list[tuple[str, int]]) -> None:
         by_client: dict[int, list[str]] = defaultdict(list)
@@ -444,14 +489,18 @@ class EngineCoreProc(EngineCore):
                 logger.critical("Could not tell the front end that EngineCore died.")
 
     # -- IO threads ------------------------------------------------------------------
-    def process_input_sockets(self, input_address: str, identity: bytes, ready_event: threading.Event) -> None:
+    def process_input_sockets(
+        self, input_address: str, identity: bytes, ready_event: threading.Event
+    ) -> None:
         """Input thread: DEALER socket -> decode -> ``input_queue``."""
         add_request_decoder = MsgpackDecoder(EngineCoreRequest)
         generic_decoder = MsgpackDecoder()
-        tracer = self.tracer
-        with zmq.Context() as ctx, make_zmq_socket(
-            ctx, input_address, zmq.DEALER, identity=identity, bind=False, linger=0
-        ) as input_socket:
+        with (
+            zmq.Context() as ctx,
+            make_zmq_socket(
+                ctx, input_address, zmq.DEALER, identity=identity, bind=False, linger=0
+            ) as input_socket,
+        ):
             # The ROUTER can only address us once it has heard from us.
             input_socket.send(
                 msgspec.msgpack.encode(
@@ -469,19 +518,19 @@ class EngineCoreProc(EngineCore):
                 request: Any
                 if request_type == EngineCoreRequestType.ADD:
                     core_request: EngineCoreRequest = add_request_decoder.decode(data_frames)
-                    if tracer.lifecycle: tracer.emit("request.received", request_id=core_request.request_id, type="add")  # noqa: E701
                     try:
                         request = self.preprocess_add_request(core_request)
                     except Exception:
-                        logger.exception("Could not pre-process request %s", core_request.request_id)
+                        logger.exception(
+                            "Could not pre-process request %s", core_request.request_id
+                        )
                         self._send_finish_outputs(
                             [core_request.request_id], core_request.client_index, FinishReason.ERROR
                         )
                         continue
                 else:
                     request = generic_decoder.decode(data_frames)
-                    if request_type == EngineCoreRequestType.ABORT:
-                        if tracer.lifecycle: tracer.emit("request.received", request_ids=list(request), type="abort")  # noqa: E701
+                self.trace.request_received(request_type, request)
                 self.input_queue.put_nowait((request_type, request))
 
     def process_output_sockets(self, output_address: str, engine_index: int) -> None:
@@ -489,9 +538,12 @@ class EngineCoreProc(EngineCore):
         encoder = MsgpackEncoder()
         # Linger so that the last outputs (or ENGINE_CORE_DEAD) still go out
         # when the socket closes.
-        with zmq.Context() as ctx, make_zmq_socket(
-            ctx, output_address, zmq.PUSH, bind=False, linger=4000
-        ) as output_socket:
+        with (
+            zmq.Context() as ctx,
+            make_zmq_socket(
+                ctx, output_address, zmq.PUSH, bind=False, linger=4000
+            ) as output_socket,
+        ):
             while True:
                 output = self.output_queue.get()
                 if output == EngineCoreProc.ENGINE_CORE_DEAD:

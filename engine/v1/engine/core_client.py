@@ -47,6 +47,7 @@ import zmq.asyncio
 
 from engine.config import GlassboxConfig
 from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.engine_trace import ClientTrace
 from engine.v1.engine import (
     EngineCoreOutputs,
     EngineCoreReadyResponse,
@@ -85,7 +86,9 @@ class EngineCoreClient(ABC):
         if asyncio_mode and not multiprocess_mode:
             raise ValueError("asyncio_mode needs multiprocess_mode=True (as in vLLM)")
         if multiprocess_mode and asyncio_mode:
-            return EngineCoreClient.make_async_mp_client(glassbox_config, executor_class, log_stats, tracer)
+            return EngineCoreClient.make_async_mp_client(
+                glassbox_config, executor_class, log_stats, tracer
+            )
         if multiprocess_mode:
             return SyncMPClient(glassbox_config, executor_class, log_stats, tracer)
         return InprocClient(glassbox_config, executor_class, log_stats, tracer)
@@ -239,8 +242,8 @@ class MPClient(EngineCoreClient):
         tracer: Tracer | None = None,
     ) -> None:
         self.glassbox_config = glassbox_config
-        # The front end's tracer: request.sent is emitted here, before the send.
-        self.tracer = tracer or NULL_TRACER
+        # The front end's side of the process hop: requests sent, outputs received.
+        self.trace = ClientTrace.create(tracer or NULL_TRACER)
         sync_ctx = zmq.Context(io_threads=2)
         self.ctx = zmq.asyncio.Context(sync_ctx) if asyncio_mode else sync_ctx
         # Registered first, so whatever exists is released even if start-up
@@ -254,7 +257,9 @@ class MPClient(EngineCoreClient):
                 self.ctx, addresses.inputs[0], zmq.ROUTER, bind=True
             )
             self.resources.output_socket = make_zmq_socket(self.ctx, addresses.outputs[0], zmq.PULL)
-            with launch_core_engines(glassbox_config, executor_class, log_stats, addresses) as manager:
+            with launch_core_engines(
+                glassbox_config, executor_class, log_stats, addresses
+            ) as manager:
                 self.resources.engine_manager = manager
 
             self.encoder = MsgpackEncoder()
@@ -283,7 +288,9 @@ class MPClient(EngineCoreClient):
         # The front end's config learns what the core decided.
         self.glassbox_config.cache_config.num_gpu_blocks = response.num_gpu_blocks
         model_config = self.glassbox_config.model_config
-        model_config.max_model_len = min(model_config.max_model_len or response.max_model_len, response.max_model_len)
+        model_config.max_model_len = min(
+            model_config.max_model_len or response.max_model_len, response.max_model_len
+        )
 
     @property
     def engine_core_pids(self) -> list[int]:
@@ -321,12 +328,6 @@ class MPClient(EngineCoreClient):
             client._finalizer()
 
         threading.Thread(target=monitor_engine_cores, daemon=True, name="EngineCoreMonitor").start()
-
-    def _emit_request_sent(self, request_type: EngineCoreRequestType, request: Any) -> None:
-        if request_type == EngineCoreRequestType.ADD:
-            self.tracer.emit("request.sent", request_id=request.request_id, type="add")
-        elif request_type == EngineCoreRequestType.ABORT:
-            self.tracer.emit("request.sent", request_ids=list(request), type="abort")
 
 
 def _process_utility_output(output: UtilityOutput, utility_results: dict[int, Any]) -> None:
@@ -410,11 +411,12 @@ class SyncMPClient(MPClient):
         outputs = self.outputs_queue.get()
         if isinstance(outputs, BaseException):
             raise self._format_exception(outputs) from None
+        self.trace.output_received(outputs)
         return outputs
 
     def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
         self.ensure_alive()
-        if self.tracer.lifecycle: self._emit_request_sent(request_type, request)  # noqa: E701
+        self.trace.request_sent(request_type, request)
         # (identity, request type, msgpack, *aux buffers)
         message = (self.core_engine, request_type.value, *self.encoder.encode(request))
         self.input_socket.send_multipart(message, copy=False)
@@ -500,11 +502,12 @@ class AsyncMPClient(MPClient):
         outputs = await self.outputs_queue.get()
         if isinstance(outputs, BaseException):
             raise self._format_exception(outputs) from None
+        self.trace.output_received(outputs)
         return outputs
 
     async def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
         self.ensure_alive()
-        if self.tracer.lifecycle: self._emit_request_sent(request_type, request)  # noqa: E701
+        self.trace.request_sent(request_type, request)
         message = (self.core_engine, request_type.value, *self.encoder.encode(request))
         await self.input_socket.send_multipart(message, copy=False)
 
@@ -512,7 +515,9 @@ class AsyncMPClient(MPClient):
         call_id = uuid.uuid4().int >> 64
         future = asyncio.get_running_loop().create_future()
         self.utility_results[call_id] = future
-        await self._send_input(EngineCoreRequestType.UTILITY, (self.client_index, call_id, method, args))
+        await self._send_input(
+            EngineCoreRequestType.UTILITY, (self.client_index, call_id, method, args)
+        )
         self._ensure_output_queue_task()
         return await future
 

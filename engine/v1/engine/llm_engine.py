@@ -29,6 +29,7 @@ from engine.engine.arg_utils import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
+from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine.core_client import EngineCoreClient
 from engine.v1.engine.input_processor import InputProcessor, PromptType
@@ -66,10 +67,16 @@ class LLMEngine:
         tracing = obs.trace_level != "off" and bool(obs.trace_path)
         # Multi-process: each process writes its own part of the trace, and
         # the parts are merged once the core has exited (see shutdown).
-        trace_file = part_path(obs.trace_path, "frontend") if tracing and multiprocess_mode else obs.trace_path
+        trace_file = (
+            part_path(obs.trace_path, "frontend")
+            if tracing and multiprocess_mode
+            else obs.trace_path
+        )
         self.tracer = Tracer(trace_file, obs.trace_level)
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, OutputProcessorTrace.create(self.tracer)
+        )
         self.stat_logger = StatLogger(model_config.model) if log_stats else None
         try:
             self.engine_core = EngineCoreClient.make_client(
@@ -158,7 +165,6 @@ class LLMEngine:
             # would wait for a batch that never comes.
             return []
         outputs = self.engine_core.get_output()
-        if self.multiprocess_mode and self.tracer.lifecycle: self.tracer.emit("output.received", request_ids=[o.request_id for o in outputs.outputs])  # noqa: E701
         processed = self.output_processor.process_outputs(outputs.outputs)
         # A stop string ended these; EngineCore still thinks they are running.
         self.engine_core.abort_requests(processed.reqs_to_abort)

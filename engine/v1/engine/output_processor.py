@@ -22,7 +22,7 @@ from typing import Any
 from engine.logprobs import Logprob, SampleLogprobs
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
-from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine.v1.engine.detokenizer import IncrementalDetokenizer
 from engine.v1.engine.parallel_sampling import ParentRequest
@@ -78,21 +78,25 @@ class RequestState:
         if not self.want_logprobs or rows is None:
             return
         for r in range(min(num_kept, len(rows.logprob_token_ids))):
-            ids, lps, rank = rows.logprob_token_ids[r], rows.logprobs[r], rows.sampled_token_ranks[r]
+            ids, lps, rank = (
+                rows.logprob_token_ids[r],
+                rows.logprobs[r],
+                rows.sampled_token_ranks[r],
+            )
             position: dict[int, Logprob] = {}
             # Row layout: sampled token first, then top-1..top-k.
             for j, (token_id, lp) in enumerate(zip(ids, lps)):
                 if token_id in position:
                     continue
-                decoded = (
-                    self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
-                )
+                decoded = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
                 position[token_id] = Logprob(lp, rank if j == 0 else j, decoded)
             self.logprobs.append(position)
             assert self.cumulative_logprob is not None
             self.cumulative_logprob += lps[0]
 
-    def make_completion_output(self, finish_reason, stop_reason, finished: bool) -> CompletionOutput:
+    def make_completion_output(
+        self, finish_reason, stop_reason, finished: bool
+    ) -> CompletionOutput:
         delta = self.output_kind == RequestOutputKind.DELTA
         token_ids = self.detokenizer.token_ids
         logprobs = self.logprobs if self.want_logprobs else None
@@ -123,10 +127,11 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None, tracer: Tracer = NULL_TRACER) -> None:
+    def __init__(
+        self, tokenizer: Any | None, trace: OutputProcessorTrace = OutputProcessorTrace.NULL
+    ) -> None:
         self.tokenizer = tokenizer
-        # The front end's tracer: request.added / request.output / request.finished.
-        self.tracer = tracer
+        self.trace = trace
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
 
@@ -148,7 +153,7 @@ class OutputProcessor:
         self.request_states[request.request_id] = RequestState.from_new_request(
             self.tokenizer, request, prompt, parent_req, request_index
         )
-        if self.tracer.lifecycle: self.tracer.emit("request.added", **_trace_added(request, prompt, parent_req, request_index, self.tracer.full))  # noqa: E701
+        self.trace.added(request, prompt, parent_req, request_index)
         if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req
 
@@ -162,7 +167,7 @@ class OutputProcessor:
             for rid in ids:
                 if self.request_states.pop(rid, None) is not None:
                     to_abort.append(rid)
-                    if self.tracer.lifecycle: self.tracer.emit("request.finished", request_id=rid, finish_reason="abort", stop_reason=None, aborted_by="front end")  # noqa: E701
+                    self.trace.aborted(rid)
         return to_abort
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
@@ -183,7 +188,6 @@ class OutputProcessor:
             stop_reason = output.stop_reason
             stop_terminated = finish_reason == FinishReason.STOP
             new_ids = list(output.new_token_ids)
-            text_len_before = len(state.detokenizer.output_text) if self.tracer.lifecycle else 0
             stop_str = state.detokenizer.update(new_ids, stop_terminated)
             state._new_tokens = len(new_ids)
             state._update_logprobs(output, len(new_ids))
@@ -194,13 +198,13 @@ class OutputProcessor:
                     reqs_to_abort.append(output.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
             finished = finish_reason is not None
-            if self.tracer.lifecycle: self.tracer.emit("request.output", request_id=output.request_id, new_token_ids=new_ids, text_delta=state.detokenizer.output_text[text_len_before:], num_output_tokens=len(state.detokenizer.token_ids), finished=finished)  # noqa: E701
+            self.trace.output(state, new_ids, finished)
 
             request_output = self._make_request_output(state, finish_reason, stop_reason, finished)
             if request_output is not None:
                 request_outputs.append(request_output)
             if finished:
-                if self.tracer.lifecycle: self.tracer.emit("request.finished", request_id=output.request_id, finish_reason=str(finish_reason), stop_reason=stop_reason, num_prompt_tokens=len(state.prompt_token_ids), num_output_tokens=len(state.detokenizer.token_ids), num_cached_tokens=state.num_cached_tokens, stop_string_in_front_end=stop_str is not None)  # noqa: E701
+                self.trace.finished(state, finish_reason, stop_reason, stop_str)
                 self._finish_request(state)
         return OutputProcessorOutput(
             request_outputs, reqs_to_abort, num_prompt_tokens, num_generation_tokens
@@ -252,40 +256,3 @@ class OutputProcessor:
             parent.child_requests.discard(state.request_id)
             if not parent.child_requests:
                 self.parent_requests.pop(parent.request_id, None)
-
-
-def _trace_added(
-    request: EngineCoreRequest,
-    prompt: str | None,
-    parent_req: ParentRequest | None,
-    request_index: int,
-    full: bool,
-) -> dict[str, Any]:
-    """Fields of the ``request.added`` trace event."""
-    params = request.sampling_params
-    fields: dict[str, Any] = dict(
-        request_id=request.request_id,
-        parent_request_id=parent_req.request_id if parent_req is not None else None,
-        index=request_index,
-        num_prompt_tokens=len(request.prompt_token_ids),
-        prompt=prompt if prompt is None or len(prompt) <= 512 else prompt[:512] + "...",
-        arrival_time=request.arrival_time,
-        priority=request.priority,
-        sampling_params=dict(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            seed=params.seed,
-            n=params.n,
-            stop=list(params.stop or []),
-            stop_token_ids=list(params.stop_token_ids or []),
-            logprobs=params.logprobs,
-            ignore_eos=params.ignore_eos,
-            output_kind=params.output_kind.name,
-        ),
-    )
-    if full:
-        fields["prompt_token_ids"] = list(request.prompt_token_ids)
-    return fields

@@ -5,8 +5,11 @@ Read it for the four things EngineCore asks of the model side:
   1. ``get_kv_cache_specs()`` -- what one KV block costs per attention layer;
   2. ``determine_available_memory()`` -- bytes left for KV after a profile run;
   3. ``initialize_from_config(kv_cache_config)`` -- allocate the KV tensors;
-  4. ``execute_model(scheduler_output)`` then ``sample_tokens()`` -- one step,
-     in two phases (forward, then sampling), as vLLM V1 does.
+  4. ``execute_model(scheduler_output)`` then ``sample_tokens(grammar_output)``
+     -- one step, in two phases (forward, then sampling), as vLLM V1 does.
+     With ``non_block=True`` both return a ``Future``; an in-process executor
+     runs the call first and returns it done (``done_future``), its result or
+     its exception inside.
 ``Executor.get_class`` picks the implementation from
 ``distributed_executor_backend``: ``"uni"`` (one in-process worker) or any
 ``Executor`` subclass passed in directly, which is how tests and experiments
@@ -17,7 +20,9 @@ Sessions: 04 (worker), 07 (executor).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from engine.tracing import NULL_TRACER, Tracer
 
@@ -68,12 +73,31 @@ class Executor(ABC):
         """Allocate the KV cache tensors (and capture graphs, warm up)."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
         """Run the forward pass. May return the sampled output directly, or
         None, in which case ``sample_tokens`` finishes the step."""
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: None = None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Sample the step ``execute_model`` ran (``grammar_output``: vLLM's
+        structured-output bitmask; always None here)."""
         raise NotImplementedError(f"{type(self).__name__} samples inside execute_model")
 
     def shutdown(self) -> None:
         """Release workers and device memory. Safe to call twice."""
+
+
+def done_future(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``fn(*args)``, run now, as a completed ``Future`` holding its result or
+    its exception: what an in-process executor returns for ``non_block=True``.
+    Glassbox's own helper; vLLM's ``UniProcExecutor.collective_rpc`` does the
+    same inline."""
+    future: Future[Any] = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)
+    return future

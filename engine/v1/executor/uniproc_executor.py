@@ -9,7 +9,7 @@ Sessions: 07 (executor).
 
 from __future__ import annotations
 
-from engine.v1.executor.abstract import Executor
+from engine.v1.executor.abstract import Executor, done_future
 from engine.v1.worker.gpu_worker import Worker
 
 
@@ -35,10 +35,14 @@ class UniProcExecutor(Executor):
     def initialize_from_config(self, kv_cache_config) -> None:
         self._worker().initialize_from_config(kv_cache_config)
 
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output, non_block=False):
+        if non_block:
+            return done_future(self._worker().execute_model, scheduler_output)
         return self._worker().execute_model(scheduler_output)
 
-    def sample_tokens(self):
+    def sample_tokens(self, grammar_output=None, non_block=False):
+        if non_block:
+            return done_future(self._worker().sample_tokens)
         return self._worker().sample_tokens()
 
     def shutdown(self) -> None:

@@ -19,11 +19,10 @@ Read it for one step of the worker:
      still in the middle of their prompt (a chunked prefill) throw theirs away.
 Sessions: 04 (worker).
 
-Tracing: ``runner.batch`` (the flattened batch: rows, query lengths,
-positions, slot ranges, attention backend, CUDA graph mode), ``runner.forward``
-(wall time of the model call and logits), at ``full`` also ``runner.inputs``
-(the input tensors in summary); the sampler gets the tracer and the request
-id of every row whose sample is kept.
+Tracing: the runner receives a ``RunnerTrace`` (``engine/tracing/
+worker_trace.py``) and calls it at a few points -- the batch laid out, the
+forward launched and finished, the tokens sampled; its ``sampler`` part goes
+to the ``Sampler``.
 
 CUDA graphs (``capture_model``; ``_prepare_inputs`` asks the
 ``CudagraphDispatcher`` each step): on CUDA with a
@@ -48,23 +47,19 @@ import torch
 from engine.config import GlassboxConfig
 from engine.config.compilation import CUDAGraphMode
 from engine.forward_context import set_forward_context
-from engine.tracing import NULL_TRACER, Tracer
-from engine.tracing.tensors import array_summaries
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
+from engine.tracing.worker_trace import RunnerTrace
 from engine.utils.torch_utils import resolve_dtype
 from engine.v1.attention.backend import CommonAttentionMetadata
-from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.core.sched.output import SchedulerOutput
+from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from engine.v1.sample.sampler import Sampler
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
-
-# The integer dtypes of the runner's input buffers, as numpy names them.
-_NUMPY_DTYPES = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
 
 
 @dataclass
@@ -79,37 +74,34 @@ class ExecuteModelState:
 
 
 @dataclass
-class HostInputs:
-    """The host arrays this step's device inputs were copied from (numpy,
-    same values). ``full`` traces summarise these, so describing the inputs
-    launches no device work and waits for nothing. (In a padded batch the
-    block table's padding rows are summarised as the host holds them; no
-    kernel reads them: their seq_len is 0.)"""
+class PreparedInputs:
+    """What ``_prepare_inputs`` built for one step (Glassbox's own: vLLM's
+    returns the logits indices and spec-decode metadata and keeps the rest
+    on the runner). The device buffers hold the inputs; the numpy arrays
+    they were copied from stay here for the trace (same values)."""
 
-    input_ids: np.ndarray  # [num_tokens (+ padding)]
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    logits_indices: np.ndarray  # [num_reqs]
-
-
-@dataclass
-class PendingForwardTrace:
-    """A traced forward whose duration is read after the step's sync (CUDA only)."""
-
-    step: int
-    start_ts: int  # wall clock (time.time_ns) at launch
-    start_event: torch.cuda.Event
-    end_event: torch.cuda.Event
-    num_tokens: int
-    num_logits: int
+    common_attn_metadata: CommonAttentionMetadata
+    num_tokens: int  # scheduled tokens, before any CUDA-graph padding
+    logits_indices: torch.Tensor  # [num_reqs] on the device: each request's last token
+    # Rows whose sample is thrown away: their prompt is not fully computed yet.
+    discard_rows: list[int]
+    cudagraph_mode: CUDAGraphMode
+    batch_descriptor: BatchDescriptor
+    input_ids_np: np.ndarray  # [num_tokens (+ padding)]
+    positions_np: np.ndarray
+    slot_mapping_np: np.ndarray
+    logits_indices_np: np.ndarray  # [num_reqs]
 
 
 class GPUModelRunner:
     def __init__(
-        self, glassbox_config: GlassboxConfig, device: torch.device, tracer: Tracer = NULL_TRACER
+        self,
+        glassbox_config: GlassboxConfig,
+        device: torch.device,
+        trace: RunnerTrace = RunnerTrace.NULL,
     ) -> None:
         self.glassbox_config = glassbox_config
-        self.tracer = tracer
+        self.trace = trace
         self.model_config = glassbox_config.model_config
         self.cache_config = glassbox_config.cache_config
         self.scheduler_config = glassbox_config.scheduler_config
@@ -122,15 +114,14 @@ class GPUModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
-            self.max_num_reqs, self.max_model_len, self.block_size, device, self.model_config.vocab_size
+            self.max_num_reqs,
+            self.max_model_len,
+            self.block_size,
+            device,
+            self.model_config.vocab_size,
         )
-        self.sampler = Sampler(tracer=tracer)
+        self.sampler = Sampler(trace=trace.sampler)
         self.execute_model_state: ExecuteModelState | None = None
-        # Tracing on CUDA: the forward's timing, emitted once sampling has synced.
-        self._pending_forward_trace: PendingForwardTrace | None = None
-        # CUDA start/end events of the traced forward (created on first use).
-        self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._forward_stream: torch.cuda.Stream | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attn_metadata_builder = None
@@ -176,7 +167,10 @@ class GPUModelRunner:
         logger.info("model loaded in %.2fs", time.perf_counter() - start)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return {name: layer.get_kv_cache_spec(self.glassbox_config) for name, layer in self.attn_layers.items()}
+        return {
+            name: layer.get_kv_cache_spec(self.glassbox_config)
+            for name, layer in self.attn_layers.items()
+        }
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate one KV tensor per attention layer and bind it to the layer."""
@@ -200,10 +194,11 @@ class GPUModelRunner:
             # FlashInfer plans once per step for all layers: it needs their
             # shapes, and one fixed-size wrapper per decode size graphs replay.
             self.attn_metadata_builder.bind_layers(
-                self.attn_layers.values(), self.dtype,
+                self.attn_layers.values(),
+                self.dtype,
                 [k.num_tokens for k in self.cudagraph_dispatcher.decode_keys()],
             )
-        if self.tracer.lifecycle: self.tracer.emit("runner.init", model=self.model_config.model, architecture=type(self.model).__name__, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), attn_backend=backend.get_name(), num_layers=len(self.kv_caches), num_blocks=kv_cache_config.num_blocks, block_size=self.block_size, kv_cache_shape=list(self.kv_caches[0].shape) if self.kv_caches else [])  # noqa: E701
+        self.trace.initialized(self, kv_cache_config)
 
     # ------------------------------------------------------------------
     # 1. Apply the scheduler's deltas
@@ -267,7 +262,7 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     # 2. Flatten the step into device tensors
     # ------------------------------------------------------------------
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
         batch = self.input_batch
         req_ids = batch.req_ids
         num_reqs = len(req_ids)
@@ -332,8 +327,18 @@ class GPUModelRunner:
         # A request whose context still stops short of its known tokens is in
         # the middle of its prompt: whatever it samples is discarded.
         discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens[i]]
-        host = HostInputs(input_ids_np, positions_np, slot_mapping_np, logits_indices_np)
-        return common, total, logits_indices, discard_rows, (cudagraph_mode, batch_desc), host
+        return PreparedInputs(
+            common_attn_metadata=common,
+            num_tokens=total,
+            logits_indices=logits_indices,
+            discard_rows=discard_rows,
+            cudagraph_mode=cudagraph_mode,
+            batch_descriptor=batch_desc,
+            input_ids_np=input_ids_np,
+            positions_np=positions_np,
+            slot_mapping_np=slot_mapping_np,
+            logits_indices_np=logits_indices_np,
+        )
 
     def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """numpy -> persistent device buffer. On CUDA through a persistent
@@ -343,7 +348,9 @@ class GPUModelRunner:
         if self.pin_memory:
             pinned = self._pinned.get(id(dst))
             if pinned is None:
-                pinned = self._pinned[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+                pinned = self._pinned[id(dst)] = torch.empty(
+                    dst.shape, dtype=dst.dtype, pin_memory=True
+                )
             pinned[: len(src)].copy_(host)
             host = pinned[: len(src)]
         dst[: len(src)].copy_(host, non_blocking=True)
@@ -353,21 +360,18 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        # Worker and sampler events belong to the scheduler's step.
-        if self.tracer.lifecycle: self.tracer.set_step(scheduler_output.step)  # noqa: E701
+        self.trace.step_started(scheduler_output.step)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None and self.attn_metadata_builder is not None
-        common, num_tokens, logits_indices, discard_rows, (mode, batch_desc), host_inputs = (
-            self._prepare_inputs(scheduler_output)
-        )
-        metadata = self.attn_metadata_builder.build(common)
-        cudagraph_mode = mode.name
-        forward_timer = self._start_forward_timer() if self.tracer.lifecycle else None
-        if mode == CUDAGraphMode.FULL:
+        inputs = self._prepare_inputs(scheduler_output)
+        num_tokens = inputs.num_tokens
+        metadata = self.attn_metadata_builder.build(inputs.common_attn_metadata)
+        self.trace.forward_started(self.device)
+        if inputs.cudagraph_mode == CUDAGraphMode.FULL:
             # Replay: the graph reads this step's values from the buffers.
-            graph, graph_hidden = self.cudagraphs[batch_desc]
+            graph, graph_hidden = self.cudagraphs[inputs.batch_descriptor]
             graph.replay()
             hidden_states = graph_hidden[:num_tokens]
         else:
@@ -376,16 +380,16 @@ class GPUModelRunner:
             with set_forward_context(
                 attn_metadata,
                 self.glassbox_config,
-                cudagraph_runtime_mode=cudagraph_mode,
+                cudagraph_runtime_mode=inputs.cudagraph_mode.name,
                 step=scheduler_output.step,
             ):
                 hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
-        logits = self.model.compute_logits(hidden_states[logits_indices])
-        if self.tracer.lifecycle: self._trace_forward(scheduler_output.step, forward_timer, num_tokens, logits)  # noqa: E701
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        self.trace.forward_done(scheduler_output.step, num_tokens, logits)
         # After the launch: on a GPU the host describes the batch while the device runs it.
-        if self.tracer.lifecycle: self._trace_batch(scheduler_output, common, num_tokens, host_inputs, discard_rows, cudagraph_mode, common.num_actual_tokens)  # noqa: E701
+        self.trace.batch(self, scheduler_output, inputs)
         self.execute_model_state = ExecuteModelState(
-            scheduler_output, logits, list(self.input_batch.req_ids), discard_rows
+            scheduler_output, logits, list(self.input_batch.req_ids), inputs.discard_rows
         )
         return None
 
@@ -402,15 +406,10 @@ class GPUModelRunner:
         reqs = [self.requests[r] for r in state.req_ids]
         # Persistent: rebuilt (asynchronously) only when the batch changed.
         metadata = batch.refresh_metadata()
-        trace_req_ids = (
-            [None if i in state.discard_rows else r for i, r in enumerate(state.req_ids)]
-            if self.tracer.lifecycle
-            else None
-        )
-        sampler_output = self.sampler(state.logits, metadata, trace_req_ids=trace_req_ids)
+        self.trace.sampling(state.req_ids, state.discard_rows)
+        sampler_output = self.sampler(state.logits, metadata)
         sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()  # waits for the device
-        if self._pending_forward_trace is not None: self._emit_pending_forward_trace()  # noqa: E701
-        if self.tracer.lifecycle: self.sampler.emit_pending_trace(sampled)  # noqa: E701
+        self.trace.sampled(sampled)
         logprobs = (
             sampler_output.logprobs_tensors.tolists()
             if sampler_output.logprobs_tensors is not None
@@ -440,141 +439,6 @@ class GPUModelRunner:
             req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
-        )
-
-    # ------------------------------------------------------------------
-    # Tracing (reads the step's inputs, never changes them)
-    # ------------------------------------------------------------------
-    def _trace_batch(
-        self,
-        scheduler_output: SchedulerOutput,
-        common: CommonAttentionMetadata,
-        num_tokens: int,
-        host_inputs: HostInputs,
-        discard_rows: list[int],
-        cudagraph_mode: str,
-        num_tokens_padded: int,
-    ) -> None:
-        """``runner.batch``: how this step's tokens were laid out."""
-        batch = self.input_batch
-        req_ids = list(batch.req_ids)
-        query_start_loc = common.query_start_loc_cpu.tolist()
-        query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(req_ids))]
-        seq_lens = common.seq_lens_cpu.tolist()
-        block_table = batch.block_table.block_table_np
-        # Per row, runs of consecutive slots: [block id, first offset in it, count].
-        if common.max_query_len == 1:
-            # Decode (the common step): one slot per row, looked up in one go.
-            positions = common.seq_lens_cpu.numpy().astype(np.int64) - 1
-            blocks = block_table[np.arange(len(seq_lens)), positions // self.block_size].tolist()
-            slots = [[[b, o, 1]] for b, o in zip(blocks, (positions % self.block_size).tolist())]
-        else:
-            slots = []
-            for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-                runs = []
-                pos, end = seq_len - query_len, seq_len
-                while pos < end:
-                    block_index, offset = divmod(pos, self.block_size)
-                    n = min(self.block_size - offset, end - pos)
-                    runs.append([int(block_table[row, block_index]), offset, n])
-                    pos += n
-                slots.append(runs)
-        self.tracer.emit(
-            "runner.batch",
-            step=scheduler_output.step,
-            num_reqs=len(req_ids),
-            num_tokens=num_tokens,
-            num_tokens_padded=num_tokens_padded,
-            attn_backend=self.attn_backend.get_name(),
-            cudagraph_mode=cudagraph_mode,
-            req_ids=req_ids,
-            query_lens=query_lens,
-            num_computed_tokens=[s - q for s, q in zip(seq_lens, query_lens)],
-            seq_lens=seq_lens,
-            slot_mapping=slots,
-            discard_req_ids=[req_ids[i] for i in discard_rows],
-            max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
-        )
-        if self.tracer.full:
-            self.tracer.emit(
-                "runner.inputs",
-                step=scheduler_output.step,
-                # From the host arrays the device buffers were filled from
-                # (same values, in the device buffers' dtypes): no device work.
-                **array_summaries(
-                    input_ids=self._as_device_dtype(host_inputs.input_ids[:num_tokens], self.input_ids),
-                    positions=self._as_device_dtype(host_inputs.positions[:num_tokens], self.positions),
-                    query_start_loc=common.query_start_loc_cpu.numpy(),
-                    seq_lens=common.seq_lens_cpu.numpy(),
-                    slot_mapping=self._as_device_dtype(
-                        host_inputs.slot_mapping[: common.num_actual_tokens], self.slot_mapping
-                    ),
-                    block_table=batch.block_table.block_table_np[: common.num_reqs],
-                    logits_indices=host_inputs.logits_indices,
-                ),
-            )
-
-    @staticmethod
-    def _as_device_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> np.ndarray:
-        """``host`` in the dtype of the device buffer it was copied into."""
-        dtype = _NUMPY_DTYPES[device_buffer.dtype]
-        return host if host.dtype == dtype else host.astype(dtype)
-
-    def _start_forward_timer(self) -> tuple[int, int, torch.cuda.Event | None]:
-        """(wall-clock ns, perf-counter ns, CUDA start event or None) at launch."""
-        start_event = None
-        if self.device.type == "cuda":
-            if self._forward_events is None:  # one pair, reused: the last step's was read
-                self._forward_events = (
-                    torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                )
-                # The stream the forward runs on, looked up once: record() without
-                # it asks torch.cuda.current_stream(), tens of µs of Python a call.
-                self._forward_stream = torch.cuda.current_stream(self.device)
-            start_event = self._forward_events[0]
-            start_event.record(self._forward_stream)
-        return time.time_ns(), time.perf_counter_ns(), start_event
-
-    def _trace_forward(
-        self,
-        step: int,
-        timer: tuple[int, int, torch.cuda.Event | None],
-        num_tokens: int,
-        logits: torch.Tensor,
-    ) -> None:
-        """``runner.forward``: time of the model call plus ``compute_logits``.
-
-        On CPU the host clock is the device clock: emit now. On CUDA the
-        launches return before the GPU is done, and a synchronize here would
-        stop the host from preparing sampling while the GPU works (it cost
-        several percent of a small model's step). So a pair of CUDA events
-        brackets the forward, and the event is emitted by ``sample_tokens``
-        after its ``.tolist()`` has waited for the device anyway.
-        """
-        start_ts, start_perf_ns, start_event = timer
-        if start_event is None:
-            self.tracer.emit(
-                "runner.forward", step=step, duration_ns=time.perf_counter_ns() - start_perf_ns,
-                num_tokens=num_tokens, num_logits=int(logits.shape[0]), start_ts=start_ts,
-            )
-            return
-        assert self._forward_events is not None
-        end_event = self._forward_events[1]
-        end_event.record(self._forward_stream)
-        self._pending_forward_trace = PendingForwardTrace(
-            step, start_ts, start_event, end_event, num_tokens, int(logits.shape[0])
-        )
-
-    def _emit_pending_forward_trace(self) -> None:
-        pending, self._pending_forward_trace = self._pending_forward_trace, None
-        assert pending is not None
-        pending.end_event.synchronize()  # already complete: sampling's copy waited
-        duration_ns = int(pending.start_event.elapsed_time(pending.end_event) * 1e6)  # ms -> ns
-        self.tracer.emit(
-            "runner.forward", step=pending.step, duration_ns=duration_ns,
-            num_tokens=pending.num_tokens, num_logits=pending.num_logits,
-            start_ts=pending.start_ts,
         )
 
     # ------------------------------------------------------------------
@@ -619,7 +483,9 @@ class GPUModelRunner:
             )
             metadata = self.attn_metadata_builder.build(common)
             attn_metadata = {name: metadata for name in self.attn_layers}
-            with set_forward_context(attn_metadata, self.glassbox_config, cudagraph_runtime_mode="FULL"):
+            with set_forward_context(
+                attn_metadata, self.glassbox_config, cudagraph_runtime_mode="FULL"
+            ):
                 self.model(self.input_ids[:n], self.positions[:n])  # warm-up
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -628,11 +494,10 @@ class GPUModelRunner:
             self.cudagraphs[key] = (graph, hidden)
             self.cudagraph_dispatcher.captured.add(key)
         torch.cuda.synchronize(self.device)
-        logger.info(
-            "captured %d CUDA graphs (sizes %s) in %.1fs",
-            len(keys), [k.num_tokens for k in keys], time.perf_counter() - start,
-        )
-        if self.tracer.lifecycle: self.tracer.emit("runner.cudagraphs", mode=self.cudagraph_dispatcher.mode.name, sizes=[k.num_tokens for k in keys], seconds=time.perf_counter() - start)  # noqa: E701
+        seconds = time.perf_counter() - start
+        sizes = [k.num_tokens for k in keys]
+        logger.info("captured %d CUDA graphs (sizes %s) in %.1fs", len(keys), sizes, seconds)
+        self.trace.cudagraphs_captured(self.cudagraph_dispatcher.mode.name, sizes, seconds)
         return len(keys)
 
     # ------------------------------------------------------------------
@@ -647,4 +512,3 @@ class GPUModelRunner:
         with set_forward_context(None, self.glassbox_config):
             hidden = self.model(self.input_ids[:n], self.positions[:n])
         self.model.compute_logits(hidden[: min(n, self.max_num_reqs)])
-

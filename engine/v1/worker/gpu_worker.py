@@ -25,6 +25,7 @@ import torch
 
 from engine.config import GlassboxConfig
 from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.worker_trace import RunnerTrace
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
 from engine.v1.worker.worker_base import WorkerBase
 
@@ -68,7 +69,8 @@ class Worker(WorkerBase):
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(self.glassbox_config.model_config.seed)
-        self.model_runner = GPUModelRunner(self.glassbox_config, self.device, tracer=self.tracer)
+        trace = RunnerTrace.create(self.tracer)
+        self.model_runner = GPUModelRunner(self.glassbox_config, self.device, trace=trace)
 
     def load_model(self) -> None:
         assert self.model_runner is not None, "init_device() first"
@@ -94,8 +96,13 @@ class Worker(WorkerBase):
         budget = int(total * cache_config.gpu_memory_utilization)
         available = budget - peak - max(non_torch, 0)
         logger.info(
-            "memory: total %.2f GiB, budget %.2f GiB, peak torch %.2f GiB, other %.2f GiB -> KV %.2f GiB",
-            total / GiB, budget / GiB, peak / GiB, non_torch / GiB, available / GiB,
+            "memory: total %.2f GiB, budget %.2f GiB, peak torch %.2f GiB, "
+            "other %.2f GiB -> KV %.2f GiB",
+            total / GiB,
+            budget / GiB,
+            peak / GiB,
+            non_torch / GiB,
+            available / GiB,
         )
         return available
 

@@ -30,7 +30,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with RemoteOpenAIServer(model_dir, ["--distributed-executor-backend", COUNTING_EXECUTOR, *ENGINE_FLAGS]) as server:
+    with RemoteOpenAIServer(
+        model_dir, ["--distributed-executor-backend", COUNTING_EXECUTOR, *ENGINE_FLAGS]
+    ) as server:
         yield server
 
 
@@ -44,7 +46,12 @@ def offline(model_dir):
     """The same engine offline, in-process."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
-        llm = LLM(str(model_dir), distributed_executor_backend=CountingExecutor, block_size=4, num_gpu_blocks_override=512)
+        llm = LLM(
+            str(model_dir),
+            distributed_executor_backend=CountingExecutor,
+            block_size=4,
+            num_gpu_blocks_override=512,
+        )
     yield llm
     llm.shutdown()
 
@@ -76,10 +83,14 @@ def test_completion_stream_equals_non_stream_equals_offline(client, offline, mod
     kwargs = dict(COMPLETION_CASES[case], temperature=0.0)
     full = client.completions.create(model=model, **kwargs)
     chunks = list(
-        client.completions.create(model=model, stream=True, stream_options={"include_usage": True}, **kwargs)
+        client.completions.create(
+            model=model, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
 
     extra = kwargs.pop("extra_body", {})
     prompt = kwargs.pop("prompt")
@@ -101,7 +112,9 @@ def test_completion_stream_equals_non_stream_equals_offline(client, offline, mod
 
 
 def test_stop_reason_is_reported(client, model):
-    out = client.completions.create(model=model, prompt="w1 w2", max_tokens=20, stop=["w7"], temperature=0)
+    out = client.completions.create(
+        model=model, prompt="w1 w2", max_tokens=20, stop=["w7"], temperature=0
+    )
     assert (out.choices[0].text, out.choices[0].finish_reason) == (" w3 w4 w5 w6 ", "stop")
     assert out.choices[0].model_extra["stop_reason"] == "w7"
 
@@ -113,10 +126,25 @@ def chat_messages(content: str) -> list[dict]:
 @pytest.mark.parametrize("max_tokens", [3, None])
 def test_chat_stream_equals_non_stream_equals_offline(client, offline, model, max_tokens):
     messages = chat_messages("w1 w2")
-    kwargs = dict(model=model, messages=messages, temperature=0.0, max_tokens=max_tokens, extra_body={"add_generation_prompt": False})
+    kwargs = dict(
+        model=model,
+        messages=messages,
+        temperature=0.0,
+        max_tokens=max_tokens,
+        extra_body={"add_generation_prompt": False},
+    )
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
-    (reference,) = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False, add_generation_prompt=False)
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    (reference,) = offline.chat(
+        messages,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        use_tqdm=False,
+        add_generation_prompt=False,
+    )
     expected = reference.outputs[0]
 
     assert full.object == "chat.completion"
@@ -125,7 +153,9 @@ def test_chat_stream_equals_non_stream_equals_offline(client, offline, model, ma
     assert full.choices[0].finish_reason == expected.finish_reason
     # The first chunk only announces the role; then the content streams.
     assert chunks[0].object == "chat.completion.chunk"
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert (
+        chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
@@ -136,13 +166,17 @@ def test_chat_stream_equals_non_stream_equals_offline(client, offline, model, ma
 
 def test_chat_with_generation_prompt_runs_into_eos(client, model):
     # "... assistant" -> <unk> <s> </s>: specials are not shown, EOS stops it.
-    out = client.chat.completions.create(model=model, messages=chat_messages("w5"), temperature=0, max_tokens=10)
+    out = client.chat.completions.create(
+        model=model, messages=chat_messages("w5"), temperature=0, max_tokens=10
+    )
     assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("", "stop")
     assert out.usage.completion_tokens == 3
 
 
 def test_n_choices_and_completion_logprobs(client, model):
-    out = client.completions.create(model=model, prompt="w10", max_tokens=3, n=2, temperature=0.7, logprobs=2, seed=3)
+    out = client.completions.create(
+        model=model, prompt="w10", max_tokens=3, n=2, temperature=0.7, logprobs=2, seed=3
+    )
     assert [c.index for c in out.choices] == [0, 1]
     for choice in out.choices:
         assert choice.text == " w11 w12 w13"
@@ -170,7 +204,12 @@ def test_streamed_completion_logprobs_match(client, model):
 
 def test_chat_logprobs(client, model):
     out = client.chat.completions.create(
-        model=model, messages=chat_messages("w1"), max_tokens=2, temperature=0, logprobs=True, top_logprobs=2,
+        model=model,
+        messages=chat_messages("w1"),
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
         extra_body={"add_generation_prompt": False},
     )
     content = out.choices[0].logprobs.content
@@ -189,7 +228,13 @@ def test_sampling_and_vllm_extra_fields_are_accepted(client, model):
         seed=11,
         presence_penalty=0.5,
         frequency_penalty=0.5,
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 9, "ignore_eos": False},
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "min_tokens": 9,
+            "ignore_eos": False,
+        },
     )
     # The counting model reaches </s> as its 8th token; with min_tokens=9
     # that EOS does not stop the request, so it runs to max_tokens.
@@ -198,10 +243,16 @@ def test_sampling_and_vllm_extra_fields_are_accepted(client, model):
 
 
 def test_multiple_prompts_give_one_choice_each(client, model):
-    out = client.completions.create(model=model, prompt=["w1", "w20 w21"], max_tokens=2, temperature=0)
+    out = client.completions.create(
+        model=model, prompt=["w1", "w20 w21"], max_tokens=2, temperature=0
+    )
     assert [(c.index, c.text) for c in out.choices] == [(0, " w2 w3"), (1, " w22 w23")]
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
-    chunks = list(client.completions.create(model=model, prompt=["w1", "w20 w21"], max_tokens=2, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=["w1", "w20 w21"], max_tokens=2, temperature=0, stream=True
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         texts[c.choices[0].index] += c.choices[0].text
@@ -209,7 +260,9 @@ def test_multiple_prompts_give_one_choice_each(client, model):
 
 
 def test_model_name_may_be_left_out(server):
-    response = httpx.post(server.url_for("v1/completions"), json={"prompt": "w3", "max_tokens": 2, "temperature": 0})
+    response = httpx.post(
+        server.url_for("v1/completions"), json={"prompt": "w3", "max_tokens": 2, "temperature": 0}
+    )
     assert response.status_code == 200
     assert response.json()["choices"][0]["text"] == " w4 w5"
 
@@ -218,8 +271,14 @@ def test_raw_sse_format(server, model):
     with httpx.stream(
         "POST",
         server.url_for("v1/chat/completions"),
-        json={"model": model, "messages": chat_messages("w1"), "max_tokens": 2, "temperature": 0, "stream": True,
-              "add_generation_prompt": False},
+        json={
+            "model": model,
+            "messages": chat_messages("w1"),
+            "max_tokens": 2,
+            "temperature": 0,
+            "stream": True,
+            "add_generation_prompt": False,
+        },
         timeout=30,
     ) as response:
         assert response.status_code == 200
@@ -234,7 +293,9 @@ def test_raw_sse_format(server, model):
 def test_tokenize_and_detokenize(server, model):
     tokens = httpx.post(server.url_for("tokenize"), json={"model": model, "prompt": "w1 w2"}).json()
     assert tokens["tokens"] == [5, 6] and tokens["count"] == 2 and tokens["max_model_len"] == 256
-    chat = httpx.post(server.url_for("tokenize"), json={"messages": [{"role": "user", "content": "w1"}]}).json()
+    chat = httpx.post(
+        server.url_for("tokenize"), json={"messages": [{"role": "user", "content": "w1"}]}
+    ).json()
     assert chat["tokens"] == [4 + 60 + 1, 5, 4 + 60 + 2]  # user w1 assistant
     text = httpx.post(server.url_for("detokenize"), json={"tokens": [5, 6]}).json()
     assert text == {"prompt": "w1 w2"}
@@ -268,24 +329,44 @@ def test_health_version_and_metrics(server, client, model):
 
 def test_server_trace_links_the_http_request_to_both_processes(model_dir, tmp_path):
     trace = tmp_path / "server.jsonl"
-    flags = ["--distributed-executor-backend", COUNTING_EXECUTOR, *ENGINE_FLAGS, "--trace-path", str(trace)]
+    flags = [
+        "--distributed-executor-backend",
+        COUNTING_EXECUTOR,
+        *ENGINE_FLAGS,
+        "--trace-path",
+        str(trace),
+    ]
     with RemoteOpenAIServer(model_dir, flags) as server:
-        chunks = list(server.get_client().completions.create(
-            model=str(model_dir), prompt="w5", max_tokens=3, temperature=0, stream=True, extra_body={"request_id": "traced"}
-        ))
+        chunks = list(
+            server.get_client().completions.create(
+                model=str(model_dir),
+                prompt="w5",
+                max_tokens=3,
+                temperature=0,
+                stream=True,
+                extra_body={"request_id": "traced"},
+            )
+        )
         core_pid = server.engine_core_pid
     assert "".join(c.choices[0].text for c in chunks) == " w6 w7 w8"
     from engine.tracing import load_trace
 
     events = load_trace(str(trace))  # merged at shutdown: one file, both processes
-    kinds = [e["kind"] for e in events]
-    for kind in ("api.request", "api.chunk", "request.sent", "request.received", "output.sent", "output.received"):
+    kinds = [e.kind for e in events]
+    for kind in (
+        "api.request",
+        "api.chunk",
+        "request.sent",
+        "request.received",
+        "output.sent",
+        "output.received",
+    ):
         assert kind in kinds, kind
-    api_request = next(e for e in events if e["kind"] == "api.request")
-    assert api_request["request_id"] == "traced" and api_request["stream"] is True
+    api_request = next(e for e in events if e.kind == "api.request")
+    assert api_request.request_id == "traced" and api_request.stream is True
     # The engine request of prompt 0 is "<http request id>-0".
-    received = next(e for e in events if e["kind"] == "request.received")
-    assert received["request_id"] == "traced-0" and received["pid"] == core_pid
-    api_chunks = [e for e in events if e["kind"] == "api.chunk"]
-    assert {e["request_id"] for e in api_chunks} == {"traced"}
-    assert api_request["ts"] <= received["ts"] <= api_chunks[-1]["ts"]
+    received = next(e for e in events if e.kind == "request.received")
+    assert received.request_id == "traced-0" and received.pid == core_pid
+    api_chunks = [e for e in events if e.kind == "api.chunk"]
+    assert {e.request_id for e in api_chunks} == {"traced"}
+    assert api_request.ts <= received.ts <= api_chunks[-1].ts

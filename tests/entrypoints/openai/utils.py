@@ -29,7 +29,7 @@ from engine.entrypoints.openai.api_server import (
     init_app_state,
 )
 from engine.entrypoints.openai.cli_args import make_arg_parser
-from tests.helpers.counting_executor import CountingExecutor
+from tests.helpers.counting_executor import CountingExecutor, non_blocking
 
 COUNTING_EXECUTOR = "tests.helpers.counting_executor.CountingExecutor"
 SLOW_EXECUTOR = "tests.entrypoints.openai.utils.SlowCountingExecutor"
@@ -39,6 +39,7 @@ class SlowCountingExecutor(CountingExecutor):
     """CountingExecutor that takes ``GLASSBOX_TEST_STEP_DELAY_S`` (default
     20 ms) per step, so a long request is still running when a test acts."""
 
+    @non_blocking
     def execute_model(self, scheduler_output):
         time.sleep(float(os.environ.get("GLASSBOX_TEST_STEP_DELAY_S", "0.02")))
         return super().execute_model(scheduler_output)
@@ -48,7 +49,9 @@ class RemoteOpenAIServer:
     """``glassbox serve`` in this process, on its own thread and event loop
     (vLLM's tests have a class of this name that runs a subprocess)."""
 
-    def __init__(self, model: str | Path, cli_args: list[str], startup_timeout_s: float = 120) -> None:
+    def __init__(
+        self, model: str | Path, cli_args: list[str], startup_timeout_s: float = 120
+    ) -> None:
         parser = make_arg_parser(argparse.ArgumentParser())
         self.args = parser.parse_args(
             [str(model), *cli_args, "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
@@ -151,6 +154,7 @@ class ExplodingExecutor(CountingExecutor):
     steps have run: EngineCore dies of an exception and says so
     (ENGINE_CORE_DEAD) before exiting."""
 
+    @non_blocking
     def execute_model(self, scheduler_output):
         if len(self.steps) >= int(os.environ.get("GLASSBOX_TEST_EXPLODE_AT_STEP", "3")):
             raise RuntimeError("the worker exploded")

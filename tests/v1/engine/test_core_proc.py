@@ -3,11 +3,12 @@
 
 Shown here: ``LLM`` runs EngineCore in a child process by default and gives
 exactly the outputs of the in-process engine (the real-model comparison is
-in tests/entrypoints/openai/test_real_model.py); the ZMQ protocol (add / abort / utility frames, the ready message);
-engine death (SIGKILL, or an exception inside the core) fails pending and new
-requests fast with ``EngineDeadError``; no EngineCore process outlives its
-front end -- after shutdown, after garbage collection, or after the front end
-is SIGKILLed; and a multi-process trace merges both processes' hop events.
+in tests/entrypoints/openai/test_real_model.py); the ZMQ protocol (add / abort /
+utility frames, the ready message); engine death (SIGKILL, or an exception
+inside the core) fails pending and new requests fast with ``EngineDeadError``;
+no EngineCore process outlives its front end -- after shutdown, after garbage
+collection, or after the front end is SIGKILLed; and a multi-process trace
+merges both processes' hop events.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from engine.entrypoints.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.tracing import load_trace
+from engine.tracing.events import TraceEvent
 from engine.v1.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from engine.v1.engine.exceptions import EngineDeadError
 from tests.entrypoints.openai.utils import (
@@ -52,7 +54,9 @@ def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, **kwargs)
 
 
-def make_llm(model_dir, multiprocess: bool, monkeypatch, executor=CountingExecutor, **kwargs) -> LLM:
+def make_llm(
+    model_dir, multiprocess: bool, monkeypatch, executor=CountingExecutor, **kwargs
+) -> LLM:
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1" if multiprocess else "0")
     kwargs.setdefault("block_size", 4)
     return LLM(str(model_dir), distributed_executor_backend=executor, **kwargs)
@@ -67,7 +71,15 @@ def summary(outputs) -> list:
             o.num_cached_tokens,
             o.finished,
             [
-                (c.index, c.text, list(c.token_ids), c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+                (
+                    c.index,
+                    c.text,
+                    list(c.token_ids),
+                    c.cumulative_logprob,
+                    c.logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
                 for c in o.outputs
             ],
         )
@@ -131,13 +143,21 @@ def test_multiprocess_and_in_process_give_identical_outputs(model_dir, monkeypat
             first = llm.generate(BATCH, PARAMS, use_tqdm=False)
             # Prefix-cache hits and later request ids behave the same too.
             second = llm.generate(BATCH[:2], PARAMS[:2], use_tqdm=False)
-            chat = llm.chat([{"role": "user", "content": "w3 w4"}], greedy(max_tokens=3), use_tqdm=False)
+            chat = llm.chat(
+                [{"role": "user", "content": "w3 w4"}], greedy(max_tokens=3), use_tqdm=False
+            )
             results[multiprocess] = summary(first) + summary(second) + summary(chat)
         finally:
             llm.shutdown()
     assert results[True] == results[False]
     texts = [entry[5][0][1] for entry in results[True][:5]]
-    assert texts == [" w10 w11 w12 w13 w14 w15", " w21 w22 w23 w24", " w42 w43 w44", " w56 w57 w58 w59 system user assistant", " w11 w12 w13 "]
+    assert texts == [
+        " w10 w11 w12 w13 w14 w15",
+        " w21 w22 w23 w24",
+        " w42 w43 w44",
+        " w56 w57 w58 w59 system user assistant",
+        " w11 w12 w13 ",
+    ]
     assert results[True][6][3] == 8  # the repeated prompt hit two cached blocks
 
 
@@ -154,7 +174,9 @@ def test_sync_mp_client_add_abort_and_utility(model_dir):
     try:
         assert isinstance(client, SyncMPClient)
         client.add_request(make_engine_core_request("a", ids("w5"), greedy(max_tokens=2)))
-        client.add_request(make_engine_core_request("b", ids("w9"), greedy(max_tokens=500, ignore_eos=True)))
+        client.add_request(
+            make_engine_core_request("b", ids("w9"), greedy(max_tokens=500, ignore_eos=True))
+        )
         tokens: dict[str, list[int]] = {"a": [], "b": []}
         finished = set()
         while "a" not in finished:
@@ -249,7 +271,9 @@ PARENT_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         # No tokenizer: this parent only has to start the engine, quickly.
-        llm = LLM(sys.argv[1], distributed_executor_backend=CountingExecutor, skip_tokenizer_init=True)
+        llm = LLM(
+            sys.argv[1], distributed_executor_backend=CountingExecutor, skip_tokenizer_init=True
+        )
         print(llm.llm_engine.engine_core.engine_core_pids[0], flush=True)
         time.sleep(600)
     """
@@ -261,7 +285,11 @@ def test_engine_exits_when_its_parent_is_killed(model_dir, tmp_path):
     script.write_text(PARENT_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), GLASSBOX_ENABLE_MULTIPROCESSING="1")
     parent = subprocess.Popen(
-        [sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT
+        [sys.executable, str(script), str(model_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
     )
     try:
         line = parent.stdout.readline()
@@ -285,21 +313,21 @@ def test_multiprocess_trace_merges_both_processes(model_dir, tmp_path, monkeypat
     llm.shutdown()
     events = load_trace(str(trace))
     assert not list(tmp_path.glob("trace.jsonl.*.part"))
-    by_kind: dict[str, list[dict]] = {}
+    by_kind: dict[str, list[TraceEvent]] = {}
     for event in events:
-        by_kind.setdefault(event["kind"], []).append(event)
+        by_kind.setdefault(event.kind, []).append(event)
     for kind in ("request.sent", "request.received", "output.sent", "output.received"):
         assert kind in by_kind, kind
-    assert {e["pid"] for e in by_kind["request.sent"]} == {os.getpid()}
-    assert {e["pid"] for e in by_kind["request.received"]} == {child}
-    assert {e["pid"] for e in by_kind["output.sent"]} == {child}
-    assert {e["pid"] for e in by_kind["output.received"]} == {os.getpid()}
-    sent = {e["request_id"]: e["ts"] for e in by_kind["request.sent"] if e.get("type") == "add"}
-    received = {e["request_id"]: e["ts"] for e in by_kind["request.received"] if e.get("type") == "add"}
+    assert {e.pid for e in by_kind["request.sent"]} == {os.getpid()}
+    assert {e.pid for e in by_kind["request.received"]} == {child}
+    assert {e.pid for e in by_kind["output.sent"]} == {child}
+    assert {e.pid for e in by_kind["output.received"]} == {os.getpid()}
+    sent = {e.request_id: e.ts for e in by_kind["request.sent"] if e.type == "add"}
+    received = {e.request_id: e.ts for e in by_kind["request.received"] if e.type == "add"}
     assert set(sent) == set(received) == {"0", "1"}
     assert all(sent[r] <= received[r] for r in sent)
-    assert set().union(*(e["request_ids"] for e in by_kind["output.received"])) == {"0", "1"}
-    assert set().union(*(e["request_ids"] for e in by_kind["output.sent"])) == {"0", "1"}
+    assert set().union(*(e.request_ids for e in by_kind["output.received"])) == {"0", "1"}
+    assert set().union(*(e.request_ids for e in by_kind["output.sent"])) == {"0", "1"}
 
 
 def test_executor_class_must_be_importable_by_path(model_dir, monkeypatch):

@@ -12,7 +12,7 @@ from engine.v1.engine import EngineCoreOutputs, FinishReason, SchedulerStats
 from engine.v1.engine.core import EngineCore
 from engine.v1.engine.core_client import EngineCoreClient, InprocClient
 from engine.v1.kv_cache_interface import FullAttentionSpec
-from tests.helpers.counting_executor import CountingExecutor
+from tests.helpers.counting_executor import CountingExecutor, non_blocking
 from tests.helpers.engine_fixtures import ids, make_config, make_engine_core_request
 from tests.helpers.tiny_model import make_tiny_model_dir
 
@@ -62,7 +62,11 @@ def test_step_outputs(model_dir):
 
     outputs, model_ran = core.step()
     (a,) = outputs[0].outputs
-    assert (a.new_token_ids, a.finish_reason, a.stop_reason) == (ids("w8"), FinishReason.LENGTH, None)
+    assert (a.new_token_ids, a.finish_reason, a.stop_reason) == (
+        ids("w8"),
+        FinishReason.LENGTH,
+        None,
+    )
     assert outputs[0].scheduler_stats.num_running_reqs == 0
 
     # One more step tells the worker which requests finished; the model runs
@@ -94,9 +98,9 @@ def test_step_is_schedule_execute_update(model_dir):
         calls.append(("schedule", so))
         return so
 
-    def execute_model(so):
+    def execute_model(so, non_block=False):
         calls.append(("execute_model", so))
-        return real_execute(so)
+        return real_execute(so, non_block=non_block)
 
     def update_from_output(so, mro):
         calls.append(("update_from_output", so))
@@ -130,11 +134,13 @@ def test_two_phase_executor_uses_sample_tokens(model_dir):
     class TwoPhaseExecutor(CountingExecutor):
         """execute_model runs the forward; sample_tokens hands back the tokens."""
 
+        @non_blocking
         def execute_model(self, scheduler_output):
             self._pending = super().execute_model(scheduler_output)
             return None
 
-        def sample_tokens(self):
+        @non_blocking
+        def sample_tokens(self, grammar_output=None):
             output, self._pending = self._pending, None
             return output
 
@@ -157,6 +163,7 @@ def test_no_scheduler_stats_without_log_stats(model_dir):
 
 def test_execute_model_errors_propagate(model_dir, caplog):
     class BrokenExecutor(CountingExecutor):
+        @non_blocking
         def execute_model(self, scheduler_output):
             raise RuntimeError("device fell over")
 
@@ -276,7 +283,9 @@ def test_block_count_from_available_memory(model_dir, block_size, num_layers):
     assert all(t.size == expected_blocks * page_size for t in config.kv_cache_tensors)
     (group,) = config.kv_cache_groups
     assert group.layer_names == layer_names
-    assert group.kv_cache_spec == FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8)
+    assert group.kv_cache_spec == FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8
+    )
     assert group.kv_cache_spec.page_size_bytes == page_size
 
 
@@ -331,7 +340,9 @@ def test_shutdown(model_dir):
 # InprocClient
 # ---------------------------------------------------------------------------
 def test_inproc_client(model_dir):
-    client = EngineCoreClient.make_client(make_config(model_dir, block_size=4), CountingExecutor, True)
+    client = EngineCoreClient.make_client(
+        make_config(model_dir, block_size=4), CountingExecutor, True
+    )
     assert isinstance(client, InprocClient)
     empty = client.get_output()
     assert isinstance(empty, EngineCoreOutputs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.tracing import Tracer
+from engine.tracing.worker_trace import SamplerTrace
 from engine.v1.sample import sampler as sampler_module
 from engine.v1.sample.ops import topk_topp_sampler as ops
 
@@ -43,8 +44,11 @@ def test_cuda_path_routing(stub):
     sampler.forward_cuda(logits.clone(), {}, k, p)
     sampler.forward_cuda(logits.clone(), {}, None, p)
     assert len(stub) == 2
+
     # Seeded rows: the torch path, the same tokens as forward_native.
-    gen = lambda: {i: torch.Generator().manual_seed(7 + i) for i in range(2)}
+    def gen():
+        return {i: torch.Generator().manual_seed(7 + i) for i in range(2)}
+
     seeded, _ = sampler.forward_cuda(logits.clone(), gen(), k, p)
     assert torch.equal(seeded, sampler.forward_native(logits.clone(), gen(), k, p)[0])
     # No filter at all: the exponential race needs no FlashInfer.
@@ -66,5 +70,5 @@ def test_switches_off(stub, monkeypatch, tmp_path):
     monkeypatch.delenv(ops.USE_FLASHINFER_SAMPLER_ENV)
     # A ``full`` trace reads the filtered logits back, so the sampler keeps the torch filter.
     full = Tracer(str(tmp_path / "t.jsonl"), "full")
-    assert not sampler_module.Sampler(tracer=full).topk_topp_sampler.use_flashinfer
+    assert not sampler_module.Sampler(trace=SamplerTrace(full)).topk_topp_sampler.use_flashinfer
     assert sampler_module.Sampler().topk_topp_sampler.use_flashinfer

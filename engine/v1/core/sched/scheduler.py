@@ -10,11 +10,12 @@ Read it for the decision order of ``schedule()``:
    computed; a fresh prompt wants hundreds, a decoding request wants 1.
 2. RUNNING requests are served first, in admission order, each clamped by
    ``long_prefill_token_threshold``, the remaining ``token_budget`` and
-   ``max_model_len``. If ``allocate_slots`` finds no free blocks, a victim is
-   preempted (FCFS: the last running request; PRIORITY: the worst
-   ``(priority, arrival_time)``), its blocks are freed, it goes back to the
-   *front* of the waiting queue with ``num_computed_tokens = 0``, and the
-   allocation is retried. If the victim is the request itself, the loop stops.
+   ``max_model_len``. If ``allocate_slots`` finds no free blocks, a running
+   request is preempted (``preempted_req``; FCFS: the last running request;
+   PRIORITY: the worst ``(priority, arrival_time)``, the first in the running
+   list on a tie), its blocks are freed, it goes back to the *front* of the
+   waiting queue with ``num_computed_tokens = 0``, and the allocation is
+   retried. If ``preempted_req`` is the request itself, the loop stops.
 3. WAITING requests are admitted only if nothing was preempted this step.
    Each gets a prefix-cache lookup (``get_computed_blocks``), then as many of
    its remaining tokens as the budget allows (unless chunked prefill is off,
@@ -29,8 +30,15 @@ frees finished requests and builds the per-client ``EngineCoreOutputs``.
 Sessions: 02 (scheduler), 03 (where it calls the KV cache manager).
 
 Simpler than vLLM: no async scheduling, speculative decoding, encoder inputs,
-structured output, LoRA, KV connectors, pause states or ``skipped_waiting``
-queue (it only holds requests blocked on grammars/remote KV, which we lack).
+structured output, LoRA, KV connectors or pause states, and no
+``skipped_waiting`` queue: vLLM parks there the waiting requests it passes
+over for a reason other than space -- blocked on a grammar, on remote KV or
+on more streamed input, over the ``max_loras`` limit, or with a KV connector
+that cannot yet say how much of the prompt it holds.
+
+Tracing (Glassbox's own): the scheduler receives a ``SchedulerTrace``
+(``engine/tracing/core_trace.py``) and calls it at each decision; its
+``kv_cache`` part goes to the KV cache manager and the block pool.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from collections.abc import Iterable
 
 from engine.config.cache import CacheConfig
 from engine.config.scheduler import SchedulerConfig
-from engine.tracing import NULL_TRACER, Tracer
+from engine.tracing.core_trace import SchedulerTrace
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.v1.core.sched.interface import SchedulerInterface
 from engine.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -65,10 +73,10 @@ class Scheduler(SchedulerInterface):
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         log_stats: bool = True,
-        tracer: Tracer = NULL_TRACER,
+        trace: SchedulerTrace = SchedulerTrace.NULL,
     ) -> None:
         self.scheduler_config = scheduler_config
-        self.tracer = tracer
+        self.trace = trace
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
@@ -88,15 +96,16 @@ class Scheduler(SchedulerInterface):
         self.finished_req_ids: set[str] = set()
         # Requests that were scheduled in the previous step (for CachedRequestData).
         self.prev_step_scheduled_req_ids: set[str] = set()
-
-        if self.tracer.lifecycle: self.tracer.emit("engine.config", **self._trace_config())  # noqa: E701
+        self.trace.created(self)
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=log_stats,
-            tracer=tracer,
+            trace=trace.kv_cache,
         )
+        # Glassbox's own counters: the step number (``SchedulerOutput.step``,
+        # for traces) and preemptions (vLLM counts them in its stats only).
         self.step_counter = 0
         self.num_preemptions_total = 0
         self._num_preemptions_this_step = 0
@@ -116,8 +125,7 @@ class Scheduler(SchedulerInterface):
         threshold = self.scheduler_config.long_prefill_token_threshold
         scheduled_timestamp = time.monotonic()
         self.step_counter += 1
-        # KV and scheduler events from here until the next schedule() belong to this step.
-        if self.tracer.lifecycle: self.tracer.set_step(self.step_counter)  # noqa: E701
+        self.trace.step_started(self.step_counter)
 
         # -- 1. RUNNING requests -------------------------------------------
         req_index = 0
@@ -129,7 +137,9 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, token_budget)
             # The position of the next token must stay inside the model's window.
-            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            num_new_tokens = min(
+                num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens
+            )
             if num_new_tokens <= 0:
                 # Nothing to do for this one this step; look at the next
                 # (deliberately not strict FCFS).
@@ -142,26 +152,22 @@ class Scheduler(SchedulerInterface):
                     break
                 # Out of blocks: preempt someone and retry.
                 if self.policy == SchedulingPolicy.PRIORITY:
-                    # Worst (priority, arrival). Ties are broken by request id
-                    # (vLLM takes the first tied request, which lets two tied
-                    # requests -- e.g. the n > 1 children of one request --
-                    # preempt each other forever on a tight pool).
-                    victim = max(
-                        self.running, key=lambda r: (r.priority, r.arrival_time, r.request_id)
-                    )
-                    self.running.remove(victim)
-                    if victim in scheduled_running_reqs:
+                    # The worst (priority, arrival_time); on a tie, max() keeps
+                    # the first in the running list, as in vLLM.
+                    preempted_req = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    self.running.remove(preempted_req)
+                    if preempted_req in scheduled_running_reqs:
                         # Already scheduled earlier in this loop: refund it.
-                        scheduled_running_reqs.remove(victim)
-                        token_budget += num_scheduled_tokens.pop(victim.request_id)
-                        req_to_new_blocks.pop(victim.request_id)
+                        scheduled_running_reqs.remove(preempted_req)
+                        token_budget += num_scheduled_tokens.pop(preempted_req.request_id)
+                        req_to_new_blocks.pop(preempted_req.request_id)
                         req_index -= 1
                 else:
-                    victim = self.running.pop()
-                self._preempt_request(victim, scheduled_timestamp)
-                preempted_reqs.append(victim)
-                if self.tracer.lifecycle: self.tracer.emit("sched.preempted", request_id=victim.request_id, for_request_id=request.request_id, num_tokens=victim.num_tokens, num_output_tokens=victim.num_output_tokens, num_preemptions=victim.num_preemptions)  # noqa: E701
-                if victim is request:
+                    preempted_req = self.running.pop()
+                self._preempt_request(preempted_req, scheduled_timestamp)
+                preempted_reqs.append(preempted_req)
+                self.trace.preempted(preempted_req, request)
+                if preempted_req == request:
                     break
 
             if new_blocks is None:
@@ -234,7 +240,7 @@ class Scheduler(SchedulerInterface):
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
-                if self.tracer.lifecycle: self.tracer.emit("sched.admitted", request_id=request.request_id, resumed=request in scheduled_resumed_reqs, num_computed_tokens=num_computed_tokens, num_new_tokens=num_new_tokens, num_tokens=request.num_tokens)  # noqa: E701
+                self.trace.admitted(request, request in scheduled_resumed_reqs, num_new_tokens)
 
         # -- 3. Build the output ------------------------------------------------
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -269,50 +275,8 @@ class Scheduler(SchedulerInterface):
             step=self.step_counter,
         )
         self._update_after_schedule(scheduler_output)
-        if self.tracer.lifecycle: self.tracer.emit("sched.step", **self._trace_step(scheduler_output, token_budget, scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs, scheduled_timestamp))  # noqa: E701
+        self.trace.scheduled(self, scheduler_output, token_budget, scheduled_timestamp)
         return scheduler_output
-
-    def _trace_config(self) -> dict:
-        """Fields of the ``engine.config`` trace event (the settings a replay needs)."""
-        sc, cc = self.scheduler_config, self.cache_config
-        return dict(
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=self.max_num_scheduled_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=sc.enable_chunked_prefill,
-            long_prefill_token_threshold=sc.long_prefill_token_threshold,
-            policy=self.policy.value,
-            block_size=self.block_size,
-            enable_prefix_caching=cc.enable_prefix_caching,
-            num_gpu_blocks=self.kv_cache_config.num_blocks,
-        )
-
-    def _trace_step(
-        self,
-        scheduler_output: SchedulerOutput,
-        token_budget_left: int,
-        new_reqs: list[Request],
-        resumed_reqs: list[Request],
-        running_reqs: list[Request],
-        scheduled_timestamp: float,
-    ) -> dict:
-        """Fields of the ``sched.step`` trace event: one step's decisions."""
-        return dict(
-            token_budget=self.max_num_scheduled_tokens,
-            token_budget_left=token_budget_left,
-            num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
-            total_num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
-            new_req_ids=[r.request_id for r in new_reqs],
-            resumed_req_ids=[r.request_id for r in resumed_reqs],
-            running_req_ids=[r.request_id for r in running_reqs],
-            preempted_req_ids=sorted(scheduler_output.preempted_req_ids),
-            finished_req_ids=sorted(scheduler_output.finished_req_ids),
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_common_prefix_blocks=scheduler_output.num_common_prefix_blocks,
-            kv_cache_usage=self.kv_cache_manager.usage,
-            duration_ns=int((time.monotonic() - scheduled_timestamp) * 1e9),
-        )
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         """Free a running request's KV and put it back at the front of the
@@ -365,7 +329,7 @@ class Scheduler(SchedulerInterface):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        update_start_ns = time.perf_counter_ns() if self.tracer.lifecycle else 0
+        self.trace.update_started()
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
@@ -382,9 +346,11 @@ class Scheduler(SchedulerInterface):
             assert num_tokens_scheduled > 0
             request = self.requests.get(req_id)
             req_index = model_runner_output.req_id_to_index.get(req_id)
-            generated = list(sampled_token_ids[req_index]) if (
-                req_index is not None and sampled_token_ids
-            ) else []
+            generated = (
+                list(sampled_token_ids[req_index])
+                if (req_index is not None and sampled_token_ids)
+                else []
+            )
             row_start = logprob_row_start.get(req_id, 0)
             if request is None or request.is_finished():
                 # Aborted while the step was running: drop its tokens.
@@ -406,7 +372,11 @@ class Scheduler(SchedulerInterface):
                 stopped_running_reqs.add(request)
 
             new_logprobs = None
-            if logprobs is not None and request.sampling_params.logprobs is not None and new_token_ids:
+            if (
+                logprobs is not None
+                and request.sampling_params.logprobs is not None
+                and new_token_ids
+            ):
                 new_logprobs = logprobs.slice_rows(row_start, row_start + len(new_token_ids))
 
             if new_token_ids or stopped:
@@ -424,7 +394,7 @@ class Scheduler(SchedulerInterface):
 
         if stopped_running_reqs:
             self.running = remove_all(self.running, stopped_running_reqs)
-        if self.tracer.lifecycle: self.tracer.emit("sched.update", new_token_ids={o.request_id: o.new_token_ids for outs in outputs.values() for o in outs if o.new_token_ids}, finished={o.request_id: str(o.finish_reason) for outs in outputs.values() for o in outs if o.finish_reason is not None}, num_running=len(self.running), num_waiting=len(self.waiting), duration_ns=time.perf_counter_ns() - update_start_ns)  # noqa: E701
+        self.trace.updated(self, outputs)
 
         engine_core_outputs = {
             client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
@@ -445,7 +415,7 @@ class Scheduler(SchedulerInterface):
             raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
-        if self.tracer.lifecycle: self.tracer.emit("sched.queued", request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, priority=request.priority, arrival_time=request.arrival_time, num_block_hashes=len(request.block_hashes))  # noqa: E701
+        self.trace.queued(request)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
@@ -482,7 +452,7 @@ class Scheduler(SchedulerInterface):
 
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
-        if self.tracer.lifecycle: self.tracer.emit("sched.finished", request_id=request.request_id, status=request.status.name, finish_reason=str(request.get_finished_reason()), stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens, num_cached_tokens=max(request.num_cached_tokens, 0), num_preemptions=request.num_preemptions)  # noqa: E701
+        self.trace.finished(request)
         self.finished_req_ids.add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

@@ -1,0 +1,285 @@
+"""The trace objects of the engine core's bookkeeping: the scheduler and the KV cache.
+
+vLLM twin: none; the pattern is vLLM's ``KVCacheMetricsCollector``, which
+``BlockPool`` receives at construction and calls at a few points. The
+scheduler (``engine/v1/core/sched/scheduler.py``) holds a ``SchedulerTrace``;
+its KV cache manager, coordinator, single-type managers and block pool share
+the ``KVCacheTrace`` it hands down. Each method is one named point of those
+files and builds the event(s) of ``events.py`` from what it is given. No
+torch here: ``engine/v1/core`` imports this module.
+
+Sessions: 02 (scheduler), 03 (KV cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engine.tracing.events import (
+    EngineConfig,
+    KVAllocated,
+    KVAllocationFailed,
+    KVCached,
+    KVCacheHit,
+    KVCacheReset,
+    KVEvicted,
+    KVFreed,
+    KVInit,
+    KVTouched,
+    SchedAdmitted,
+    SchedFinished,
+    SchedPreempted,
+    SchedQueued,
+    SchedStep,
+    SchedUpdate,
+)
+from engine.tracing.tracer import SubsystemTrace, Tracer
+
+# The host objects are duck-typed (this package imports no engine module):
+# ``request`` is a ``Request``, ``block`` a ``KVCacheBlock``, ``scheduler`` a
+# ``Scheduler``, ``block_pool`` a ``BlockPool``.
+
+
+class KVCacheTrace(SubsystemTrace):
+    """Events of ``BlockPool``, ``KVCacheManager`` and the single-type managers."""
+
+    def pool_created(self, block_pool: Any) -> None:
+        self.tracer.record(
+            KVInit(
+                num_blocks=block_pool.num_gpu_blocks,
+                block_size=block_pool.hash_block_size,
+                null_block_id=block_pool.null_block.block_id,
+                enable_caching=block_pool.enable_caching,
+            )
+        )
+
+    def cached(
+        self,
+        request: Any,
+        blocks: Sequence[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """``blocks[num_cached_blocks:num_full_blocks]`` were just added to the
+        prefix-cache map (null blocks are never cached)."""
+        record, hashes, request_id = self.tracer.record, request.block_hashes, request.request_id
+        for i in range(num_cached_blocks, num_full_blocks):
+            if not blocks[i].is_null:
+                block_hash = hashes[i].hex()
+                record(
+                    KVCached(
+                        block_id=blocks[i].block_id,
+                        block_hash=block_hash,
+                        kv_cache_group_id=kv_cache_group_id,
+                        request_id=request_id,
+                        block_index=i,
+                    )
+                )
+
+    def evicted(self, block: Any, block_hash: bytes, kv_cache_group_id: int) -> None:
+        self.tracer.record(
+            KVEvicted(
+                block_id=block.block_id,
+                block_hash=block_hash.hex(),
+                kv_cache_group_id=kv_cache_group_id,
+            )
+        )
+
+    def cache_reset(self) -> None:
+        self.tracer.record(KVCacheReset())
+
+    def cache_hit(self, request: Any, hit_blocks: Sequence[Sequence[Any]], num_tokens: int) -> None:
+        """The prefix-cache lookup of ``get_computed_blocks`` (one group)."""
+        self.tracer.record(
+            KVCacheHit(
+                request_id=request.request_id,
+                num_cached_tokens=num_tokens,
+                block_ids=[b.block_id for b in hit_blocks[0]],
+                num_tokens=request.num_tokens,
+                num_block_hashes=len(request.block_hashes),
+            )
+        )
+
+    def allocation_failed(
+        self, manager: Any, request: Any, num_new_tokens: int, num_blocks_needed: int
+    ) -> None:
+        """``manager`` (a ``KVCacheManager``) could not place ``num_new_tokens``."""
+        self.tracer.record(
+            KVAllocationFailed(
+                request_id=request.request_id,
+                num_new_tokens=num_new_tokens,
+                num_blocks_needed=num_blocks_needed,
+                num_free_blocks=manager.block_pool.get_num_free_blocks(),
+            )
+        )
+
+    def touched(self, request_id: str, blocks: Sequence[Any]) -> None:
+        """A request adopted prefix-hit ``blocks`` (after ``BlockPool.touch``)."""
+        if blocks:
+            self.tracer.record(
+                KVTouched(
+                    request_id=request_id,
+                    block_ids=[b.block_id for b in blocks],
+                    ref_cnts=[b.ref_cnt for b in blocks],
+                )
+            )
+
+    def allocated(
+        self, request_id: str, new_blocks: Sequence[Any], req_blocks: Sequence[Any]
+    ) -> None:
+        self.tracer.record(
+            KVAllocated(
+                request_id=request_id,
+                block_ids=[b.block_id for b in new_blocks],
+                num_blocks=len(req_blocks),
+            )
+        )
+
+    def freed(self, request_id: str, req_blocks: Sequence[Any]) -> None:
+        """A request's blocks went back, tail first (after ``BlockPool.free_blocks``)."""
+        if req_blocks:
+            released = req_blocks[::-1]
+            self.tracer.record(
+                KVFreed(
+                    request_id=request_id,
+                    block_ids=[b.block_id for b in released],
+                    to_free_queue=[
+                        b.block_id for b in released if b.ref_cnt == 0 and not b.is_null
+                    ],
+                )
+            )
+
+
+class SchedulerTrace(SubsystemTrace):
+    """Events of ``Scheduler``; ``kv_cache`` is the trace its KV cache manager gets."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        self.kv_cache = KVCacheTrace.create(tracer)
+        self._update_start_ns = 0
+
+    def created(self, scheduler: Any) -> None:
+        """``engine.config``: the settings a replay needs."""
+        sc = scheduler.scheduler_config
+        self.tracer.record(
+            EngineConfig(
+                max_num_seqs=sc.max_num_seqs,
+                max_num_batched_tokens=scheduler.max_num_scheduled_tokens,
+                max_model_len=scheduler.max_model_len,
+                enable_chunked_prefill=sc.enable_chunked_prefill,
+                long_prefill_token_threshold=sc.long_prefill_token_threshold,
+                policy=scheduler.policy.value,
+                block_size=scheduler.block_size,
+                enable_prefix_caching=scheduler.cache_config.enable_prefix_caching,
+                num_gpu_blocks=scheduler.kv_cache_config.num_blocks,
+            )
+        )
+
+    def step_started(self, step: int) -> None:
+        """Events from here until the next ``schedule()`` belong to ``step``."""
+        self.tracer.set_step(step)
+
+    def queued(self, request: Any) -> None:
+        self.tracer.record(
+            SchedQueued(
+                request_id=request.request_id,
+                num_prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+                priority=request.priority,
+                arrival_time=request.arrival_time,
+                num_block_hashes=len(request.block_hashes),
+            )
+        )
+
+    def preempted(self, preempted_req: Any, request: Any) -> None:
+        """``preempted_req`` lost its blocks so that ``request`` could run."""
+        self.tracer.record(
+            SchedPreempted(
+                request_id=preempted_req.request_id,
+                for_request_id=request.request_id,
+                num_tokens=preempted_req.num_tokens,
+                num_output_tokens=preempted_req.num_output_tokens,
+                num_preemptions=preempted_req.num_preemptions,
+            )
+        )
+
+    def admitted(self, request: Any, resumed: bool, num_new_tokens: int) -> None:
+        """A waiting request joined the running list (after its cursor was set)."""
+        self.tracer.record(
+            SchedAdmitted(
+                request_id=request.request_id,
+                resumed=resumed,
+                num_computed_tokens=request.num_computed_tokens,
+                num_new_tokens=num_new_tokens,
+                num_tokens=request.num_tokens,
+            )
+        )
+
+    def scheduled(
+        self, scheduler: Any, scheduler_output: Any, token_budget: int, started: float
+    ) -> None:
+        """``sched.step``, at the end of ``schedule()``; ``started`` is its
+        ``time.monotonic()`` at the start."""
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        self.tracer.record(
+            SchedStep(
+                token_budget=scheduler.max_num_scheduled_tokens,
+                token_budget_left=token_budget,
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens,
+                total_num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                new_req_ids=[r.req_id for r in scheduler_output.scheduled_new_reqs],
+                resumed_req_ids=[r for r in cached.req_ids if r in resumed],
+                running_req_ids=[r for r in cached.req_ids if r not in resumed],
+                preempted_req_ids=sorted(scheduler_output.preempted_req_ids),
+                finished_req_ids=sorted(scheduler_output.finished_req_ids),
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                num_common_prefix_blocks=scheduler_output.num_common_prefix_blocks,
+                kv_cache_usage=scheduler.kv_cache_manager.usage,
+                duration_ns=int((time.monotonic() - started) * 1e9),
+            )
+        )
+
+    def update_started(self) -> None:
+        self._update_start_ns = time.perf_counter_ns()
+
+    def updated(self, scheduler: Any, outputs: dict[int, list[Any]]) -> None:
+        """``sched.update``, at the end of ``update_from_output()``: ``outputs``
+        maps client index -> its ``EngineCoreOutput`` list."""
+        new_token_ids, finished = {}, {}
+        for outs in outputs.values():
+            for o in outs:
+                if o.new_token_ids:
+                    new_token_ids[o.request_id] = o.new_token_ids
+                if o.finish_reason is not None:
+                    finished[o.request_id] = str(o.finish_reason)
+        self.tracer.record(
+            SchedUpdate(
+                new_token_ids=new_token_ids,
+                finished=finished,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                duration_ns=time.perf_counter_ns() - self._update_start_ns,
+            )
+        )
+
+    def finished(self, request: Any) -> None:
+        self.tracer.record(
+            SchedFinished(
+                request_id=request.request_id,
+                status=request.status.name,
+                finish_reason=str(request.get_finished_reason()),
+                stop_reason=request.stop_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_preemptions=request.num_preemptions,
+            )
+        )
+
+
+__all__ = ["KVCacheTrace", "SchedulerTrace"]

@@ -1,0 +1,185 @@
+"""The trace objects of the engine loop and the front end.
+
+vLLM twin: none (the injected-collector pattern of vLLM's
+``KVCacheMetricsCollector``). ``EngineCore`` holds an ``EngineCoreTrace``;
+the front end's ``OutputProcessor`` an ``OutputProcessorTrace``; the
+multi-process clients of ``core_client.py`` a ``ClientTrace``; the API
+server a ``ServerTrace``; ``glassbox trace`` a ``CliTrace``. Each method is
+one named point of those files.
+
+Sessions: 01 (engine loop).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.tracing.events import (
+    ApiChunk,
+    ApiRequest,
+    OutputReceived,
+    OutputSent,
+    RequestAdded,
+    RequestFinished,
+    RequestOutputEvent,
+    RequestReceived,
+    RequestSent,
+    SamplingParamsSummary,
+    TraceCli,
+    TraceTokenTexts,
+)
+from engine.tracing.tracer import SubsystemTrace, Tracer
+
+# Prompts are kept in ``request.added`` up to this many characters.
+MAX_PROMPT_CHARS = 512
+
+
+class EngineCoreTrace(SubsystemTrace):
+    """``EngineCore``: when the trace is written, and the process hop's core side."""
+
+    def forward_launched(self) -> None:
+        """Write what the step recorded so far while the device runs the
+        forward just launched (docs/trace_format.md: why every step)."""
+        self.tracer.flush()
+
+    def step_done(self, has_requests: bool) -> None:
+        """Write the step's last events now if no step follows to carry them."""
+        if not has_requests:
+            self.tracer.flush()
+
+    def request_received(self, request_type: Any, request: Any) -> None:
+        """The input thread decoded a request (``EngineCoreRequestType``)."""
+        if request_type.name == "ADD":
+            self.tracer.record(RequestReceived(type="add", request_id=request.request_id))
+        elif request_type.name == "ABORT":
+            self.tracer.record(RequestReceived(type="abort", request_ids=list(request)))
+
+    def output_sent(self, outputs: Any) -> None:
+        """The busy loop queued an ``EngineCoreOutputs`` for the output thread."""
+        self.tracer.record(OutputSent(request_ids=[o.request_id for o in outputs.outputs]))
+
+
+class ClientTrace(SubsystemTrace):
+    """The multi-process clients of ``core_client.py``: the front end's side of the hop."""
+
+    def request_sent(self, request_type: Any, request: Any) -> None:
+        if request_type.name == "ADD":
+            self.tracer.record(RequestSent(type="add", request_id=request.request_id))
+        elif request_type.name == "ABORT":
+            self.tracer.record(RequestSent(type="abort", request_ids=list(request)))
+
+    def output_received(self, outputs: Any) -> None:
+        self.tracer.record(OutputReceived(request_ids=[o.request_id for o in outputs.outputs]))
+
+
+class OutputProcessorTrace(SubsystemTrace):
+    """``OutputProcessor``: each request as the user sees it."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        # request id -> length of its output text at its last update.
+        self._text_len: dict[str, int] = {}
+
+    def added(self, request: Any, prompt: str | None, parent_req: Any, request_index: int) -> None:
+        params = request.sampling_params
+        if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
+            prompt = prompt[:MAX_PROMPT_CHARS] + "..."
+        self.tracer.record(
+            RequestAdded(
+                request_id=request.request_id,
+                parent_request_id=parent_req.request_id if parent_req is not None else None,
+                index=request_index,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                prompt=prompt,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                sampling_params=SamplingParamsSummary(
+                    max_tokens=params.max_tokens,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    min_p=params.min_p,
+                    seed=params.seed,
+                    n=params.n,
+                    stop=list(params.stop or []),
+                    stop_token_ids=list(params.stop_token_ids or []),
+                    logprobs=params.logprobs,
+                    ignore_eos=params.ignore_eos,
+                    output_kind=params.output_kind.name,
+                ),
+                prompt_token_ids=list(request.prompt_token_ids) if self.full else None,
+            )
+        )
+
+    def aborted(self, request_id: str) -> None:
+        """The front end dropped the request (``abort_requests``)."""
+        self._text_len.pop(request_id, None)
+        self.tracer.record(
+            RequestFinished(request_id=request_id, finish_reason="abort", aborted_by="front end")
+        )
+
+    def output(self, state: Any, new_token_ids: list[int], finished: bool) -> None:
+        """One ``EngineCoreOutput`` went through ``state`` (a ``RequestState``)."""
+        text = state.detokenizer.output_text
+        start = self._text_len.pop(state.request_id, 0)
+        if not finished:
+            self._text_len[state.request_id] = len(text)
+        self.tracer.record(
+            RequestOutputEvent(
+                request_id=state.request_id,
+                new_token_ids=new_token_ids,
+                text_delta=text[start:],
+                num_output_tokens=len(state.detokenizer.token_ids),
+                finished=finished,
+            )
+        )
+
+    def finished(self, state: Any, finish_reason: Any, stop_reason: Any, stop_str: Any) -> None:
+        """``stop_str``: the stop string the front end found, or None."""
+        self.tracer.record(
+            RequestFinished(
+                request_id=state.request_id,
+                finish_reason=str(finish_reason),
+                stop_reason=stop_reason,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_output_tokens=len(state.detokenizer.token_ids),
+                num_cached_tokens=state.num_cached_tokens,
+                stop_string_in_front_end=stop_str is not None,
+            )
+        )
+
+
+class ServerTrace(SubsystemTrace):
+    """The OpenAI-compatible server: HTTP requests and streamed chunks."""
+
+    def request(self, request_id: str, endpoint: str, stream: bool) -> None:
+        self.tracer.record(ApiRequest(request_id=request_id, endpoint=endpoint, stream=stream))
+
+    def chunk(self, request_id: str, chunk: str | bytes) -> None:
+        self.tracer.record(ApiChunk(request_id=request_id, num_bytes=len(chunk)))
+
+
+class CliTrace(SubsystemTrace):
+    """``glassbox trace`` (``engine/entrypoints/cli/trace.py``): what the run is
+    for, and the text of the tokens it mentions, so a viewer needs no tokenizer."""
+
+    def run_planned(
+        self, follow_request_id: str, prompt: str, model: str, arrival_steps: dict[str, int]
+    ) -> None:
+        """``arrival_steps``: request id -> engine steps run before it is added."""
+        background = [rid for rid in arrival_steps if rid != follow_request_id]
+        self.tracer.record(
+            TraceCli(
+                follow_request_id=follow_request_id,
+                prompt=prompt,
+                model=model,
+                background_request_ids=background,
+                arrival_steps=arrival_steps,
+            )
+        )
+
+    def token_texts(self, texts: dict[str, str]) -> None:
+        self.tracer.record(TraceTokenTexts(token_texts=texts))
+
+
+__all__ = ["CliTrace", "ClientTrace", "EngineCoreTrace", "OutputProcessorTrace", "ServerTrace"]

@@ -1,0 +1,669 @@
+"""The trace events: one typed struct per event kind.
+
+vLLM twin: none (vLLM exports OpenTelemetry spans per request; Glassbox
+records every scheduling decision, KV block move and sampling step so that a
+run can be replayed). Read it for what a trace holds: each class below is one
+``kind`` of line in a trace file, with its fields, their units and what the
+replay model does with it. The writer (``tracer.py``), the reader
+(``reader.py``), the replay model, the Perfetto export and the TUI all use
+these classes; ``docs/trace_format.md`` is generated from them.
+
+Every event carries ``ts`` (wall-clock ns), ``pid``, ``seq`` (the writer's
+order within its process) and, where one is known, ``step``. In the file the
+``kind`` comes first: ``{"kind": "sched.queued", "ts": ..., "pid": ..., ...}``.
+Fields whose value is their default (``None``, ``False``, an empty list) are
+left out of the line and filled in again when it is read.
+
+Adding a kind: write the class here with a docstring (who writes it, what the
+replay does) and a ``doc`` on every field whose name does not explain it (the
+rule is in ``scripts/gen_trace_format.py``), add it to its section of
+``EVENT_SECTIONS``, build it in a trace object (``core_trace.py``, ...), then
+run ``python scripts/gen_trace_format.py`` (a test fails while the page differs).
+
+Sessions: all (every notebook and the TUI read these).
+"""
+
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+
+# Version of the format: "major.minor". A reader refuses a trace of a newer
+# major version (a field renamed or re-defined, a kind whose meaning changed);
+# a newer minor version only adds kinds or fields, which an older reader skips.
+TRACE_FORMAT_VERSION = "1.1"
+
+
+def doc(text: str) -> msgspec.Meta:
+    """A field's description, shown in docs/trace_format.md."""
+    return msgspec.Meta(description=text)
+
+
+class TraceEvent(msgspec.Struct, tag_field="kind", omit_defaults=True, gc=False):
+    """The base of every event class: the fields every line has. ``gc=False``:
+    an event refers to no other event (no cycles), so the garbage collector
+    need not track the thousands a trace holds (it still tracks their lists
+    and dicts)."""
+
+    kind: ClassVar[str] = ""  # the tag, e.g. "sched.queued" (set below for every class)
+    # Which process section of docs/trace_format.md lists it (set below).
+    section: ClassVar[str] = ""
+    ts: Annotated[
+        int, doc("wall-clock time, ns (`time.time_ns()`), comparable across processes")
+    ] = 0
+    pid: Annotated[int, doc("the process that wrote it")] = 0
+    seq: Annotated[
+        int,
+        doc("the writer's sequence number, from 1 (the header is 0): exact order within a process"),
+    ] = 0
+    step: Annotated[
+        int | None,
+        doc(
+            "the engine step it belongs to; absent before the first step, and in a process "
+            "that never saw one"
+        ),
+    ] = None
+
+
+# ---------------------------------------------------------------------------
+# The file
+# ---------------------------------------------------------------------------
+class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
+    """The first line of every file a tracer writes (``seq`` 0, ``ts`` when the
+    tracer opened the file); a merged trace holds one per process, the
+    earliest first. ``load_trace`` checks the version and leaves the header
+    out of the events it returns."""
+
+    trace_format_version: Annotated[
+        str | int, doc('`"major.minor"`, now `"1.1"`; the first headers wrote the integer 1 (1.0)')
+    ]
+    glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
+    trace_level: Annotated[str, doc("`lifecycle` or `full`")]
+
+
+# ---------------------------------------------------------------------------
+# Engine set-up (engine-core process)
+# ---------------------------------------------------------------------------
+class EngineConfig(TraceEvent, kw_only=True, tag="engine.config"):
+    """Written by ``Scheduler.__init__``, once: the settings a replay needs.
+    Replay: ``policy`` decides how the waiting queue is ordered."""
+
+    max_num_seqs: Annotated[int, doc("running requests at most")]
+    max_num_batched_tokens: Annotated[int, doc("token budget of one step")]
+    max_model_len: Annotated[int, doc("tokens per sequence at most")]
+    enable_chunked_prefill: Annotated[bool, doc("a prompt may be split over several steps")]
+    long_prefill_token_threshold: Annotated[int, doc("0 = off")]
+    policy: Annotated[str, doc("`fcfs` or `priority`")]
+    block_size: Annotated[int, doc("tokens per KV block")]
+    enable_prefix_caching: Annotated[
+        bool, doc("full blocks are hashed and shared between requests")
+    ]
+    num_gpu_blocks: Annotated[int, doc("KV blocks, the null block included")]
+
+
+class KVInit(TraceEvent, kw_only=True, tag="kv.init"):
+    """Written by ``BlockPool.__init__``, once. Replay: creates the pool; the
+    free queue is every id in order except the null block (the
+    ``FreeKVCacheBlockQueue`` start-up order). A trace without it cannot be
+    replayed."""
+
+    num_blocks: Annotated[int, doc("blocks in the pool, the null block included")]
+    block_size: Annotated[int, doc("tokens per block")]
+    null_block_id: Annotated[int, doc("always 0: taken out of the free queue at start-up")]
+    enable_caching: Annotated[bool, doc("prefix caching on")] = False
+
+
+class RunnerInit(TraceEvent, kw_only=True, tag="runner.init"):
+    """Written by ``GPUModelRunner.initialize_kv_cache`` (worker), once."""
+
+    model: Annotated[str, doc("checkpoint path")]
+    architecture: Annotated[str, doc("model class, e.g. `LlamaForCausalLM`")]
+    dtype: Annotated[str, doc("e.g. `float32`")]
+    device: Annotated[str, doc("e.g. `cpu`, `cuda:0`")]
+    attn_backend: Annotated[str, doc("`AttentionBackend.get_name()`, e.g. `CPU_ATTN`")]
+    num_layers: Annotated[int, doc("KV cache tensors (one per attention layer)")]
+    num_blocks: Annotated[int, doc("blocks in each layer's KV tensor")]
+    block_size: int
+    kv_cache_shape: Annotated[
+        list[int],
+        doc("one layer's KV tensor: `[2, num_blocks, block_size, num_kv_heads, head_size]`"),
+    ] = []
+
+
+class RunnerCudagraphs(TraceEvent, kw_only=True, tag="runner.cudagraphs"):
+    """Written by ``GPUModelRunner.capture_model`` once the CUDA graphs are
+    captured (CUDA only)."""
+
+    mode: Annotated[str, doc("the dispatcher's mode, e.g. `FULL_DECODE_ONLY`")]
+    sizes: Annotated[list[int], doc("the captured batch sizes (tokens; one request per token)")]
+    seconds: Annotated[float, doc("time the capture took, s")]
+
+
+# ---------------------------------------------------------------------------
+# Requests (front-end process)
+# ---------------------------------------------------------------------------
+class SamplingParamsSummary(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The sampling settings of a request, as ``request.added`` records them."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    output_kind: Annotated[str, doc("the name of its `RequestOutputKind`")] = "CUMULATIVE"
+
+
+class RequestAdded(TraceEvent, kw_only=True, tag="request.added"):
+    """Written by ``OutputProcessor.add_request`` for every request (each child
+    of an ``n > 1`` request separately)."""
+
+    request_id: str
+    parent_request_id: Annotated[str | None, doc("the user's id, for children of `n > 1`")] = None
+    index: Annotated[int, doc("child index")] = 0
+    num_prompt_tokens: int
+    prompt: Annotated[str | None, doc("prompt text, cut to 512 characters")] = None
+    arrival_time: Annotated[float, doc("wall clock, s (`time.time()`)")] = 0.0
+    priority: int = 0
+    sampling_params: Annotated[SamplingParamsSummary, doc("its sampling settings")] = msgspec.field(
+        default_factory=SamplingParamsSummary
+    )
+    prompt_token_ids: Annotated[list[int] | None, doc("`full` only")] = None
+
+
+class RequestOutputEvent(TraceEvent, kw_only=True, tag="request.output"):
+    """Written by ``OutputProcessor.process_outputs``, once per
+    ``EngineCoreOutput`` of a request."""
+
+    request_id: str
+    new_token_ids: Annotated[list[int], doc("tokens that arrived from the core")] = []
+    text_delta: Annotated[
+        str, doc("text this update added to the output (after a stop string is cut off)")
+    ] = ""
+    num_output_tokens: Annotated[int, doc("tokens received so far")] = 0
+    finished: Annotated[bool, doc("the request's last output")] = False
+
+
+class RequestFinished(TraceEvent, kw_only=True, tag="request.finished"):
+    """Written when the front end finishes a request: the core said so, a stop
+    string was found here, or it was aborted (``abort_requests``)."""
+
+    request_id: str
+    finish_reason: Annotated[str, doc("`stop`, `length`, `abort`")]
+    stop_reason: Annotated[str | int | None, doc("the stop string or stop token id")] = None
+    num_prompt_tokens: Annotated[int | None, doc("not on aborts")] = None
+    num_output_tokens: Annotated[int | None, doc("not on aborts")] = None
+    num_cached_tokens: Annotated[int | None, doc("not on aborts")] = None
+    stop_string_in_front_end: Annotated[
+        bool,
+        doc(
+            "the front end found the stop string (the core then gets an abort: `FINISHED_ABORTED`)"
+        ),
+    ] = False
+    aborted_by: Annotated[str | None, doc("`front end`, on aborts")] = None
+
+
+# ---------------------------------------------------------------------------
+# Process hops (multi-process engine and API server)
+# ---------------------------------------------------------------------------
+class RequestSent(TraceEvent, kw_only=True, tag="request.sent"):
+    """Written by the front end's client (``core_client.py``) before it sends
+    a request to the engine core. The replay ignores it; the Perfetto export
+    draws a flow arrow to the matching ``request.received``."""
+
+    type: Annotated[str, doc("`add` (with `request_id`) or `abort` (with `request_ids`)")]
+    request_id: Annotated[str | None, doc("`add`: the request")] = None
+    request_ids: Annotated[list[str] | None, doc("`abort`: the requests aborted")] = None
+
+
+class RequestReceived(TraceEvent, kw_only=True, tag="request.received"):
+    """Written by the engine core's input thread (``core.py``) for each request
+    it decoded: the same fields as ``request.sent``."""
+
+    type: Annotated[str, doc("`add` or `abort`")]
+    request_id: Annotated[str | None, doc("`add`: the request")] = None
+    request_ids: Annotated[list[str] | None, doc("`abort`: the requests aborted")] = None
+
+
+class OutputSent(TraceEvent, kw_only=True, tag="output.sent"):
+    """Written by the engine core's busy loop as it queues a batch of outputs
+    for the output thread."""
+
+    request_ids: Annotated[list[str], doc("the requests in the `EngineCoreOutputs` batch")] = []
+
+
+class OutputReceived(TraceEvent, kw_only=True, tag="output.received"):
+    """Written by the front end's client when a batch of outputs arrives from
+    the engine core (multi-process only). The Perfetto export pairs it with
+    the oldest unmatched ``output.sent`` of the same ``request_ids``."""
+
+    request_ids: Annotated[list[str], doc("the requests in the batch")] = []
+
+
+class ApiRequest(TraceEvent, kw_only=True, tag="api.request"):
+    """Written by the API server (``glassbox serve``) per HTTP request."""
+
+    request_id: str
+    endpoint: Annotated[str, doc("`/v1/completions` or `/v1/chat/completions`")]
+    stream: Annotated[bool, doc("the client asked for server-sent events")] = False
+
+
+class ApiChunk(TraceEvent, kw_only=True, tag="api.chunk"):
+    """Written by the API server per streamed chunk."""
+
+    request_id: str
+    num_bytes: Annotated[int, doc("size of the chunk as written")]
+
+
+# ---------------------------------------------------------------------------
+# Scheduler (engine-core process)
+# ---------------------------------------------------------------------------
+class SchedQueued(TraceEvent, kw_only=True, tag="sched.queued"):
+    """``Scheduler.add_request``: the request joins the waiting queue. Replay:
+    creates the request (``WAITING``) and queues it (priority policy: in
+    ``(priority, arrival_time, request_id)`` order, the order the heap pops in)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    arrival_time: Annotated[float, doc("s; the priority queue's tie-break")] = 0.0
+    num_block_hashes: Annotated[
+        int, doc("full blocks of the prompt, hashed for the prefix cache")
+    ] = 0
+
+
+class SchedAdmitted(TraceEvent, kw_only=True, tag="sched.admitted"):
+    """A waiting request got its blocks and moved to the running list. Replay:
+    pops it from the head of the waiting queue (an error if it is not the
+    head), appends it to the running list, sets its cursor."""
+
+    request_id: str
+    resumed: Annotated[bool, doc("it was preempted before")] = False
+    num_computed_tokens: Annotated[
+        int, doc("tokens already in the cache when admitted: the prefix hit")
+    ] = 0
+    num_new_tokens: Annotated[int, doc("tokens scheduled for it this step")]
+    num_tokens: Annotated[int, doc("prompt + outputs so far")]
+
+
+class SchedPreempted(TraceEvent, kw_only=True, tag="sched.preempted"):
+    """The running list ran out of blocks and the scheduler preempted a
+    request (``preempted_req``) to free its blocks. Replay: removes it from
+    the running list, puts it at the front of the waiting queue
+    (``PREEMPTED``, cursor 0). Its ``kv.freed`` comes just before."""
+
+    request_id: Annotated[str, doc("the preempted request")]
+    for_request_id: Annotated[
+        str, doc("the request that needed the blocks (may be the preempted one itself)")
+    ]
+    num_tokens: Annotated[int, doc("everything it will recompute")]
+    num_output_tokens: int
+    num_preemptions: Annotated[int, doc("times it was preempted so far")]
+
+
+class SchedStep(TraceEvent, kw_only=True, tag="sched.step"):
+    """The end of ``schedule()``: one step's decisions. Replay: advances each
+    scheduled request's cursor by its tokens (the scheduler does this before
+    the model runs); checks the queue lengths."""
+
+    token_budget: Annotated[int, doc("the step's budget (`max_num_batched_tokens`)")]
+    token_budget_left: Annotated[int, doc("what nobody used")]
+    num_scheduled_tokens: Annotated[
+        dict[str, int], doc("tokens per request, in scheduling order (running first)")
+    ] = {}
+    total_num_scheduled_tokens: Annotated[int, doc("the sum of `num_scheduled_tokens`")] = 0
+    new_req_ids: Annotated[list[str], doc("admitted this step, fresh")] = []
+    resumed_req_ids: Annotated[list[str], doc("admitted this step after a preemption")] = []
+    running_req_ids: Annotated[list[str], doc("already running requests that got tokens")] = []
+    preempted_req_ids: Annotated[list[str], doc("preempted while this step was scheduled")] = []
+    finished_req_ids: Annotated[
+        list[str], doc("finished since the last step: the worker drops them now")
+    ] = []
+    num_running: Annotated[int, doc("queue length after scheduling")] = 0
+    num_waiting: Annotated[int, doc("queue length after scheduling")] = 0
+    num_common_prefix_blocks: Annotated[
+        list[int], doc("blocks every running request shares (cascade attention's input)")
+    ] = []
+    kv_cache_usage: Annotated[float, doc("used fraction of the usable blocks, 0..1")] = 0.0
+    duration_ns: Annotated[int, doc("time spent in `schedule()`, ns")] = 0
+
+
+class SchedUpdate(TraceEvent, kw_only=True, tag="sched.update"):
+    """The end of ``update_from_output()``. Replay: adds the tokens to each
+    request; checks the queue lengths."""
+
+    new_token_ids: Annotated[
+        dict[str, list[int]],
+        doc("tokens appended this step (prefill chunks get none; a stop cuts the rest)"),
+    ] = {}
+    finished: Annotated[dict[str, str], doc("requests the core finished, with the reason")] = {}
+    num_running: int = 0
+    num_waiting: int = 0
+    duration_ns: Annotated[int, doc("time spent in `update_from_output()`, ns")] = 0
+
+
+class SchedFinished(TraceEvent, kw_only=True, tag="sched.finished"):
+    """``Scheduler._free_request``: stop, length or abort (including the aborts
+    the front end sends after a stop string). Replay: removes it from its
+    queue and marks it finished; its ``kv.freed`` follows."""
+
+    request_id: str
+    status: Annotated[
+        str,
+        doc("`FINISHED_STOPPED`, `FINISHED_LENGTH_CAPPED`, `FINISHED_ABORTED`, `FINISHED_IGNORED`"),
+    ]
+    finish_reason: Annotated[str, doc("`stop`, `length`, `abort`")]
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+# ---------------------------------------------------------------------------
+# KV cache (engine-core process)
+# ---------------------------------------------------------------------------
+class KVCacheHit(TraceEvent, kw_only=True, tag="kv.cache_hit"):
+    """``KVCacheManager.get_computed_blocks``: the prefix-cache lookup for a
+    waiting request (repeated on later steps while it does not fit). Replay:
+    nothing (``kv.touched`` adopts the blocks)."""
+
+    request_id: str
+    num_cached_tokens: Annotated[
+        int,
+        doc(
+            "tokens found, a multiple of `block_size`; 0 is a miss (the last token is "
+            "always computed)"
+        ),
+    ]
+    block_ids: Annotated[list[int], doc("the hit blocks, in prefix order")] = []
+    num_tokens: Annotated[int, doc("the request's tokens at the lookup (prompt + outputs)")] = 0
+    num_block_hashes: Annotated[
+        int, doc("its hashed full blocks: the most the lookup could find")
+    ] = 0
+
+
+class KVTouched(TraceEvent, kw_only=True, tag="kv.touched"):
+    """``SingleTypeKVCacheManager.allocate_new_computed_blocks``: the request
+    adopts its prefix hit. Replay: each block's ref count +1, the request
+    joins its owners; a block that was free is unlinked from the free queue."""
+
+    request_id: str
+    block_ids: Annotated[list[int], doc("the hit blocks, now the start of its block table")]
+    ref_cnts: Annotated[list[int], doc("their reference counts afterwards (> 1: shared)")]
+
+
+class KVAllocated(TraceEvent, kw_only=True, tag="kv.allocated"):
+    """``SingleTypeKVCacheManager.allocate_new_blocks``. Replay: pops that many
+    blocks from the head of the free queue and checks they are these ids;
+    ref count 1, one owner."""
+
+    request_id: str
+    block_ids: Annotated[list[int], doc("new blocks, appended to the block table")]
+    num_blocks: Annotated[int, doc("length of the block table afterwards")]
+
+
+class KVAllocationFailed(TraceEvent, kw_only=True, tag="kv.allocation_failed"):
+    """``KVCacheManager.allocate_slots`` returned None: not enough free blocks.
+    For a running request a preemption follows; for a waiting one, admission
+    stops."""
+
+    request_id: str
+    num_new_tokens: Annotated[int, doc("tokens it tried to place")]
+    num_blocks_needed: Annotated[
+        int, doc("free blocks that needed (hit blocks in the free queue count)")
+    ]
+    num_free_blocks: Annotated[int, doc("free blocks there were")]
+
+
+class KVCached(TraceEvent, kw_only=True, tag="kv.cached"):
+    """``BlockPool.cache_full_blocks``, per block that just became full.
+    Replay: sets the block's hash and adds it to the prefix-cache map."""
+
+    block_id: int
+    block_hash: Annotated[
+        str, doc("hex sha256 of the block, chained over the prefix (no group id)")
+    ]
+    kv_cache_group_id: int = 0
+    request_id: Annotated[str, doc("the request whose tokens filled it")]
+    block_index: Annotated[int, doc("its place in that request's block table")]
+
+
+class KVEvicted(TraceEvent, kw_only=True, tag="kv.evicted"):
+    """``BlockPool._maybe_evict_cached_block``: a free block that still held a
+    cached prefix is reused, so the prefix is forgotten. Comes right before
+    the ``kv.allocated`` that takes the block. Replay: clears the hash."""
+
+    block_id: int
+    block_hash: Annotated[str, doc("the hash it loses")]
+    kv_cache_group_id: int = 0
+
+
+class KVFreed(TraceEvent, kw_only=True, tag="kv.freed"):
+    """``SingleTypeKVCacheManager.free``: a finished or preempted request gives
+    its blocks back. Replay: ref count -1 for each, the request leaves the
+    owners, blocks at 0 go to the free queue's tail in order; hashes stay (a
+    later request can still hit a free block until it is evicted)."""
+
+    request_id: str
+    block_ids: Annotated[
+        list[int], doc("its block table reversed: the order they are released (tail first)")
+    ]
+    to_free_queue: Annotated[
+        list[int], doc("those whose ref count reached 0, appended to the free queue in this order")
+    ] = []
+
+
+class KVCacheReset(TraceEvent, kw_only=True, tag="kv.cache_reset"):
+    """``BlockPool.reset_prefix_cache`` succeeded. Replay: every hash is
+    forgotten."""
+
+
+# ---------------------------------------------------------------------------
+# Model runner and sampler (worker)
+# ---------------------------------------------------------------------------
+class RunnerBatch(TraceEvent, kw_only=True, tag="runner.batch"):
+    """``GPUModelRunner.execute_model``, once per step that runs the model
+    (written after the forward's launch). Replay: the step's batch layout
+    (``StepView.batch``); without it the replay derives the layout from
+    ``sched.step`` and the block tables."""
+
+    num_reqs: Annotated[int, doc("rows")]
+    num_tokens: Annotated[int, doc("tokens in the flattened batch")]
+    num_tokens_padded: Annotated[
+        int, doc("after padding to a captured CUDA graph's size (`num_tokens` when eager)")
+    ]
+    attn_backend: Annotated[str, doc("e.g. `CPU_ATTN`")]
+    cudagraph_mode: Annotated[str, doc("`NONE` (eager) or `FULL` (a captured graph replayed)")]
+    req_ids: Annotated[list[str], doc("request of each row")]
+    query_lens: Annotated[list[int], doc("tokens per row this step")]
+    num_computed_tokens: Annotated[
+        list[int],
+        doc(
+            "context before this step: row i's positions are "
+            "`num_computed_tokens[i] ..< seq_lens[i]`"
+        ),
+    ]
+    seq_lens: Annotated[list[int], doc("context after this step")]
+    slot_mapping: Annotated[
+        list[list[list[int]]],
+        doc(
+            "per row, runs of KV slots written: `[block_id, offset, count]` "
+            "(slot = block_id * block_size + offset)"
+        ),
+    ]
+    discard_req_ids: Annotated[
+        list[str], doc("rows in the middle of their prompt: sample thrown away")
+    ] = []
+    max_query_len: Annotated[int, doc("the largest of `query_lens`")] = 0
+    max_seq_len: Annotated[int, doc("the largest of `seq_lens`")] = 0
+
+
+class TensorSummary(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One input tensor in summary: all its values when short (a small 2-D
+    tensor keeps its rows), else the first and last ``SUMMARY_VALUES``."""
+
+    shape: Annotated[list[int], doc("the tensor's shape")]
+    dtype: Annotated[str, doc("e.g. `int32`")]
+    min: Annotated[int | float | None, doc("smallest value; absent when empty")] = None
+    max: Annotated[int | float | None, doc("largest value; absent when empty")] = None
+    values: Annotated[
+        list[Any] | None, doc("every value, when short (a small 2-D tensor: a list of rows)")
+    ] = None
+    head: Annotated[list[Any] | None, doc("long: the first `SUMMARY_VALUES`, flattened")] = None
+    tail: Annotated[list[Any] | None, doc("long: the last `SUMMARY_VALUES`, flattened")] = None
+
+
+class RunnerInputs(TraceEvent, kw_only=True, tag="runner.inputs"):
+    """``full`` only: the input tensors of a step, summarised from the host
+    arrays the device buffers were filled from (no device work)."""
+
+    input_ids: Annotated[TensorSummary, doc("token id of each scheduled token (flattened)")]
+    positions: Annotated[TensorSummary, doc("position of each token in its sequence")]
+    query_start_loc: Annotated[
+        TensorSummary,
+        doc("`[num_reqs + 1]`: row i's tokens are `query_start_loc[i] ..< query_start_loc[i + 1]`"),
+    ]
+    seq_lens: Annotated[TensorSummary, doc("context length of each row after this step")]
+    slot_mapping: Annotated[
+        TensorSummary,
+        doc("KV slot of each token (`block_id * block_size + offset`); padding tokens get -1"),
+    ]
+    block_table: Annotated[TensorSummary, doc("`[num_reqs, max_blocks]`: each row's block ids")]
+    logits_indices: Annotated[
+        TensorSummary, doc("each row's last token in the flattened batch: the rows of logits")
+    ]
+
+
+class RunnerForward(TraceEvent, kw_only=True, tag="runner.forward"):
+    """The model call and ``compute_logits``. On CPU written right after them;
+    on CUDA after sampling has waited for the device (timed by a pair of CUDA
+    events), so place it by ``start_ts``."""
+
+    start_ts: Annotated[
+        int | None,
+        doc("wall clock, ns, when the forward was launched (absent in traces before 1.1)"),
+    ] = None
+    duration_ns: Annotated[int, doc("host time on CPU, GPU time between CUDA events on CUDA")]
+    num_tokens: Annotated[int, doc("tokens in the batch, before CUDA-graph padding")]
+    num_logits: Annotated[int, doc("rows of logits (one per request)")]
+
+
+class SamplerStage(msgspec.Struct, kw_only=True, gc=False):
+    """The most likely tokens as one stage of the sampler left the distribution."""
+
+    stage: Annotated[str, doc("`raw`, `processed`, `temperature`, `min_p` or `top_k_top_p`")]
+    token_ids: Annotated[list[int], doc("the most likely tokens, most likely first")]
+    probs: Annotated[list[float], doc("their probabilities as the stage left them")]
+
+
+class SamplerSampled(TraceEvent, kw_only=True, tag="sampler.sampled"):
+    """One per request whose sample is kept (prefill-chunk rows are not
+    traced), written after the runner's copy of the sampled tokens, so it
+    follows the step's ``runner.forward``. ``stages`` (``full``), in order:
+    ``raw`` (softmax of the model's logits), ``processed`` (after allowed-token
+    masks, bad words, min-tokens, logit bias and penalties) and, when the batch
+    has random rows, ``temperature``, ``min_p`` (only if it changed the logits)
+    and ``top_k_top_p`` (likewise; renormalised over what is kept). A greedy
+    row picks the argmax of ``processed``. Replay: ``StepView.sampler``."""
+
+    request_id: str
+    row: Annotated[int, doc("row in the batch")]
+    token_id: Annotated[int, doc("the chosen token")]
+    logprob: Annotated[float, doc("its log-probability under the raw model output")]
+    greedy: Annotated[bool, doc("the row takes the argmax (temperature 0)")] = False
+    rank: Annotated[int | None, doc("`full`: 1 + tokens at least as likely (raw)")] = None
+    stages: Annotated[
+        list[SamplerStage] | None, doc("`full`: per stage that ran, the 5 most likely tokens")
+    ] = None
+
+
+# ---------------------------------------------------------------------------
+# Written by tools
+# ---------------------------------------------------------------------------
+class TraceCli(TraceEvent, kw_only=True, tag="trace.cli"):
+    """Written by ``glassbox trace`` before the first request: which request is
+    the user's. The TUI reads it; the replay and the export ignore it."""
+
+    follow_request_id: Annotated[str, doc("the request holding the user's prompt")]
+    prompt: Annotated[str, doc("the prompt as typed")]
+    model: Annotated[str, doc("model path or name")]
+    background_request_ids: Annotated[list[str], doc("the other requests of the run")] = []
+    arrival_steps: Annotated[
+        dict[str, int], doc("engine steps run before each request is added (0: before the first)")
+    ] = {}
+
+
+class TraceTokenTexts(TraceEvent, kw_only=True, tag="trace.token_texts"):
+    """Written by ``glassbox trace`` after the last step: the decoded text of
+    every token id the trace mentions, so a viewer needs no tokenizer."""
+
+    token_texts: Annotated[dict[str, str], doc("str(token_id) -> its text")] = {}
+
+
+# Every kind, grouped by the section of docs/trace_format.md that lists it.
+EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
+    "The file": (TraceHeader,),
+    "Engine set-up": (EngineConfig, KVInit, RunnerInit, RunnerCudagraphs),
+    "Requests (front end)": (RequestAdded, RequestOutputEvent, RequestFinished),
+    "Process hops": (
+        RequestSent,
+        RequestReceived,
+        OutputSent,
+        OutputReceived,
+        ApiRequest,
+        ApiChunk,
+    ),
+    "Scheduler (engine core)": (
+        SchedQueued,
+        SchedAdmitted,
+        SchedPreempted,
+        SchedStep,
+        SchedUpdate,
+        SchedFinished,
+    ),
+    "KV cache (engine core)": (
+        KVCacheHit,
+        KVTouched,
+        KVAllocated,
+        KVAllocationFailed,
+        KVCached,
+        KVEvicted,
+        KVFreed,
+        KVCacheReset,
+    ),
+    "Model runner and sampler (worker)": (
+        RunnerBatch,
+        RunnerInputs,
+        RunnerForward,
+        SamplerSampled,
+    ),
+    "Written by tools": (TraceCli, TraceTokenTexts),
+}
+EVENT_TYPES: tuple[type[TraceEvent], ...] = tuple(
+    cls for group in EVENT_SECTIONS.values() for cls in group
+)
+for _section, _group in EVENT_SECTIONS.items():
+    for _cls in _group:
+        _cls.kind = _cls.__struct_config__.tag
+        _cls.section = _section
+# kind -> class, e.g. EVENT_KINDS["sched.step"] is SchedStep.
+EVENT_KINDS: dict[str, type[TraceEvent]] = {cls.kind: cls for cls in EVENT_TYPES}
+HEADER_KIND = TraceHeader.kind
+
+__all__ = [cls.__name__ for cls in EVENT_TYPES] + [
+    "EVENT_KINDS",
+    "EVENT_SECTIONS",
+    "EVENT_TYPES",
+    "HEADER_KIND",
+    "TRACE_FORMAT_VERSION",
+    "SamplerStage",
+    "SamplingParamsSummary",
+    "TensorSummary",
+    "TraceEvent",
+]

@@ -1,0 +1,409 @@
+"""The trace objects of the worker: the model runner and the sampler.
+
+vLLM twin: none (the injected-collector pattern of vLLM's
+``KVCacheMetricsCollector``). ``GPUModelRunner`` holds a ``RunnerTrace`` and
+hands its ``sampler`` (a ``SamplerTrace``) to the ``Sampler``. Read it for
+how a trace reads tensors without slowing the step: nothing here waits for
+the device. Values are computed on the device beside the step and queued to
+the host (``HostListsCopy``); they are read after the runner's own
+``.tolist()`` of the sampled tokens has waited anyway. The forward is timed
+with a pair of CUDA events for the same reason.
+
+Imported only by the runner and the sampler (it needs torch; the rest of
+``engine.tracing`` does not). Sessions: 04 (worker), 05 (sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.tracing.events import (
+    RunnerBatch,
+    RunnerCudagraphs,
+    RunnerForward,
+    RunnerInit,
+    RunnerInputs,
+    SamplerSampled,
+    SamplerStage,
+)
+from engine.tracing.tensors import HostListsCopy, array_summaries
+from engine.tracing.tracer import SubsystemTrace, Tracer
+
+# Rows with temperature below this are greedy (the sampler's constant).
+_SAMPLING_EPS = 1e-5
+# The integer dtypes of the runner's input buffers, as numpy names them.
+_NUMPY_DTYPES = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
+
+
+@dataclass
+class _PendingSampled:
+    """``sampler.sampled`` values of one call, queued to the host."""
+
+    req_ids: list[str]  # of the traced rows
+    rows: list[int]  # their rows in the batch
+    tokens: torch.Tensor  # their sampled tokens (read only if the caller has none)
+    greedy: list[bool] | None  # known on the host; None: the last of ``values``
+    # chosen logprobs [R] (+ full: ranks [R], stage probs and ids [stages, R, C])
+    # (+ greedy flags [R] when ``greedy`` is None)
+    values: HostListsCopy
+    stage_names: list[str]
+
+
+class SamplerTrace(SubsystemTrace):
+    """``Sampler``: the chosen token of every traced row and, at ``full``, the
+    top candidates after each stage that ran. Stage snapshots are computed on
+    the side and never feed back into sampling."""
+
+    NUM_CANDIDATES = 5
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        self._req_ids: Sequence[str | None] = ()  # per batch row; None: not traced
+        self._rows: list[int] = []
+        self._index: torch.Tensor | None = None  # the traced rows on the device; None: all
+        self._row_logprobs: torch.Tensor | None = None  # raw logprobs of the traced rows
+        self._stages: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._pending: _PendingSampled | None = None
+        # Pinned host buffers for the copies, reused every step (HostListsCopy's staging).
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def reads_filtered_logits(self) -> bool:
+        """``full`` reads the top-k/top-p filtered logits back, which only the
+        torch path leaves behind (FlashInfer filters inside its kernel)."""
+        return self.full
+
+    def begin(self, req_ids: Sequence[str | None]) -> None:
+        """The request id of each row of the next call (None: not traced)."""
+        if self._pending is not None:  # the caller never read the last call's tokens
+            self.emit()
+        self._req_ids = req_ids
+        self._rows = [i for i, rid in enumerate(req_ids) if rid is not None]
+
+    def raw(self, logits: torch.Tensor, raw_logprobs: torch.Tensor | None) -> None:
+        """The model's distribution: logits [N, V] (float32), the sampler's raw
+        logprobs if it computed them."""
+        self._stages = []
+        if not self._rows:
+            return
+        subset = len(self._rows) < len(self._req_ids)
+        self._index = (
+            torch.tensor(self._rows, dtype=torch.long, device=logits.device) if subset else None
+        )
+        if raw_logprobs is not None:
+            self._row_logprobs = self._select(raw_logprobs)
+        else:
+            self._row_logprobs = self._select(logits).log_softmax(dim=-1, dtype=torch.float32)
+        if self.full:
+            self._snapshot("raw", logits)
+
+    def processed(self, logits: torch.Tensor, sampling_metadata: Any) -> None:
+        """After masks, bad words, min-tokens, logit bias and penalties. Nothing
+        of that ran: the candidates are the raw ones (no kernels spent)."""
+        if not (self.full and self._rows):
+            return
+        if _edits_logits(sampling_metadata):
+            self._snapshot("processed", logits)
+        else:
+            _, top_probs, top_ids = self._stages[-1]
+            self._stages.append(("processed", top_probs, top_ids))
+
+    def temperature(self, logits: torch.Tensor) -> None:
+        if self.full and self._rows:
+            self._snapshot("temperature", logits)
+
+    def min_p(self, logits: torch.Tensor, sampling_metadata: Any) -> None:
+        """Only when an argmax-invariant processor (min-p) ran."""
+        if self.full and self._rows and sampling_metadata.logitsprocs.argmax_invariant:
+            self._snapshot("min_p", logits)
+
+    def top_k_top_p(self, logits: torch.Tensor, sampling_metadata: Any) -> None:
+        """Only when a row asks for top-k or top-p; ``logits`` were filtered in
+        place by the torch path (``reads_filtered_logits``)."""
+        md = sampling_metadata
+        if self.full and self._rows and (md.top_k is not None or md.top_p is not None):
+            self._snapshot("top_k_top_p", logits)
+
+    def sampled(self, sampled: torch.Tensor, sampling_metadata: Any) -> None:
+        """Queue what the ``sampler.sampled`` events need to the host without
+        waiting; ``emit`` reads it once the runner has the tokens on the host.
+        At ``lifecycle`` the device work is one gather; the greedy flags come
+        from the host (``temperature_cpu``, or a batch all greedy or all random)."""
+        rows = self._rows
+        if not rows:
+            return
+        tokens = self._select(sampled)
+        assert self._row_logprobs is not None
+        chosen = self._row_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        values = [chosen]
+        stage_names: list[str] = []
+        if self.full:
+            values.append((self._row_logprobs >= chosen.unsqueeze(-1)).sum(dim=-1))
+            stage_names = [name for name, _, _ in self._stages]
+            # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
+            values.append(torch.stack([probs for _, probs, _ in self._stages]))
+            values.append(torch.stack([ids for _, _, ids in self._stages]))
+        md = sampling_metadata
+        greedy: list[bool] | None = None
+        if md.temperature_cpu is not None:
+            greedy = (md.temperature_cpu[rows] < _SAMPLING_EPS).tolist()
+        elif md.all_greedy or md.all_random:
+            greedy = [md.all_greedy] * len(rows)
+        else:
+            values.append(self._select(md.temperature) < _SAMPLING_EPS)
+        self._stages, self._row_logprobs = [], None
+        self._pending = _PendingSampled(
+            req_ids=[self._req_ids[r] for r in rows],  # type: ignore[misc]
+            rows=rows,
+            tokens=tokens,
+            greedy=greedy,
+            values=HostListsCopy(*values, staging=self._staging),
+            stage_names=stage_names,
+        )
+
+    def emit(self, sampled_token_ids: Sequence[int] | None = None) -> None:
+        """Record the last call's ``sampler.sampled`` events (one
+        ``record_rows``). ``sampled_token_ids``: the caller's host copy of the
+        sampled tokens, one per batch row (the device has then been waited
+        for); without it they are copied here."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if sampled_token_ids is None:
+            tokens = pending.tokens.tolist()  # waits for the device
+        else:
+            tokens = [sampled_token_ids[r] for r in pending.rows]
+        host = pending.values.lists(synchronized=True)
+        greedy = host.pop() if pending.greedy is None else pending.greedy
+        columns: dict[str, list[Any]] = {
+            "request_id": pending.req_ids,
+            "row": pending.rows,
+            "token_id": tokens,
+            "logprob": host[0],
+            "greedy": greedy,
+        }
+        if len(host) > 1:  # full: the rank and the top candidates of every stage
+            columns["rank"] = host[1]
+            stage_probs, stage_ids = host[2], host[3]  # [stages][R][C] twice
+            columns["stages"] = [
+                [
+                    SamplerStage(stage=name, token_ids=stage_ids[i][j], probs=stage_probs[i][j])
+                    for i, name in enumerate(pending.stage_names)
+                ]
+                for j in range(len(pending.rows))
+            ]
+        self.tracer.record_rows(SamplerSampled, columns)
+
+    def _select(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._index is None else t.index_select(0, self._index)
+
+    def _snapshot(self, stage: str, logits: torch.Tensor) -> None:
+        """Keep the top candidates of the traced rows as ``stage`` left them
+        (on the device: ``sampled`` queues one copy of them all)."""
+        probs = self._select(logits).softmax(dim=-1, dtype=torch.float32)
+        top_probs, top_ids = probs.topk(min(self.NUM_CANDIDATES, probs.shape[-1]), dim=-1)
+        self._stages.append((stage, top_probs, top_ids))
+
+
+def _edits_logits(md: Any) -> bool:
+    """Whether ``Sampler.apply_logits_processors`` changes anything for this
+    batch (``SamplingMetadata``): the conditions under which it applies each
+    of its stages."""
+    return (
+        md.allowed_token_ids_mask is not None
+        or bool(md.bad_words_token_ids)
+        or bool(md.logitsprocs.non_argmax_invariant)
+        or not md.no_penalties
+    )
+
+
+@dataclass
+class _PendingForward:
+    """A traced forward whose duration is read after the step's sync (CUDA only)."""
+
+    step: int
+    start_ts: int  # wall clock (time.time_ns) at launch
+    end_event: torch.cuda.Event
+    num_tokens: int
+    num_logits: int
+
+
+class RunnerTrace(SubsystemTrace):
+    """``GPUModelRunner``: its set-up, each step's batch and forward; ``sampler``
+    is the trace its ``Sampler`` gets."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        self.sampler = SamplerTrace.create(tracer)
+        self._start: tuple[int, int] = (0, 0)  # (wall ns, perf-counter ns) at launch
+        # One pair of CUDA events, reused (the last step's was read), and the
+        # stream the forward runs on, looked up once: record() without it asks
+        # torch.cuda.current_stream(), which costs more host time than the record.
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._pending_forward: _PendingForward | None = None
+
+    def initialized(self, runner: Any, kv_cache_config: Any) -> None:
+        """``runner.init``, once the KV cache is allocated."""
+        self.tracer.record(
+            RunnerInit(
+                model=runner.model_config.model,
+                architecture=type(runner.model).__name__,
+                dtype=str(runner.dtype).removeprefix("torch."),
+                device=str(runner.device),
+                attn_backend=runner.attn_backend.get_name(),
+                num_layers=len(runner.kv_caches),
+                num_blocks=kv_cache_config.num_blocks,
+                block_size=runner.block_size,
+                kv_cache_shape=list(runner.kv_caches[0].shape) if runner.kv_caches else [],
+            )
+        )
+
+    def cudagraphs_captured(self, mode: str, sizes: list[int], seconds: float) -> None:
+        self.tracer.record(RunnerCudagraphs(mode=mode, sizes=sizes, seconds=seconds))
+
+    def step_started(self, step: int) -> None:
+        """Worker and sampler events belong to the scheduler's step (needed
+        when the worker runs in a process of its own)."""
+        self.tracer.set_step(step)
+
+    def forward_started(self, device: torch.device) -> None:
+        self._start = (time.time_ns(), time.perf_counter_ns())
+        if device.type == "cuda":
+            if self._events is None:
+                self._events = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                self._stream = torch.cuda.current_stream(device)
+            self._events[0].record(self._stream)
+
+    def forward_done(self, step: int, num_tokens: int, logits: torch.Tensor) -> None:
+        """``runner.forward``: the model call plus ``compute_logits``. On CPU
+        the host clock is the device clock: record now. On CUDA the launches
+        returned before the GPU finished, so the end is an event read by
+        ``sampled`` after the runner's sync (a synchronize here would stop
+        the host from preparing sampling while the GPU works)."""
+        start_ts, start_perf_ns = self._start
+        if not logits.is_cuda:
+            self.tracer.record(
+                RunnerForward(
+                    step=step,
+                    start_ts=start_ts,
+                    duration_ns=time.perf_counter_ns() - start_perf_ns,
+                    num_tokens=num_tokens,
+                    num_logits=int(logits.shape[0]),
+                )
+            )
+            return
+        end_event = self._events[1]
+        end_event.record(self._stream)
+        self._pending_forward = _PendingForward(
+            step, start_ts, end_event, num_tokens, int(logits.shape[0])
+        )
+
+    def batch(self, runner: Any, scheduler_output: Any, inputs: Any) -> None:
+        """``runner.batch`` (and at ``full`` ``runner.inputs``): how the step's
+        tokens were laid out. ``inputs`` is the runner's ``PreparedInputs``."""
+        common = inputs.common_attn_metadata
+        block_size = runner.block_size
+        req_ids = list(runner.input_batch.req_ids)
+        query_start_loc = common.query_start_loc_cpu.tolist()
+        query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(req_ids))]
+        seq_lens = common.seq_lens_cpu.tolist()
+        block_table = runner.input_batch.block_table.block_table_np
+        # Per row, runs of consecutive slots: [block id, first offset in it, count].
+        if common.max_query_len == 1:
+            # Decode (the common step): one slot per row, looked up in one go.
+            positions = common.seq_lens_cpu.numpy().astype(np.int64) - 1
+            blocks = block_table[np.arange(len(seq_lens)), positions // block_size].tolist()
+            slots = [[[b, o, 1]] for b, o in zip(blocks, (positions % block_size).tolist())]
+        else:
+            slots = []
+            for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+                runs = []
+                pos, end = seq_len - query_len, seq_len
+                while pos < end:
+                    block_index, offset = divmod(pos, block_size)
+                    n = min(block_size - offset, end - pos)
+                    runs.append([int(block_table[row, block_index]), offset, n])
+                    pos += n
+                slots.append(runs)
+        self.tracer.record(
+            RunnerBatch(
+                step=scheduler_output.step,
+                num_reqs=len(req_ids),
+                num_tokens=inputs.num_tokens,
+                num_tokens_padded=common.num_actual_tokens,
+                attn_backend=runner.attn_backend.get_name(),
+                cudagraph_mode=inputs.cudagraph_mode.name,
+                req_ids=req_ids,
+                query_lens=query_lens,
+                num_computed_tokens=[s - q for s, q in zip(seq_lens, query_lens)],
+                seq_lens=seq_lens,
+                slot_mapping=slots,
+                discard_req_ids=[req_ids[i] for i in inputs.discard_rows],
+                max_query_len=common.max_query_len,
+                max_seq_len=common.max_seq_len,
+            )
+        )
+        if not self.full:
+            return
+        # From the host arrays the device buffers were filled from (same
+        # values, in the device buffers' dtypes): no device work.
+        n = inputs.num_tokens
+        self.tracer.record(
+            RunnerInputs(
+                step=scheduler_output.step,
+                **array_summaries(
+                    input_ids=_as_dtype(inputs.input_ids_np[:n], runner.input_ids),
+                    positions=_as_dtype(inputs.positions_np[:n], runner.positions),
+                    query_start_loc=common.query_start_loc_cpu.numpy(),
+                    seq_lens=common.seq_lens_cpu.numpy(),
+                    slot_mapping=_as_dtype(
+                        inputs.slot_mapping_np[: common.num_actual_tokens], runner.slot_mapping
+                    ),
+                    block_table=block_table[: common.num_reqs],
+                    logits_indices=inputs.logits_indices_np,
+                ),
+            )
+        )
+
+    def sampling(self, req_ids: Sequence[str], discard_rows: Sequence[int]) -> None:
+        """The rows about to be sampled; prefill-chunk rows (discarded) are not traced."""
+        discard = set(discard_rows)
+        self.sampler.begin([None if i in discard else r for i, r in enumerate(req_ids)])
+
+    def sampled(self, sampled_token_ids: Sequence[int]) -> None:
+        """The runner has the sampled tokens on the host (the device has been
+        waited for): record what waited for that."""
+        pending, self._pending_forward = self._pending_forward, None
+        if pending is not None:
+            pending.end_event.synchronize()  # already complete: the tokens' copy waited
+            assert self._events is not None
+            duration_ns = int(self._events[0].elapsed_time(pending.end_event) * 1e6)  # ms -> ns
+            self.tracer.record(
+                RunnerForward(
+                    step=pending.step,
+                    start_ts=pending.start_ts,
+                    duration_ns=duration_ns,
+                    num_tokens=pending.num_tokens,
+                    num_logits=pending.num_logits,
+                )
+            )
+        self.sampler.emit(sampled_token_ids)
+
+
+def _as_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> np.ndarray:
+    """``host`` in the dtype of the device buffer it was copied into."""
+    dtype = _NUMPY_DTYPES[device_buffer.dtype]
+    return host if host.dtype == dtype else host.astype(dtype)
+
+
+__all__ = ["RunnerTrace", "SamplerTrace"]
