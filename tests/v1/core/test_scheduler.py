@@ -482,7 +482,9 @@ def test_priority_preempts_worst_priority_then_latest_arrival():
     # H (priority 0) is admitted before A; the pool is then full.
     step = run_step(sched)
     assert list(step.scheduler_output.num_scheduled_tokens.items()) == [
-        ("B", 1), ("H", 31), ("A", 20),
+        ("B", 1),
+        ("H", 31),
+        ("A", 20),
     ]
     assert running_ids(sched) == ["B", "H", "A"]
     assert num_free(sched) == 0
@@ -504,6 +506,63 @@ def test_priority_preempts_worst_priority_then_latest_arrival():
     assert "A" not in step.outputs
 
 
+@pytest.mark.parametrize("first, second", [("a", "b"), ("b", "a")])
+def test_priority_tie_preempts_the_last_tied_request_in_the_running_list(first, second):
+    # 5 blocks -> 4 usable. Both requests share (priority, arrival_time), as the
+    # n > 1 children of one request do; the running list is in admission order.
+    sched = make_scheduler(num_blocks=5, max_model_len=64, policy="priority")
+    sched.add_request(make_request(first, prompt(30, 1000), priority=1, arrival_time=1.0))
+    run_step(sched)  # first: 30 tokens -> blocks [1, 2]; 31 tokens after sampling
+    sched.add_request(make_request(second, prompt(32, 2000), priority=1, arrival_time=1.0))
+    step = run_step(sched)  # first decodes in place; second takes [3, 4]
+    assert list(step.scheduler_output.num_scheduled_tokens.items()) == [(first, 1), (second, 32)]
+    assert running_ids(sched) == [first, second]
+    assert num_free(sched) == 0
+
+    # first decodes inside its 2nd block; second's decode needs a 3rd block.
+    # On a tie Glassbox preempts the last admitted: second, whatever the ids
+    # (vLLM would preempt first; see the next test for why Glassbox does not).
+    step = run_step(sched)
+    out = step.scheduler_output
+    assert out.preempted_req_ids == {second}
+    assert out.num_scheduled_tokens == {first: 1}
+    assert sched.requests[second].status == RequestStatus.PREEMPTED
+    assert sched.requests[second].num_computed_tokens == 0
+    assert running_ids(sched) == [first] and waiting_ids(sched) == [second]
+    assert block_ids(sched, first) == [1, 2]
+    assert num_free(sched) == 2
+    assert step.stats.num_preemptions == 1
+
+
+def test_two_tied_requests_with_chunked_prefill_both_finish():
+    """vLLM's tie-break (preempt the FIRST tied request) livelocks here: the
+    request readmitted after a preemption runs a 16-token chunk in the freed
+    blocks, then takes the other's blocks for its next chunk, which preempts
+    that one in turn, for ever. Glassbox preempts the last tied request, so
+    the earlier one keeps its blocks and finishes, then the other."""
+    sched = make_scheduler(
+        num_blocks=5,  # 4 usable blocks of 16 tokens
+        max_model_len=64,
+        long_prefill_token_threshold=16,
+        policy="priority",
+        enable_prefix_caching=False,
+    )
+    for rid, start in (("x", 1000), ("y", 2000)):
+        request = make_request(
+            rid, prompt(17, start), max_tokens=47, ignore_eos=True, priority=0, arrival_time=1.0
+        )
+        sched.add_request(request)
+    finished: set[str] = set()
+    for _ in range(400):
+        step = run_step(sched)
+        for outputs in step.engine_core_outputs.values():
+            finished |= {o.request_id for o in outputs.outputs if o.finish_reason is not None}
+        if finished == {"x", "y"}:
+            break
+    assert finished == {"x", "y"}
+    assert sched.get_num_unfinished_requests() == 0 and num_free(sched) == 4
+
+
 def test_priority_victim_scheduled_earlier_in_step_gets_its_budget_refunded():
     # 5 blocks -> 4 usable; budget 24.
     sched = make_scheduler(
@@ -518,7 +577,9 @@ def test_priority_victim_scheduled_earlier_in_step_gets_its_budget_refunded():
     # L finishes its prompt (6), H takes 16 (1 block), R gets the 2 left (1 block).
     step = run_step(sched)
     assert list(step.scheduler_output.num_scheduled_tokens.items()) == [
-        ("L", 6), ("H", 16), ("R", 2),
+        ("L", 6),
+        ("H", 16),
+        ("R", 2),
     ]
     assert running_ids(sched) == ["L", "H", "R"]
     assert num_free(sched) == 0
@@ -1025,9 +1086,7 @@ def test_logprobs_rows_follow_the_model_runner_order():
         logprobs=[[-0.1, -0.1], [-0.2, -0.2]],
         sampled_token_ranks=[1, 1],
     )
-    mro = make_model_runner_output(
-        sched, out, sampled={"A": [11], "B": [22]}, logprobs=logprobs
-    )
+    mro = make_model_runner_output(sched, out, sampled={"A": [11], "B": [22]}, logprobs=logprobs)
     outputs = {o.request_id: o for o in sched.update_from_output(out, mro)[0].outputs}
     assert outputs["A"].new_logprobs.logprob_token_ids == [[11, 11]]
     assert outputs["B"].new_logprobs.logprob_token_ids == [[22, 22]]
@@ -1062,9 +1121,7 @@ def test_logprobs_none_when_request_did_not_ask():
     sched = make_scheduler()
     sched.add_request(make_request("A", prompt(10, 1000), max_tokens=5))
     out = sched.schedule()
-    mro = make_model_runner_output(
-        sched, out, logprobs=LogprobsLists([[TOK]], [[-0.5]], [1])
-    )
+    mro = make_model_runner_output(sched, out, logprobs=LogprobsLists([[TOK]], [[-0.5]], [1]))
     (output,) = sched.update_from_output(out, mro)[0].outputs
     assert output.new_logprobs is None
 

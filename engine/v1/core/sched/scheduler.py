@@ -12,8 +12,8 @@ Read it for the decision order of ``schedule()``:
    ``long_prefill_token_threshold``, the remaining ``token_budget`` and
    ``max_model_len``. If ``allocate_slots`` finds no free blocks, a running
    request is preempted (``preempted_req``; FCFS: the last running request;
-   PRIORITY: the worst ``(priority, arrival_time)``, the first in the running
-   list on a tie), its blocks are freed, it goes back to the *front* of the
+   PRIORITY: the worst ``(priority, arrival_time)``, the last admitted of
+   those tied), its blocks are freed, it goes back to the *front* of the
    waiting queue with ``num_computed_tokens = 0``, and the allocation is
    retried. If ``preempted_req`` is the request itself, the loop stops.
 3. WAITING requests are admitted only if nothing was preempted this step.
@@ -35,6 +35,15 @@ structured output, LoRA, KV connectors or pause states, and no
 over for a reason other than space -- blocked on a grammar, on remote KV or
 on more streamed input, over the ``max_loras`` limit, or with a KV connector
 that cannot yet say how much of the prompt it holds.
+
+Differs from vLLM on purpose: on a PRIORITY tie (equal priority and arrival
+time, e.g. the ``n > 1`` children of one request) vLLM preempts the first
+tied request in the running list, Glassbox the last. With chunked prefills
+vLLM's choice can livelock: the request just readmitted after a preemption
+takes the blocks of the other, which is preempted in turn, forever (two
+17-token prompts, ``long_prefill_token_threshold=16``, 4 usable blocks of 16;
+``tests/v1/core/test_scheduler.py``). Taking the last tied request, as FCFS's
+``pop()`` does, lets the earlier one finish.
 
 Tracing (Glassbox's own): the scheduler receives a ``SchedulerTrace``
 (``engine/tracing/core_trace.py``) and calls it at each decision; its
@@ -152,9 +161,12 @@ class Scheduler(SchedulerInterface):
                     break
                 # Out of blocks: preempt someone and retry.
                 if self.policy == SchedulingPolicy.PRIORITY:
-                    # The worst (priority, arrival_time); on a tie, max() keeps
-                    # the first in the running list, as in vLLM.
-                    preempted_req = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    # The worst (priority, arrival_time); on a tie the last admitted
+                    # (max() keeps the first it sees), like FCFS's pop(). vLLM keeps
+                    # the first admitted, which can livelock two tied requests.
+                    preempted_req = max(
+                        reversed(self.running), key=lambda r: (r.priority, r.arrival_time)
+                    )
                     self.running.remove(preempted_req)
                     if preempted_req in scheduled_running_reqs:
                         # Already scheduled earlier in this loop: refund it.
