@@ -55,7 +55,14 @@ def test_rmsnorm_matches_transformers(dtype):
         ref.weight.copy_(w)
     out = ours(x)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref(x), atol=0, rtol=0)
+    if dtype == torch.float32:
+        # forward_cpu (csrc/cpu) sums the squares in an order set by the
+        # machine's SIMD width, transformers in torch's: a few float32 ulps apart.
+        ulps = 8 * torch.finfo(torch.float32).eps
+        torch.testing.assert_close(out, ref(x), atol=ulps, rtol=ulps)
+    else:
+        # Other dtypes run forward_native: transformers' torch ops in its order.
+        torch.testing.assert_close(out, ref(x), atol=0, rtol=0)
 
 
 def test_rmsnorm_fused_residual_returns_normed_sum_and_sum():

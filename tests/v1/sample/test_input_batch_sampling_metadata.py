@@ -50,7 +50,10 @@ MIXED = {
     "topp": SamplingParams(temperature=1.2, top_p=0.6, seed=2, logprobs=0),
     "minp": SamplingParams(temperature=1.0, min_p=0.2, seed=3),
     "penalties": SamplingParams(
-        temperature=0.7, seed=4, repetition_penalty=1.3, frequency_penalty=0.5,
+        temperature=0.7,
+        seed=4,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
         presence_penalty=0.2,
     ),
     "allowed": SamplingParams(temperature=0.0, allowed_token_ids=[3, 5, 7, 11]),
@@ -114,7 +117,10 @@ def test_mixed_batch_samples_the_same_tokens_across_joins_and_leaves():
         ours = batch.refresh_metadata()
 
         assert (ours.all_greedy, ours.all_random, ours.no_penalties, ours.max_num_logprobs) == (
-            ref.all_greedy, ref.all_random, ref.no_penalties, ref.max_num_logprobs
+            ref.all_greedy,
+            ref.all_random,
+            ref.no_penalties,
+            ref.max_num_logprobs,
         ), step
         torch.manual_seed(step)  # unseeded rows draw from the global RNG
         out_ref = sampler(logits.clone(), ref)
@@ -131,11 +137,28 @@ def test_mixed_batch_samples_the_same_tokens_across_joins_and_leaves():
     assert set(rows) == {"topp", "minp", "bad_words", "bias", "min_tokens", "topk"}
 
 
-def test_all_greedy_batch_copies_nothing_and_reuses_its_metadata(monkeypatch):
+def test_all_greedy_batch_copies_nothing_and_reuses_its_metadata():
     batch = make_batch()
-    copies = []
-    original = batch._copy_rows
-    monkeypatch.setattr(batch, "_copy_rows", lambda *a: copies.append(a) or original(*a))
+    # The device-side per-row buffers, marked: a host -> device copy of any
+    # sampling parameter would overwrite the mark.
+    device_buffers = {
+        name: getattr(batch, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "frequency_penalties",
+            "presence_penalties",
+            "repetition_penalties",
+        )
+    }
+    for buffer in device_buffers.values():
+        buffer.fill_(-7)
+    marked = {name: buffer.clone() for name, buffer in device_buffers.items()}
+
+    def untouched() -> bool:
+        return all(torch.equal(device_buffers[name], marked[name]) for name in marked)
+
     for i in range(3):
         batch.add_request(make_state(f"r{i}", SamplingParams(temperature=0.0), [1, 2, 3]))
     md = batch.refresh_metadata()
@@ -143,9 +166,9 @@ def test_all_greedy_batch_copies_nothing_and_reuses_its_metadata(monkeypatch):
     assert md.top_p is None and md.top_k is None and md.allowed_token_ids_mask is None
     assert md.prompt_token_ids is None and not list(md.logitsprocs.all)
     assert torch.equal(md.temperature, torch.zeros(3))
-    assert copies == []  # nothing crossed to the device
+    assert untouched()  # nothing crossed to the device
     # Nothing changed: the same object comes back, no new work.
-    assert batch.refresh_metadata() is md and copies == []
+    assert batch.refresh_metadata() is md and untouched()
     # A token appended to a request is seen through the same object.
     batch.requests[0].output_token_ids.append(7)
     assert batch.refresh_metadata().output_token_ids[0] == [7]
