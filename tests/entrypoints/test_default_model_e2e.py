@@ -6,9 +6,9 @@ correctly and stop on its own EOS; its greedy tokens must be exactly
 transformers' ``generate`` on the same converted folder; and batching chat
 requests together must not change any request's greedy tokens.
 
-The GGUF -> HF conversion (~20 s) runs once per test process
-(``tests.helpers.hf_checkpoints.default_model_path``), into ``$GLASSBOX_CACHE``
-when set, else into a temp dir of this pytest session.
+The GGUF -> HF conversion runs at most once (``tests.helpers.hf_checkpoints.
+default_model_path``), into the cache ``LLM()`` uses: ``$GLASSBOX_CACHE``, else
+``~/.cache/glassbox``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 from tests.helpers.hf_checkpoints import (
-    default_model_cache_root,
     default_model_path,
     hf_greedy,
 )
@@ -49,21 +48,15 @@ ENGINE_ARGS = {"max_model_len": 512, "num_gpu_blocks_override": 96}
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return default_model_path(tmp_path_factory)
+def model_path() -> str:
+    return default_model_path()
 
 
 @pytest.fixture(scope="module")
-def llm(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    """``LLM()`` with no model: what a user who names none gets.
-
-    GLASSBOX_CACHE points at the cache ``model_path`` was converted into, so
-    the default model is found there instead of being converted again into
-    ~/.cache/glassbox.
-    """
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GLASSBOX_CACHE", default_model_cache_root(tmp_path_factory))
-        llm = LLM(**ENGINE_ARGS)
+def llm(model_path: str) -> Iterator[LLM]:
+    """``LLM()`` with no model: what a user who names none gets. It finds the
+    folder ``model_path`` converted in the default cache."""
+    llm = LLM(**ENGINE_ARGS)
     yield llm
     llm.shutdown()
 
@@ -115,14 +108,18 @@ def test_chat_tokens_match_transformers_generate(
     reference = hf_greedy(hf_model, list(prompt_ids), MAX_TOKENS, stop_at_eos=True)
     assert reference.token_ids[-1] == EOS_TOKEN_ID  # transformers stopped on EOS too
     assert list(capital_output.outputs[0].token_ids) == reference.token_ids
-    assert capital_output.outputs[0].text == tokenizer.decode(reference.token_ids, skip_special_tokens=True)
+    assert capital_output.outputs[0].text == tokenizer.decode(
+        reference.token_ids, skip_special_tokens=True
+    )
 
 
 def test_batched_chat_equals_one_at_a_time(llm: LLM) -> None:
     conversations = [CAPITAL_QUESTION, *OTHER_QUESTIONS]
     batched = llm.chat(conversations, BATCH_GREEDY, use_tqdm=False)
     assert len(batched) == len(conversations)
-    singles = [llm.chat(conversation, BATCH_GREEDY, use_tqdm=False)[0] for conversation in conversations]
+    singles = [
+        llm.chat(conversation, BATCH_GREEDY, use_tqdm=False)[0] for conversation in conversations
+    ]
 
     for conversation, together, alone in zip(conversations, batched, singles):
         assert together.prompt_token_ids == alone.prompt_token_ids

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 # Tiny but not trivial: 2 layers, grouped-query attention (4 query heads share
@@ -85,8 +84,13 @@ def save_random_llama(path: Path, *, hidden_size: int, intermediate_size: int) -
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
         initializer_range=0.2,
     )
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
@@ -98,7 +102,9 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[dict[str, list[int
     drawn in order from one generator: the first n prompts do not depend on
     how many follow."""
     g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in lengths]
+    return [
+        {"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in lengths
+    ]
 
 
 @dataclass
@@ -154,16 +160,23 @@ def hf_greedy(
 _default_model_path: str | None = None
 
 
-def default_model_cache_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``$GLASSBOX_CACHE`` when set (shared with other runs), else a per-session temp dir."""
-    env = os.environ.get("GLASSBOX_CACHE")
-    if env:
-        return env
-    return str(tmp_path_factory.getbasetemp() / "glassbox_cache_session")
+def default_model_cache_root() -> str:
+    """The cache ``LLM()`` itself uses: ``$GLASSBOX_CACHE``, else ``~/.cache/glassbox``.
+
+    Not a temp dir: the notebooks, ``glassbox trace`` and an engine started by
+    a test all look there, and pointing ``GLASSBOX_CACHE`` elsewhere would also
+    move the compiled CPU kernels' cache (``engine/_cpu_ops.py``), so the
+    engine process would compile them again (a minute or more on 2 cores).
+    ``tests/model_executor/test_default_model.py`` times a conversion of its
+    own in a temp dir."""
+    from engine.model_executor.model_loader.default_model import DEFAULT_CACHE_ROOT
+
+    return os.environ.get("GLASSBOX_CACHE") or os.path.expanduser(DEFAULT_CACHE_ROOT)
 
 
-def default_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The converted SmolLM2 folder; converts (~20 s) only on the first call per process."""
+def default_model_path() -> str:
+    """The converted SmolLM2 folder (in ``default_model_cache_root``); converts
+    only when that cache does not hold it yet."""
     global _default_model_path
     if _default_model_path is None:
         from engine.model_executor.model_loader.default_model import (
@@ -171,6 +184,6 @@ def default_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         )
 
         _default_model_path = get_default_model_path(
-            cache_dir=default_model_cache_root(tmp_path_factory), progress=False
+            cache_dir=default_model_cache_root(), progress=False
         )
     return _default_model_path

@@ -3,10 +3,8 @@ embedded default model (SmolLM2-135M-Instruct, CPU), prints the lifecycle
 summary, and the recorded trace replays in the app, every panel agreeing with
 the replay model.
 
-The model folder is the user's converted default model when it is already
-there (``glassbox trace`` / ``make run`` converted it; it is only read), else
-``tests.helpers.hf_checkpoints.default_model_path`` (converted once per test
-process, into ``$GLASSBOX_CACHE`` when set, else a temp dir).
+The model folder is ``tests.helpers.hf_checkpoints.default_model_path``: the
+default model in the cache ``LLM()`` uses, converted there if it is not yet.
 """
 
 from __future__ import annotations
@@ -27,27 +25,33 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    from engine.model_executor.model_loader.default_model import (
-        default_model_dir,
-        is_conversion_complete,
-    )
-
-    converted = default_model_dir()
-    if is_conversion_complete(converted):
-        return str(converted)
-    return default_model_path(tmp_path_factory)
+def model_path() -> str:
+    return default_model_path()
 
 
 @pytest.fixture(scope="module")
 def recorded(model_path, tmp_path_factory) -> tuple[str, str]:
     trace = str(tmp_path_factory.mktemp("e2e") / "run.jsonl")
     argv = [
-        "trace", "What is the capital of France?", "--headless", "--model", model_path,
-        "--device", "cpu", "--trace-level", "lifecycle", "--concurrent", "2",
+        "trace",
+        "What is the capital of France?",
+        "--headless",
+        "--model",
+        model_path,
+        "--device",
+        "cpu",
+        "--trace-level",
+        "lifecycle",
+        "--concurrent",
+        "2",
         # Short raw prompts and 4 tokens each keep the CPU run to a few seconds.
-        "--raw-prompt", "--max-tokens", "4", "--max-num-batched-tokens", "16",
-        "--trace-path", trace,
+        "--raw-prompt",
+        "--max-tokens",
+        "4",
+        "--max-num-batched-tokens",
+        "16",
+        "--trace-path",
+        trace,
     ]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -58,8 +62,15 @@ def recorded(model_path, tmp_path_factory) -> tuple[str, str]:
 def test_headless_trace_prints_the_prompts_lifecycle(recorded):
     trace, out = recorded
     assert "Request prompt (followed)" in out
-    for piece in ("queued:", "admitted", "prefill", "first output token", "finished:",
-                  "Other requests:", f"glassbox tui {trace}"):
+    for piece in (
+        "queued:",
+        "admitted",
+        "prefill",
+        "first output token",
+        "finished:",
+        "Other requests:",
+        f"glassbox tui {trace}",
+    ):
         assert piece in out, piece
     session = open_session(trace)
     assert session.info.followed_request_id == "prompt"
