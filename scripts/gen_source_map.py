@@ -11,11 +11,18 @@ What goes into the map, and where it comes from:
 * **Shared names.** Each class, method, function (and capitalised module-level
   name such as ``BlockHash``) defined in both files under the same qualified
   name (``Class.method``; "Glassbox" read as "Vllm"), with the line on each
-  side. Our lines come from parsing ``engine/``; vLLM's from the symbol index
+  side; ``NAME_TWINS`` pairs a name with a vLLM name of another class in the
+  twin (``IncrementalDetokenizer.update`` with ``BaseIncrementalDetokenizer.update``).
+  Our lines come from parsing ``engine/``; vLLM's from the symbol index
   ``../shared/reference/vllm_symbols_52a31cc.json``, with class membership
   (which ``forward`` belongs to which class) taken from vLLM's source at the
   pinned commit (a git mirror, ``--vllm-repo``) and cross-checked against the
   index.
+* **Glassbox's own names.** In a module with a twin, each class, function or
+  method whose docstring says "Glassbox's own" (a name vLLM does not have),
+  with our line only.
+* **The tracing package** (``engine/tracing/``) is listed once, in a section of
+  its own, whatever sessions its modules name.
 * **The seeds' stale paths and symbols** (``STALE`` below): what the reading
   plan says, and where it lives at 52a31cc. Each entry is checked here and
   again by ``tests/test_source_map.py``.
@@ -58,17 +65,43 @@ DATA_DIR = ROOT / "docs" / "data"
 DATA_SYMBOLS = DATA_DIR / f"vllm_twins_{COMMIT}.json"
 DATA_PATHS = DATA_DIR / f"vllm_paths_{COMMIT}.txt"
 DEFAULT_REFERENCE = ROOT.parent / "shared" / "reference"
-DEFAULT_MIRROR = Path(os.environ.get("GLASSBOX_VLLM_REPO", "/work/.mirror/local-inference-lab+vllm/repo"))
+DEFAULT_MIRROR = Path(
+    os.environ.get("GLASSBOX_VLLM_REPO", "/work/.mirror/local-inference-lab+vllm/repo")
+)
 
 # Modules whose docstring does not name a twin (or names it in a form the
 # parser misses) can be mapped here: "engine/<path>.py": (["vllm/<path>.py"], ["04"]).
 # Leave the session list empty to keep the docstring's sessions.
-TWIN_OVERRIDES: dict[str, tuple[list[str], list[str]]] = {}
+TWIN_OVERRIDES: dict[str, tuple[list[str], list[str]]] = {
+    # The docstring names the package; the function's twin is in registry.py.
+    "engine/transformers_utils/tokenizer.py": (["vllm/tokenizers/registry.py"], []),
+}
+
+# A name whose twin is a name of another class in the twin module:
+# (Glassbox module, our qualified name) -> vLLM's qualified name.
+NAME_TWINS: dict[tuple[str, str], str] = {
+    # vLLM's IncrementalDetokenizer is the no-op base; the work is in its subclass.
+    (
+        "engine/v1/engine/detokenizer.py",
+        "IncrementalDetokenizer.update",
+    ): "BaseIncrementalDetokenizer.update",
+    (
+        "engine/v1/engine/detokenizer.py",
+        "IncrementalDetokenizer.get_next_output_text",
+    ): "BaseIncrementalDetokenizer.get_next_output_text",
+}
+
+# The package listed once, in its own section.
+TRACING = "engine/tracing/"
+# A docstring containing this marks a name vLLM does not have.
+OWN_MARK = re.compile(r"Glassbox['’]s own")
 
 TWIN_RE = re.compile(r"vLLM twins?:\s*(.*?)(?:\n\s*\n|\.\s*\n)", re.S)
 PATH_RE = re.compile(r"``(vllm/[\w/.\-]+?(?:\.py|/))``")
 SESSION_RE = re.compile(r"Sessions?:\s*([^\n]*)")
 SIMPLER_RE = re.compile(r"Simpler than vLLM:?\s*(.*?)(?:\n\s*\n|\Z)", re.S | re.I)
+# A behaviour that differs from vLLM's on purpose, with the reason (the whole paragraph).
+DIFFERS_RE = re.compile(r"Differs from vLLM on purpose:?\s*(.*?)(?:\n\s*\n|\Z)", re.S | re.I)
 SESSION_NAMES = {
     "01": "Session 01 — the engine loop",
     "02": "Session 02 — the scheduler",
@@ -123,7 +156,9 @@ def vllm_name(name: str) -> str:
 # ---------------------------------------------------------------------------
 class VllmData:
     def __init__(self, reference: Path | None, mirror: Path | None) -> None:
-        self.vendored: dict[str, dict] = json.loads(DATA_SYMBOLS.read_text()) if DATA_SYMBOLS.exists() else {}
+        self.vendored: dict[str, dict] = (
+            json.loads(DATA_SYMBOLS.read_text()) if DATA_SYMBOLS.exists() else {}
+        )
         self.index: dict[str, dict] | None = None
         self.paths: set[str] | None = None
         self.mirror = mirror if mirror is not None and (mirror / "HEAD").exists() else None
@@ -169,7 +204,9 @@ class VllmData:
             try:
                 source = subprocess.run(
                     ["git", "-C", str(self.mirror), "show", f"{COMMIT}:{path}"],
-                    capture_output=True, text=True, check=True,
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 ).stdout
             except subprocess.CalledProcessError:
                 source = None
@@ -177,7 +214,9 @@ class VllmData:
             old = self.vendored.get(path, {}).get("qualified")
             if old is not None:
                 return old
-            self.warnings.append(f"{path}: no vLLM source (mirror) to place methods in classes; top-level names only")
+            self.warnings.append(
+                f"{path}: no vLLM source (mirror) to place methods in classes; top-level names only"
+            )
             return {}
         qualified = qualified_symbols(source)
         # The index lists defs and classes; every one we place must agree with it.
@@ -185,7 +224,9 @@ class VllmData:
             bare = qual.rsplit(".", 1)[-1]
             is_def = line in base["symbols"].get(bare, [])
             if bare in base["symbols"] and not is_def:
-                self.warnings.append(f"{path}: {qual} at :{line} is not in the symbol index; dropped")
+                self.warnings.append(
+                    f"{path}: {qual} at :{line} is not in the symbol index; dropped"
+                )
                 del qualified[qual]
         return qualified
 
@@ -202,13 +243,16 @@ class Module:
     symbols: dict[str, int]
     summary: str
     simpler: str | None
+    differs: str | None = None
+    # Names whose docstring marks them as Glassbox's own, in definition order.
+    own: list[str] = field(default_factory=list)
     rows: list[str] = field(default_factory=list)
 
 
 def module_twins(doc: str) -> list[str]:
     m = TWIN_RE.search((doc or "") + "\n\n")
-    if not m:
-        return []
+    if not m or m.group(1).lower().startswith("none"):
+        return []  # "vLLM twin: none (... ``vllm/x/`` ...)" names a path but no twin
     return [p + "__init__.py" if p.endswith("/") else p for p in PATH_RE.findall(m.group(1))]
 
 
@@ -238,6 +282,7 @@ def load_modules() -> list[Module]:
             twins, override_sessions = TWIN_OVERRIDES[rel]
             sessions = override_sessions or sessions
         simpler = SIMPLER_RE.search(doc)
+        differs = DIFFERS_RE.search(doc)
         modules.append(
             Module(
                 rel=rel,
@@ -245,15 +290,38 @@ def load_modules() -> list[Module]:
                 twins=twins,
                 sessions=sessions or ["--"],
                 symbols=qualified_symbols(source),
-                summary=doc.strip().splitlines()[0].strip() if doc else "",
-                simpler=first_sentence(simpler.group(1)) if simpler and simpler.group(1).strip() else None,
+                summary=" ".join(doc.strip().split("\n\n")[0].split()) if doc else "",
+                simpler=first_sentence(simpler.group(1))
+                if simpler and simpler.group(1).strip()
+                else None,
+                differs=" ".join(differs.group(1).split()) if differs else None,
+                own=own_names(source),
             )
         )
     return modules
 
 
+def own_names(source: str) -> list[str]:
+    """Classes, functions and methods (``Class.method``) whose docstring marks
+    them as Glassbox's own."""
+    found: list[str] = []
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + node.name
+                if OWN_MARK.search(ast.get_docstring(node) or ""):
+                    found.append(name)
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, name + ".")
+
+    walk(ast.parse(source).body, "")
+    return found
+
+
 def anchor(rel: str) -> str:
-    """The HTML anchor of a module's row: engine/v1/core/block_pool.py -> engine-v1-core-block_pool-py."""
+    """The HTML anchor of a module's row:
+    engine/v1/core/block_pool.py -> engine-v1-core-block_pool-py."""
     return re.sub(r"[/.]", "-", rel)
 
 
@@ -267,7 +335,9 @@ def session_cell(mod: Module) -> str:
 
 def our_names(mod: Module, limit: int = 8) -> str:
     """A module's main top-level names with our lines (``name 12/–``)."""
-    top = [q for q in mod.symbols if "." not in q and not q.startswith("_") and not q.isupper()][:limit]
+    top = [q for q in mod.symbols if "." not in q and not q.startswith("_") and not q.isupper()][
+        :limit
+    ]
     return ", ".join(f"`{q}` {mod.symbols[q]}/–" for q in top) or "—"
 
 
@@ -279,15 +349,29 @@ def module_rows(mod: Module, data: VllmData) -> list[str]:
         glassbox = f"`{mod.rel}`" if i else f'<a id="{anchor(mod.rel)}"></a>`{mod.rel}`'
         if entry is None:
             data.warnings.append(f"{mod.rel}: its twin {twin} does not exist in vLLM at {COMMIT}")
-            rows.append(f"| {glassbox} | `{twin}` — **not in vLLM at {COMMIT}** | {sessions} | {_cell(mod.summary)} | |")
+            rows.append(
+                f"| {glassbox} | `{twin}` — **not in vLLM at {COMMIT}** | {sessions} | "
+                f"{_cell(mod.summary)} | |"
+            )
             continue
         theirs = entry["qualified"]
         shared = []
         for qual, ours in mod.symbols.items():
             if qual.rsplit(".", 1)[-1].startswith("__"):
                 continue
+            alias = NAME_TWINS.get((mod.rel, qual))
+            if alias is not None:
+                if alias not in theirs:
+                    data.warnings.append(f"{mod.rel}: NAME_TWINS names {alias}, not in {twin}")
+                    continue
+                shared.append(f"`{qual}` {ours}/{theirs[alias]} (vLLM: `{alias}`)")
+                continue
             line = theirs.get(qual, theirs.get(vllm_name(qual)))
             if line is not None:
+                if qual in mod.own:
+                    data.warnings.append(
+                        f"{mod.rel}: {qual} is marked Glassbox's own; {twin} has it"
+                    )
                 shared.append(f"`{qual}` {ours}/{line}")
         if not shared and i == 0:
             # No shared names: show our main names so the row still points somewhere.
@@ -298,8 +382,13 @@ def module_rows(mod: Module, data: VllmData) -> list[str]:
             shown = ", ".join(shared[:MAX_NAMES_SHOWN])
             if len(shared) > MAX_NAMES_SHOWN:
                 shown += f", … (+{len(shared) - MAX_NAMES_SHOWN})"
+        own = [q for q in mod.own if q not in theirs and vllm_name(q) not in theirs]
+        own = [q for q in own if f"`{q}` " not in shown]
+        if own and i == 0:
+            shown += "; Glassbox's own: " + ", ".join(f"`{q}` {mod.symbols[q]}/–" for q in own)
         rows.append(
-            f"| {glassbox} | `{twin}` ({entry['lines']} lines) | {sessions} | {_cell(mod.summary)} | {shown} |"
+            f"| {glassbox} | `{twin}` ({entry['lines']} lines) | {sessions} | "
+            f"{_cell(mod.summary)} | {shown} |"
         )
     return rows
 
@@ -315,128 +404,336 @@ def module_rows(mod: Module, data: VllmData) -> list[str]:
 # old: (path or package/, qualified name or None, approximate line or None)
 # now: [(vLLM path, qualified name)]; lines are looked up, never typed in.
 STALE: list[dict] = [
-    dict(seed="000", old=("vllm/v1/engine/engine_core.py", None, None), status="renamed",
-         now=[("vllm/v1/engine/core.py", "EngineCore"), ("vllm/v1/engine/core.py", "EngineCoreProc")],
-         note="The engine core lives in `core.py`."),
-    dict(seed="001 · 1", old=("vllm/v1/engine/core.py", "run_engine_core", None), status="restructured",
-         now=[("vllm/v1/engine/core.py", "EngineCoreProc.run_engine_core")],
-         note="A staticmethod of `EngineCoreProc` (the target of the engine-core process), not a module-level function."),
-    dict(seed="001 · 1", old=("vllm/v1/engine/async_llm.py", "AsyncLLM.generate", 315), status="lines moved",
-         now=[("vllm/v1/engine/async_llm.py", "AsyncLLM.generate")], note=""),
-    dict(seed="001 · 1", old=("vllm/v1/engine/async_llm.py", "AsyncLLM.output_handler", 366), status="restructured",
-         now=[("vllm/v1/engine/async_llm.py", "AsyncLLM._run_output_handler"),
-              ("vllm/v1/engine/async_llm.py", "AsyncLLM._run_output_handler.output_handler")],
-         note="A coroutine defined inside `_run_output_handler` and started as a background task."),
-    dict(seed="001 · 1", old=("vllm/v1/engine/core_client.py", "EngineCoreClient.get_output_async", None), status="detail",
-         now=[("vllm/v1/engine/core_client.py", "EngineCoreClient.get_output_async"),
-              ("vllm/v1/engine/core_client.py", "AsyncMPClient.get_output_async"),
-              ("vllm/v1/engine/core_client.py", "AsyncMPClient.add_request_async")],
-         note="Abstract on `EngineCoreClient`; the ZMQ implementation is `AsyncMPClient`."),
-    dict(seed="001 · 2", old=("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule", 361), status="lines moved",
-         now=[("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule")],
-         note="The seed's range ~361–438 is now the running-requests loop; the method spans about 600 lines."),
-    dict(seed="001 · 2", old=("vllm/v1/core/sched/scheduler.py", "Scheduler._try_schedule_new_request", None),
-         status="removed",
-         now=[("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule"),
-              ("vllm/v1/core/sched/scheduler.py", "Scheduler._preempt_request")],
-         note="Admission is inline in `schedule()`'s waiting loop; preemption (running loop only) is `_preempt_request`."),
-    dict(seed="001 · 2", old=("vllm/v1/request.py", "RequestStatus.FINISHED", None), status="renamed",
-         now=[("vllm/v1/request.py", "RequestStatus.FINISHED_STOPPED"),
-              ("vllm/v1/request.py", "RequestStatus.FINISHED_LENGTH_CAPPED"),
-              ("vllm/v1/request.py", "RequestStatus.FINISHED_ABORTED"),
-              ("vllm/v1/request.py", "RequestStatus.is_finished")],
-         note="One status per finish reason; every status after `PREEMPTED` counts as finished."),
-    dict(seed="001 · 3", old=("vllm/v1/core/kv_cache_manager.py", "KVCacheManager.get_computed_blocks", 157),
-         status="lines moved", now=[("vllm/v1/core/kv_cache_manager.py", "KVCacheManager.get_computed_blocks")], note=""),
-    dict(seed="001 · 3", old=("vllm/v1/core/single_type_kv_cache_manager.py",
-                              "SingleTypeKVCacheManager.find_longest_cache_hit", 236), status="lines moved",
-         now=[("vllm/v1/core/single_type_kv_cache_manager.py", "SingleTypeKVCacheManager.find_longest_cache_hit"),
-              ("vllm/v1/core/single_type_kv_cache_manager.py", "FullAttentionManager.find_longest_cache_hit")],
-         note="Abstract on the base class; the full-attention version is the one a dense model uses."),
-    dict(seed="001 · 3", old=("vllm/v1/core/kv_cache_manager.py", None, None), status="detail",
-         now=[("vllm/v1/core/kv_cache_coordinator.py", "KVCacheCoordinator"),
-              ("vllm/v1/core/kv_cache_coordinator.py", "UnitaryKVCacheCoordinator")],
-         note="`KVCacheManager` no longer talks to `SingleTypeKVCacheManager` directly: a coordinator "
-              "sits in between, one manager per KV cache group."),
-    dict(seed="001 · 3", old=("vllm/v1/core/kv_cache_utils.py", "BlockHashType", None), status="renamed",
-         now=[("vllm/v1/core/kv_cache_utils.py", "BlockHash"),
-              ("vllm/v1/core/kv_cache_utils.py", "BlockHashWithGroupId")],
-         note="A `NewType` over bytes; the prefix-cache key appends the KV cache group id."),
-    dict(seed="001 · 3", old=("vllm/v1/core/kv_cache_utils.py", "hash_request_tokens", None), status="removed",
-         now=[("vllm/v1/core/kv_cache_utils.py", "get_request_block_hasher"),
-              ("vllm/v1/core/kv_cache_utils.py", "hash_block_tokens"),
-              ("vllm/v1/request.py", "Request.update_block_hashes")],
-         note="Hashes are computed incrementally as a request's blocks fill, not all at once."),
-    dict(seed="000", old=("vllm/v1/core/kv_cache_utils.py", "BlockHashToBlockMap", None), status="moved",
-         now=[("vllm/v1/core/block_pool.py", "BlockHashToBlockMap")], note=""),
-    dict(seed="001 · 4", old=("vllm/v1/worker/gpu_worker.py", "Worker.initialize_cache", None), status="renamed",
-         now=[("vllm/v1/worker/gpu_worker.py", "Worker.initialize_from_config")], note=""),
-    dict(seed="001 · 4", old=("vllm/v1/worker/gpu_model_runner.py", None, None), status="detail",
-         now=[("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner"),
-              ("vllm/v1/worker/gpu/model_runner.py", "GPUModelRunner"),
-              ("vllm/v1/worker/gpu/model_runner.py", "GPUModelRunner.prepare_inputs")],
-         note="There are two runners: V1 (the seed's file) and V2 under `worker/gpu/`, the default for dense "
-              "Qwen3 since 2026-05. Glassbox mirrors V1."),
-    dict(seed="001 · 4", old=("vllm/v1/worker/gpu_model_runner.py", None, None), status="detail",
-         now=[("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._determine_batch_execution_and_padding"),
-              ("vllm/v1/cudagraph_dispatcher.py", "CudagraphDispatcher.dispatch")],
-         note="Where padding to a captured size is decided (the session's exercise)."),
-    dict(seed="001 · 4", old=("vllm/v1/attention/backend.py", "AttentionMetadata", None), status="detail",
-         now=[("vllm/v1/attention/backend.py", "AttentionMetadata"),
-              ("vllm/v1/attention/backend.py", "CommonAttentionMetadata"),
-              ("vllm/v1/attention/backend.py", "AttentionMetadataBuilder.build")],
-         note="`AttentionMetadata` is an empty base class; block tables and slot mappings travel in "
-              "`CommonAttentionMetadata`, which each backend's builder turns into its own metadata."),
-    dict(seed="001 · lifecycle", old=("vllm/v1/executor/abstract.py", None, None), status="detail",
-         now=[("vllm/v1/executor/abstract.py", "Executor.execute_model"),
-              ("vllm/v1/executor/abstract.py", "Executor.sample_tokens")],
-         note="Two phases: `execute_model` runs the forward and returns nothing; `sample_tokens` returns "
-              "the `ModelRunnerOutput`."),
-    dict(seed="001 · lifecycle", old=("vllm/v1/core/sched/output.py", None, None), status="detail",
-         now=[("vllm/v1/core/sched/output.py", "SchedulerOutput"),
-              ("vllm/v1/core/sched/output.py", "NewRequestData"),
-              ("vllm/v1/core/sched/output.py", "CachedRequestData"),
-              ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._prepare_inputs")],
-         note="`SchedulerOutput` carries token counts and *new* block ids per request, not positions or "
-              "whole block tables; the runner derives those in `_prepare_inputs`."),
-    dict(seed="001 · lifecycle", old=("vllm/v1/engine/output_processor.py", None, None), status="detail",
-         now=[("vllm/v1/engine/__init__.py", "EngineCoreOutputs"),
-              ("vllm/v1/engine/output_processor.py", "OutputProcessor.process_outputs"),
-              ("vllm/v1/engine/output_processor.py", "RequestOutputCollector")],
-         note="The core sends `EngineCoreOutputs`; `RequestOutput`s are made in the front end, and detokenised there."),
-    dict(seed="000", old=("vllm/v1/outputs.py", "ModelOutput", None), status="renamed",
-         now=[("vllm/v1/outputs.py", "ModelRunnerOutput")], note=""),
-    dict(seed="000", old=("vllm/model_executor/layers/attention/attention.py", "RadixAttention", None),
-         status="renamed", now=[("vllm/model_executor/layers/attention/attention.py", "Attention")],
-         note="`RadixAttention` is SGLang's layer; vLLM's is `Attention`."),
-    dict(seed="000", old=("vllm/quantization/", None, None), status="moved",
-         now=[("vllm/model_executor/layers/quantization/base_config.py", "QuantizationConfig")], note=""),
-    dict(seed="001 · 5", old=("vllm/v1/sample/logits_processor.py", None, None), status="moved",
-         now=[("vllm/v1/sample/logits_processor/interface.py", "LogitsProcessor"),
-              ("vllm/v1/sample/logits_processor/__init__.py", "build_logitsprocs")],
-         note="Now a package."),
-    dict(seed="001 · 5", old=("vllm/v1/attention/backends/flash_attn.py", "FlashAttentionBackend.forward", None),
-         status="moved", now=[("vllm/v1/attention/backends/flash_attn.py", "FlashAttentionImpl.forward")],
-         note="Backends are classes of static methods; the kernel call is on the `Impl`."),
-    dict(seed="001 · 6", old=("vllm/v1/spec_decode/eagle.py", "EagleProposer.propose_draft_tokens", None),
-         status="removed", now=[("vllm/v1/spec_decode/eagle.py", "EagleProposer"),
-                                ("vllm/v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer.propose")],
-         note="`EagleProposer` is a short subclass; drafting is in the shared base class."),
-    dict(seed="001 · 6", old=("vllm/v1/structured_output/", "Grammar", None), status="renamed",
-         now=[("vllm/v1/structured_output/backend_types.py", "StructuredOutputGrammar"),
-              ("vllm/v1/structured_output/__init__.py", "StructuredOutputManager")], note=""),
-    dict(seed="001 · 7", old=("vllm/v1/executor/ray_distributed_executor.py", None, None), status="removed",
-         now=[("vllm/v1/executor/ray_executor.py", "RayDistributedExecutor")], note="Removed 2026-04."),
-    dict(seed="001", old=("vllm/core/", None, None), status="removed", now=[],
-         note="V0 is gone (with `vllm/worker/`, `vllm/executor/`, `BlockSpaceManagerV1/V2`)."),
+    dict(
+        seed="000",
+        old=("vllm/v1/engine/engine_core.py", None, None),
+        status="renamed",
+        now=[
+            ("vllm/v1/engine/core.py", "EngineCore"),
+            ("vllm/v1/engine/core.py", "EngineCoreProc"),
+        ],
+        note="The engine core lives in `core.py`.",
+    ),
+    dict(
+        seed="001 · 1",
+        old=("vllm/v1/engine/core.py", "run_engine_core", None),
+        status="restructured",
+        now=[("vllm/v1/engine/core.py", "EngineCoreProc.run_engine_core")],
+        note=(
+            "A staticmethod of `EngineCoreProc` (the target of the engine-core process), not "
+            "a module-level function."
+        ),
+    ),
+    dict(
+        seed="001 · 1",
+        old=("vllm/v1/engine/async_llm.py", "AsyncLLM.generate", 315),
+        status="lines moved",
+        now=[("vllm/v1/engine/async_llm.py", "AsyncLLM.generate")],
+        note="",
+    ),
+    dict(
+        seed="001 · 1",
+        old=("vllm/v1/engine/async_llm.py", "AsyncLLM.output_handler", 366),
+        status="restructured",
+        now=[
+            ("vllm/v1/engine/async_llm.py", "AsyncLLM._run_output_handler"),
+            ("vllm/v1/engine/async_llm.py", "AsyncLLM._run_output_handler.output_handler"),
+        ],
+        note="A coroutine defined inside `_run_output_handler` and started as a background task.",
+    ),
+    dict(
+        seed="001 · 1",
+        old=("vllm/v1/engine/core_client.py", "EngineCoreClient.get_output_async", None),
+        status="detail",
+        now=[
+            ("vllm/v1/engine/core_client.py", "EngineCoreClient.get_output_async"),
+            ("vllm/v1/engine/core_client.py", "AsyncMPClient.get_output_async"),
+            ("vllm/v1/engine/core_client.py", "AsyncMPClient.add_request_async"),
+        ],
+        note="Abstract on `EngineCoreClient`; the ZMQ implementation is `AsyncMPClient`.",
+    ),
+    dict(
+        seed="001 · 2",
+        old=("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule", 361),
+        status="lines moved",
+        now=[("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule")],
+        note=(
+            "The seed's range ~361–438 is now the running-requests loop; the method spans "
+            "about 600 lines."
+        ),
+    ),
+    dict(
+        seed="001 · 2",
+        old=("vllm/v1/core/sched/scheduler.py", "Scheduler._try_schedule_new_request", None),
+        status="removed",
+        now=[
+            ("vllm/v1/core/sched/scheduler.py", "Scheduler.schedule"),
+            ("vllm/v1/core/sched/scheduler.py", "Scheduler._preempt_request"),
+        ],
+        note=(
+            "Admission is inline in `schedule()`'s waiting loop; preemption (running loop "
+            "only) is `_preempt_request`."
+        ),
+    ),
+    dict(
+        seed="001 · 2",
+        old=("vllm/v1/request.py", "RequestStatus.FINISHED", None),
+        status="renamed",
+        now=[
+            ("vllm/v1/request.py", "RequestStatus.FINISHED_STOPPED"),
+            ("vllm/v1/request.py", "RequestStatus.FINISHED_LENGTH_CAPPED"),
+            ("vllm/v1/request.py", "RequestStatus.FINISHED_ABORTED"),
+            ("vllm/v1/request.py", "RequestStatus.is_finished"),
+        ],
+        note="One status per finish reason; every status after `PREEMPTED` counts as finished.",
+    ),
+    dict(
+        seed="001 · 3",
+        old=("vllm/v1/core/kv_cache_manager.py", "KVCacheManager.get_computed_blocks", 157),
+        status="lines moved",
+        now=[("vllm/v1/core/kv_cache_manager.py", "KVCacheManager.get_computed_blocks")],
+        note="",
+    ),
+    dict(
+        seed="001 · 3",
+        old=(
+            "vllm/v1/core/single_type_kv_cache_manager.py",
+            "SingleTypeKVCacheManager.find_longest_cache_hit",
+            236,
+        ),
+        status="lines moved",
+        now=[
+            (
+                "vllm/v1/core/single_type_kv_cache_manager.py",
+                "SingleTypeKVCacheManager.find_longest_cache_hit",
+            ),
+            (
+                "vllm/v1/core/single_type_kv_cache_manager.py",
+                "FullAttentionManager.find_longest_cache_hit",
+            ),
+        ],
+        note=(
+            "Abstract on the base class; the full-attention version is the one a dense model uses."
+        ),
+    ),
+    dict(
+        seed="001 · 3",
+        old=("vllm/v1/core/kv_cache_manager.py", None, None),
+        status="detail",
+        now=[
+            ("vllm/v1/core/kv_cache_coordinator.py", "KVCacheCoordinator"),
+            ("vllm/v1/core/kv_cache_coordinator.py", "UnitaryKVCacheCoordinator"),
+        ],
+        note="`KVCacheManager` no longer talks to `SingleTypeKVCacheManager` directly: a "
+        "coordinator sits in between, one manager per KV cache group.",
+    ),
+    dict(
+        seed="001 · 3",
+        old=("vllm/v1/core/kv_cache_utils.py", "BlockHashType", None),
+        status="renamed",
+        now=[
+            ("vllm/v1/core/kv_cache_utils.py", "BlockHash"),
+            ("vllm/v1/core/kv_cache_utils.py", "BlockHashWithGroupId"),
+        ],
+        note="A `NewType` over bytes; the prefix-cache key appends the KV cache group id.",
+    ),
+    dict(
+        seed="001 · 3",
+        old=("vllm/v1/core/kv_cache_utils.py", "hash_request_tokens", None),
+        status="removed",
+        now=[
+            ("vllm/v1/core/kv_cache_utils.py", "get_request_block_hasher"),
+            ("vllm/v1/core/kv_cache_utils.py", "hash_block_tokens"),
+            ("vllm/v1/request.py", "Request.update_block_hashes"),
+        ],
+        note="Hashes are computed incrementally as a request's blocks fill, not all at once.",
+    ),
+    dict(
+        seed="000",
+        old=("vllm/v1/core/kv_cache_utils.py", "BlockHashToBlockMap", None),
+        status="moved",
+        now=[("vllm/v1/core/block_pool.py", "BlockHashToBlockMap")],
+        note="",
+    ),
+    dict(
+        seed="001 · 4",
+        old=("vllm/v1/worker/gpu_worker.py", "Worker.initialize_cache", None),
+        status="renamed",
+        now=[("vllm/v1/worker/gpu_worker.py", "Worker.initialize_from_config")],
+        note="",
+    ),
+    dict(
+        seed="001 · 4",
+        old=("vllm/v1/worker/gpu_model_runner.py", None, None),
+        status="detail",
+        now=[
+            ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner"),
+            ("vllm/v1/worker/gpu/model_runner.py", "GPUModelRunner"),
+            ("vllm/v1/worker/gpu/model_runner.py", "GPUModelRunner.prepare_inputs"),
+        ],
+        note="There are two runners: V1 (the seed's file) and V2 under `worker/gpu/`, the "
+        "default for dense Qwen3 since 2026-05. Glassbox mirrors V1.",
+    ),
+    dict(
+        seed="001 · 4",
+        old=("vllm/v1/worker/gpu_model_runner.py", None, None),
+        status="detail",
+        now=[
+            (
+                "vllm/v1/worker/gpu_model_runner.py",
+                "GPUModelRunner._determine_batch_execution_and_padding",
+            ),
+            ("vllm/v1/cudagraph_dispatcher.py", "CudagraphDispatcher.dispatch"),
+        ],
+        note="Where padding to a captured size is decided (the session's exercise).",
+    ),
+    dict(
+        seed="001 · 4",
+        old=("vllm/v1/attention/backend.py", "AttentionMetadata", None),
+        status="detail",
+        now=[
+            ("vllm/v1/attention/backend.py", "AttentionMetadata"),
+            ("vllm/v1/attention/backend.py", "CommonAttentionMetadata"),
+            ("vllm/v1/attention/backend.py", "AttentionMetadataBuilder.build"),
+        ],
+        note="`AttentionMetadata` is an empty base class; block tables and slot mappings travel in "
+        "`CommonAttentionMetadata`, which each backend's builder turns into its own metadata.",
+    ),
+    dict(
+        seed="001 · lifecycle",
+        old=("vllm/v1/executor/abstract.py", None, None),
+        status="detail",
+        now=[
+            ("vllm/v1/executor/abstract.py", "Executor.execute_model"),
+            ("vllm/v1/executor/abstract.py", "Executor.sample_tokens"),
+        ],
+        note="Two phases: `execute_model` runs the forward and returns nothing; "
+        "`sample_tokens` returns the `ModelRunnerOutput`.",
+    ),
+    dict(
+        seed="001 · lifecycle",
+        old=("vllm/v1/core/sched/output.py", None, None),
+        status="detail",
+        now=[
+            ("vllm/v1/core/sched/output.py", "SchedulerOutput"),
+            ("vllm/v1/core/sched/output.py", "NewRequestData"),
+            ("vllm/v1/core/sched/output.py", "CachedRequestData"),
+            ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._prepare_inputs"),
+        ],
+        note="`SchedulerOutput` carries token counts and *new* block ids per request, not "
+        "positions or whole block tables; the runner derives those in `_prepare_inputs`.",
+    ),
+    dict(
+        seed="001 · lifecycle",
+        old=("vllm/v1/engine/output_processor.py", None, None),
+        status="detail",
+        now=[
+            ("vllm/v1/engine/__init__.py", "EngineCoreOutputs"),
+            ("vllm/v1/engine/output_processor.py", "OutputProcessor.process_outputs"),
+            ("vllm/v1/engine/output_processor.py", "RequestOutputCollector"),
+        ],
+        note=(
+            "The core sends `EngineCoreOutputs`; `RequestOutput`s are made in the front end, "
+            "and detokenised there."
+        ),
+    ),
+    dict(
+        seed="000",
+        old=("vllm/v1/outputs.py", "ModelOutput", None),
+        status="renamed",
+        now=[("vllm/v1/outputs.py", "ModelRunnerOutput")],
+        note="",
+    ),
+    dict(
+        seed="000",
+        old=("vllm/model_executor/layers/attention/attention.py", "RadixAttention", None),
+        status="renamed",
+        now=[("vllm/model_executor/layers/attention/attention.py", "Attention")],
+        note="`RadixAttention` is SGLang's layer; vLLM's is `Attention`.",
+    ),
+    dict(
+        seed="000",
+        old=("vllm/quantization/", None, None),
+        status="moved",
+        now=[("vllm/model_executor/layers/quantization/base_config.py", "QuantizationConfig")],
+        note="",
+    ),
+    dict(
+        seed="001 · 5",
+        old=("vllm/v1/sample/logits_processor.py", None, None),
+        status="moved",
+        now=[
+            ("vllm/v1/sample/logits_processor/interface.py", "LogitsProcessor"),
+            ("vllm/v1/sample/logits_processor/__init__.py", "build_logitsprocs"),
+        ],
+        note="Now a package.",
+    ),
+    dict(
+        seed="001 · 5",
+        old=("vllm/v1/attention/backends/flash_attn.py", "FlashAttentionBackend.forward", None),
+        status="moved",
+        now=[("vllm/v1/attention/backends/flash_attn.py", "FlashAttentionImpl.forward")],
+        note="Backends are classes of static methods; the kernel call is on the `Impl`.",
+    ),
+    dict(
+        seed="001 · 6",
+        old=("vllm/v1/spec_decode/eagle.py", "EagleProposer.propose_draft_tokens", None),
+        status="removed",
+        now=[
+            ("vllm/v1/spec_decode/eagle.py", "EagleProposer"),
+            ("vllm/v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer.propose"),
+        ],
+        note="`EagleProposer` is a short subclass; drafting is in the shared base class.",
+    ),
+    dict(
+        seed="001 · 6",
+        old=("vllm/v1/structured_output/", "Grammar", None),
+        status="renamed",
+        now=[
+            ("vllm/v1/structured_output/backend_types.py", "StructuredOutputGrammar"),
+            ("vllm/v1/structured_output/__init__.py", "StructuredOutputManager"),
+        ],
+        note="",
+    ),
+    dict(
+        seed="001 · 7",
+        old=("vllm/v1/executor/ray_distributed_executor.py", None, None),
+        status="removed",
+        now=[("vllm/v1/executor/ray_executor.py", "RayDistributedExecutor")],
+        note="Removed 2026-04.",
+    ),
+    dict(
+        seed="001",
+        old=("vllm/core/", None, None),
+        status="removed",
+        now=[],
+        note="V0 is gone (with `vllm/worker/`, `vllm/executor/`, `BlockSpaceManagerV1/V2`).",
+    ),
     dict(seed="001", old=("vllm/worker/", None, None), status="removed", now=[], note=""),
-    dict(seed="§5", old=("vllm/v1/engine/processor.py", None, None), status="renamed",
-         now=[("vllm/v1/engine/input_processor.py", "InputProcessor")], note=""),
-    dict(seed="§5", old=("vllm/tracing.py", None, None), status="moved",
-         now=[("vllm/tracing/__init__.py", None)], note="Now a package (OpenTelemetry spans)."),
-    dict(seed="§5", old=("vllm/attention/", None, None), status="moved",
-         now=[("vllm/v1/attention/backend.py", "AttentionBackend"),
-              ("vllm/model_executor/layers/attention/attention.py", "Attention")], note=""),
+    dict(
+        seed="§5",
+        old=("vllm/v1/engine/processor.py", None, None),
+        status="renamed",
+        now=[("vllm/v1/engine/input_processor.py", "InputProcessor")],
+        note="",
+    ),
+    dict(
+        seed="§5",
+        old=("vllm/tracing.py", None, None),
+        status="moved",
+        now=[("vllm/tracing/__init__.py", None)],
+        note="Now a package (OpenTelemetry spans).",
+    ),
+    dict(
+        seed="§5",
+        old=("vllm/attention/", None, None),
+        status="moved",
+        now=[
+            ("vllm/v1/attention/backend.py", "AttentionBackend"),
+            ("vllm/model_executor/layers/attention/attention.py", "Attention"),
+        ],
+        note="",
+    ),
 ]
 
 OLD_CELL_RE = re.compile(r"`(vllm/[\w/.\-]+)`(?: · `([\w.]+)`)?(?: ~(\d+))?")
@@ -491,7 +788,9 @@ def stale_rows(data: VllmData, modules: list[Module]) -> list[str]:
     return rows
 
 
-def check_old_claim(data: VllmData, path: str, qual: str | None, approx: int | None, status: str) -> str | None:
+def check_old_claim(
+    data: VllmData, path: str, qual: str | None, approx: int | None, status: str
+) -> str | None:
     """None when the seed's claim is indeed stale in the way ``status`` says."""
     if status == "detail":
         return None
@@ -555,7 +854,11 @@ def build(data: VllmData) -> str:
     modules = load_modules()
     rows_by_session: dict[str, list[str]] = {}
     glassbox_only = []
+    tracing_rows = []
     for mod in modules:
+        if mod.rel.startswith(TRACING):
+            tracing_rows += module_rows(mod, data) if mod.twins else [glassbox_only_row(mod)]
+            continue
         if not mod.twins:
             if mod.doc or mod.rel.rsplit("/", 1)[-1] != "__init__.py":
                 glassbox_only.append(mod)
@@ -566,17 +869,19 @@ def build(data: VllmData) -> str:
     out = [
         "# Source map: Glassbox ↔ vLLM",
         "",
-        f"Every module of `engine/` beside its twin in vLLM at commit `{COMMIT}` ({COMMIT_DATE}), the",
-        "sessions that read it, and the names both define. In the last column `name 120/345` means",
-        "Glassbox defines `name` at line 120 of its module and vLLM at line 345 of the twin",
-        f"(`git show {COMMIT}:<path>` in a vLLM clone, or the GitHub blob at that commit);",
-        "`name 120/–` marks a Glassbox name with no counterpart. A module with two twins has two rows.",
+        f"Every module of `engine/` beside its twin in vLLM at commit `{COMMIT}` ({COMMIT_DATE}),",
+        "the sessions that read it, and the names both define. In the last column",
+        "`name 120/345` means Glassbox defines `name` at line 120 of its module and vLLM at line",
+        f"345 of the twin (`git show {COMMIT}:<path>` in a vLLM clone, or the GitHub blob at that",
+        "commit); `name 120/–` marks a Glassbox name with no counterpart (after \"Glassbox's",
+        'own:", the names whose docstring says so). A module with two twins has two rows.',
         "",
-        "Generated by `scripts/gen_source_map.py` from the module docstrings and vLLM's symbol index;",
-        "`tests/test_source_map.py` checks every path, name and line cited here against `engine/` and",
-        f"against the vendored vLLM data in `docs/data/` (extracted at {COMMIT}).",
+        "Generated by `scripts/gen_source_map.py` from the module docstrings and vLLM's symbol",
+        "index; `tests/test_source_map.py` checks every path, name and line cited here against",
+        f"`engine/` and against the vendored vLLM data in `docs/data/` (extracted at {COMMIT}).",
         "",
         "Contents: [modules by session](#modules-by-session) ·",
+        "[the tracing package](#the-tracing-package-enginetracing) ·",
         "[the seeds' stale paths and symbols](#the-seeds-stale-paths-and-symbols) ·",
         "[what Glassbox simplifies and why](#what-glassbox-simplifies-and-why) ·",
         "[Glassbox-only modules](#glassbox-only-modules)",
@@ -591,21 +896,31 @@ def build(data: VllmData) -> str:
         out += [
             f"### {SESSION_NAMES[key]}",
             "",
-            "| Glassbox | vLLM twin | Sessions | What it is | Shared names (Glassbox line/vLLM line) |",
+            "| Glassbox | vLLM twin | Sessions | What it is "
+            "| Shared names (Glassbox line/vLLM line) |",
             "| --- | --- | --- | --- | --- |",
             *rows,
             "",
         ]
 
     out += [
+        "## The tracing package (`engine/tracing/`)",
+        "",
+        *tracing_intro(data),
+        "",
+        "| Glassbox | vLLM twin | Sessions | What it is | Names (Glassbox line/vLLM line) |",
+        "| --- | --- | --- | --- | --- |",
+        *tracing_rows,
+        "",
         "## The seeds' stale paths and symbols",
         "",
-        "The reading plan (seed 001, by session; seed 000, the subsystem index) was written against an",
-        "older vLLM. Where a path or name it gives is gone, renamed or far from the line it quotes, this",
-        f"table says where it is at `{COMMIT}`; *detail* rows pin down a loose description. Rows marked",
-        "§5 come from the wider list in the layout notes (`vllm_layout.md` §5). The test re-checks each",
-        "row: the old name really is absent (or, for *lines moved*, more than 10 lines away), and every",
-        "citation on the right exists at the line given.",
+        "The reading plan (seed 001, by session; seed 000, the subsystem index) was written",
+        "against an older vLLM. Where a path or name it gives is gone, renamed or far from the",
+        f"line it quotes, this table says where it is at `{COMMIT}`; *detail* rows pin down a",
+        "loose description. Rows marked §5 come from the wider list in the layout notes",
+        "(`vllm_layout.md` §5). The test re-checks each row: the old name really is absent (or,",
+        "for *lines moved*, more than 10 lines away), and every citation on the right exists at",
+        "the line given.",
         "",
         f"| Seed · session | The seed says | Status | At {COMMIT} | Glassbox | Note |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -626,6 +941,20 @@ def build(data: VllmData) -> str:
             out.append(f"| {target} | {_cell(mod.simpler)} |")
     out += ["", "</details>", ""]
     out += [
+        "## Where Glassbox differs from vLLM on purpose",
+        "",
+        "Behaviours vLLM defines that Glassbox does differently, each with its reason (the",
+        'module docstring\'s "Differs from vLLM on purpose" paragraph).',
+        "",
+        "| Module | Difference and reason |",
+        "| --- | --- |",
+    ]
+    for mod in modules:
+        if mod.differs:
+            target = f"[`{mod.rel}`](#{anchor(mod.rel)})" if mod.twins else f"`{mod.rel}`"
+            out.append(f"| {target} | {_cell(mod.differs)} |")
+    out.append("")
+    out += [
         "## C++ kernels (`csrc/`)",
         "",
         "Compiled on first use by `engine/_cpu_ops.py` (and by `make setup`); each file names its",
@@ -639,19 +968,42 @@ def build(data: VllmData) -> str:
     out += [
         "## Glassbox-only modules",
         "",
-        "No vLLM twin (none named in the docstring or in `TWIN_OVERRIDES`): tracing, the TUI's CLI and",
-        "the embedded default model have no counterpart in vLLM.",
+        "No vLLM twin (none named in the docstring or in `TWIN_OVERRIDES`): for example the CLI's",
+        "trace and TUI commands and the embedded default model have no counterpart in vLLM (the",
+        "tracing package has [its own section](#the-tracing-package-enginetracing)).",
         "",
         "| Glassbox | vLLM twin | Sessions | What it is | Names (Glassbox line/–) |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for mod in glassbox_only:
-        out.append(
-            f'| <a id="{anchor(mod.rel)}"></a>`{mod.rel}` | — | {session_cell(mod)} | {_cell(mod.summary)} '
-            f"| {our_names(mod)} |"
-        )
+    out += [glassbox_only_row(mod) for mod in glassbox_only]
     out.append("")
     return "\n".join(out)
+
+
+def glassbox_only_row(mod: Module) -> str:
+    return (
+        f'| <a id="{anchor(mod.rel)}"></a>`{mod.rel}` | — | {session_cell(mod)} '
+        f"| {_cell(mod.summary)} | {our_names(mod)} |"
+    )
+
+
+def tracing_intro(data: VllmData) -> list[str]:
+    """What the tracing package is beside vLLM, citing the collector its pattern follows."""
+    path, name = "vllm/v1/core/kv_cache_metrics.py", "KVCacheMetricsCollector"
+    entry = data.entry(path)
+    line = entry["qualified"].get(name) if entry else None
+    if line is None:
+        data.warnings.append(f"{name} is not in {path} at {COMMIT}")
+    collector = cite(path, name, line) if line else f"`{name}`"
+    return [
+        "Every module of the package, listed once. vLLM's `vllm/tracing/` exports OpenTelemetry",
+        "spans per request to a collector; it is the twin only of the package as a whole",
+        "(`__init__.py`). The rest is Glassbox's own: one typed event per scheduling decision,",
+        "KV block move and sampled token, written as JSON lines so that a run can be replayed",
+        "step by step (`docs/trace_format.md`). The subsystems receive trace objects",
+        "(`core_trace.py`, `engine_trace.py`, `worker_trace.py`) the way vLLM's `BlockPool`",
+        f"receives its {collector} and calls it at a few points.",
+    ]
 
 
 def csrc_rows() -> list[str]:
@@ -666,17 +1018,26 @@ def csrc_rows() -> list[str]:
         twin_line = next((h for h in header if h.startswith("vLLM twin:")), "")
         twin = re.search(r"(csrc/\S+?)[,.;)]?(\s|$)", twin_line)
         rows.append(
-            f"| `{path.relative_to(ROOT)}` | {'`' + twin.group(1) + '`' if twin else '—'} | {_cell(header[0])} |"
+            f"| `{path.relative_to(ROOT)}` | {'`' + twin.group(1) + '`' if twin else '—'} | "
+            f"{_cell(header[0])} |"
         )
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE,
-                        help="folder with vllm_symbols_52a31cc.json and vllm_files_52a31cc.txt")
-    parser.add_argument("--vllm-repo", type=Path, default=DEFAULT_MIRROR,
-                        help="a git clone or mirror of vLLM holding commit 52a31cc")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=DEFAULT_REFERENCE,
+        help="folder with vllm_symbols_52a31cc.json and vllm_files_52a31cc.txt",
+    )
+    parser.add_argument(
+        "--vllm-repo",
+        type=Path,
+        default=DEFAULT_MIRROR,
+        help="a git clone or mirror of vLLM holding commit 52a31cc",
+    )
     parser.add_argument("--check", action="store_true", help="fail if docs/source_map.md is stale")
     args = parser.parse_args()
     if args.check:
@@ -700,7 +1061,10 @@ def main() -> int:
     DATA_SYMBOLS.write_text(json.dumps(used, indent=1, sort_keys=True) + "\n")
     if data.index is not None and data.paths is not None:
         DATA_PATHS.write_text("\n".join(sorted(data.paths)) + "\n")
-    print(f"wrote {target.relative_to(ROOT)} ({len(used)} vLLM files cited, {len(data.warnings)} warnings)")
+    print(
+        f"wrote {target.relative_to(ROOT)} ({len(used)} vLLM files cited, "
+        f"{len(data.warnings)} warnings)"
+    )
     return 0
 
 

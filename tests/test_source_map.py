@@ -11,7 +11,10 @@ independently of the generator:
   in that file at the line given (and the line is one the symbol index lists);
 * each row of the seeds' stale-path table is really stale in the way its
   status says;
-* every module under engine/ has an entry;
+* every module under engine/ has an entry, and the tracing package's modules
+  one each, in its own section;
+* a name shown as Glassbox's own (``name 12/–``) in a row with a twin is not
+  defined in that twin;
 * the links from docs/architecture.md into the map land on an anchor.
 """
 
@@ -32,7 +35,9 @@ VLLM_PATHS = set((ROOT / "docs" / "data" / "vllm_paths_52a31cc.txt").read_text()
 MAP = (ROOT / "docs" / "source_map.md").read_text()
 
 ROW_START = re.compile(r"^\| (?:<a id=\"[^\"]+\"></a>)?`(engine/[\w/.]+\.py)` \| ")
-NAME_LINES = re.compile(r"`([\w.]+)` (\d+)/(\d+|–)")
+# `name 12/34`, `name 12/–`, or `name 12/34 (vLLM: `OtherClass.name`)` when vLLM's
+# name differs (a method of another class in the twin).
+NAME_LINES = re.compile(r"`([\w.]+)` (\d+)/(\d+|–)(?: \(vLLM: `([\w.]+)`\))?")
 CITATION = re.compile(r"`((?:vllm|engine)/[\w/.\-]+\.py):(\d+) ([\w.]+)`")
 OLD_CLAIM = re.compile(r"^`(vllm/[\w/.\-]+)`(?: · `([\w.]+)`)?(?: ~(\d+))?$")
 
@@ -45,7 +50,10 @@ def defined_at(source: str, qualname: str) -> int | None:
     for part in qualname.split("."):
         found = None
         for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part:
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and node.name == part
+            ):
                 found = node
                 break
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -91,7 +99,8 @@ def check_vllm_citation(path: str, name: str, line: int) -> str | None:
 def test_source_map_is_current():
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_source_map.py"), "--check"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
 
@@ -131,7 +140,7 @@ def test_module_rows_cite_real_paths_names_and_lines():
             continue
         source = sources.setdefault(ours, (ROOT / ours).read_text())
         if twin_cell == "—":  # a Glassbox-only module: our names only
-            for name, our_line, their_line in NAME_LINES.findall(names_cell):
+            for name, our_line, their_line, _ in NAME_LINES.findall(names_cell):
                 if their_line != "–" or defined_at(source, name) != int(our_line):
                     problems.append(f"{ours}: {name} is not defined at line {our_line}")
             continue
@@ -141,15 +150,21 @@ def test_module_rows_cite_real_paths_names_and_lines():
             continue
         m = re.search(r"\((\d+) lines\)", twin_cell)
         if m is None or int(m.group(1)) != DATA[twin]["lines"]:
-            problems.append(f"{ours}: {twin} has {DATA[twin]['lines']} lines, the map says {twin_cell}")
-        for name, our_line, their_line in NAME_LINES.findall(names_cell):
+            problems.append(
+                f"{ours}: {twin} has {DATA[twin]['lines']} lines, the map says {twin_cell}"
+            )
+        for name, our_line, their_line, alias in NAME_LINES.findall(names_cell):
             if defined_at(source, name) != int(our_line):
                 problems.append(f"{ours}: {name} is not defined at line {our_line}")
-            if their_line != "–":
-                theirs = name if name in DATA[twin]["qualified"] else vllm_name(name)
-                problem = check_vllm_citation(twin, theirs, int(their_line))
-                if problem:
-                    problems.append(problem)
+            qualified = DATA[twin]["qualified"]
+            if their_line == "–":  # Glassbox's own: vLLM's twin must not define it
+                if name in qualified or vllm_name(name) in qualified:
+                    problems.append(f"{ours}: {name} is shown as Glassbox's own; {twin} has it")
+                continue
+            theirs = alias or (name if name in qualified else vllm_name(name))
+            problem = check_vllm_citation(twin, theirs, int(their_line))
+            if problem:
+                problems.append(problem)
     assert not problems, "\n".join(problems)
 
 
@@ -162,7 +177,9 @@ def test_stale_table_rows_are_stale_and_their_citations_real():
         assert m, f"unparsable claim {said!r}"
         old_path, old_name, approx = m.group(1), m.group(2), m.group(3)
         if status != "detail":
-            problem = _old_claim_problem(old_path, old_name, int(approx) if approx else None, status)
+            problem = _old_claim_problem(
+                old_path, old_name, int(approx) if approx else None, status
+            )
             if problem:
                 problems.append(f"{seed} {said}: {problem}")
         for path, line, name in CITATION.findall(now):
@@ -189,7 +206,9 @@ def _old_claim_problem(path: str, name: str | None, approx: int | None, status: 
         unchecked = [p for p in files if p not in DATA]
         return f"files under {path} missing from the data: {unchecked}" if unchecked else None
     if path not in VLLM_PATHS:
-        return "the file is gone, but the status says lines moved" if status == "lines moved" else None
+        return (
+            "the file is gone, but the status says lines moved" if status == "lines moved" else None
+        )
     if name is None:
         return f"{path} still exists"
     line = DATA[path]["qualified"].get(name)
@@ -203,13 +222,29 @@ def _old_claim_problem(path: str, name: str | None, approx: int | None, status: 
 def test_named_twin_symbols_exist_at_the_pinned_commit():
     # Key twins a reader of the seven sessions needs, with vLLM's own names.
     for twin, names in {
-        "vllm/v1/core/sched/scheduler.py": ["Scheduler", "Scheduler.schedule", "Scheduler.update_from_output",
-                                            "Scheduler._preempt_request"],
-        "vllm/v1/core/kv_cache_manager.py": ["KVCacheManager", "KVCacheManager.get_computed_blocks",
-                                             "KVCacheManager.allocate_slots", "KVCacheManager.free"],
-        "vllm/v1/core/block_pool.py": ["BlockPool", "BlockPool.get_new_blocks", "BlockPool.free_blocks",
-                                       "BlockPool.touch"],
-        "vllm/v1/core/kv_cache_utils.py": ["KVCacheBlock", "FreeKVCacheBlockQueue", "get_request_block_hasher"],
+        "vllm/v1/core/sched/scheduler.py": [
+            "Scheduler",
+            "Scheduler.schedule",
+            "Scheduler.update_from_output",
+            "Scheduler._preempt_request",
+        ],
+        "vllm/v1/core/kv_cache_manager.py": [
+            "KVCacheManager",
+            "KVCacheManager.get_computed_blocks",
+            "KVCacheManager.allocate_slots",
+            "KVCacheManager.free",
+        ],
+        "vllm/v1/core/block_pool.py": [
+            "BlockPool",
+            "BlockPool.get_new_blocks",
+            "BlockPool.free_blocks",
+            "BlockPool.touch",
+        ],
+        "vllm/v1/core/kv_cache_utils.py": [
+            "KVCacheBlock",
+            "FreeKVCacheBlockQueue",
+            "get_request_block_hasher",
+        ],
     }.items():
         assert twin in DATA, twin
         for name in names:
@@ -221,7 +256,9 @@ def test_the_checks_catch_a_wrong_line():
     # The row checks above must be able to fail: a shifted line is reported.
     entry = DATA["vllm/v1/core/block_pool.py"]
     line = entry["qualified"]["BlockPool.get_new_blocks"]
-    assert check_vllm_citation("vllm/v1/core/block_pool.py", "BlockPool.get_new_blocks", line) is None
+    assert (
+        check_vllm_citation("vllm/v1/core/block_pool.py", "BlockPool.get_new_blocks", line) is None
+    )
     assert check_vllm_citation("vllm/v1/core/block_pool.py", "BlockPool.get_new_blocks", line + 1)
     src = (ROOT / "engine" / "v1" / "core" / "block_pool.py").read_text()
     assert defined_at(src, "BlockPool.get_new_blocks") is not None
@@ -250,7 +287,42 @@ def test_architecture_timings_match_the_committed_trace():
     # The table in docs/architecture.md is computed from docs/data/architecture_trace.jsonl.
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_architecture_diagram.py"), "--check"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     assert (ROOT / "docs" / "images" / "architecture.svg").is_file()
+
+
+def test_every_vllm_citation_in_the_map_is_real():
+    # `vllm/...py:123 Name` anywhere (stale table, section notes): the name is defined there.
+    citations = set(re.findall(r"`(vllm/[\w/.\-]+\.py):(\d+) ([\w.]+)`", MAP))
+    assert citations
+    problems = [check_vllm_citation(path, name, int(line)) for path, line, name in citations]
+    assert not any(problems), "\n".join(p for p in problems if p)
+
+
+def test_the_tracing_package_is_listed_once_in_its_own_section():
+    section = MAP[MAP.index("## The tracing package") :]
+    section = section[: section.index("\n## ")]
+    modules = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "engine" / "tracing").glob("*.py")
+        if p.stat().st_size > 0
+    )
+    for rel in modules:
+        rows = [r for r in MAP.splitlines() if ROW_START.match(r) and ROW_START.match(r)[1] == rel]
+        assert len(rows) == 1, f"{rel} has {len(rows)} rows in the module tables"
+        assert rows[0] in section, f"{rel} is listed outside the tracing section"
+
+
+def test_names_vllm_defines_in_another_class_or_file_point_there():
+    # vLLM's IncrementalDetokenizer is a no-op base; its subclass does the work.
+    detok = next(r for r in MAP.splitlines() if "`engine/v1/engine/detokenizer.py` |" in r)
+    base = DATA["vllm/v1/engine/detokenizer.py"]["qualified"]
+    for method in ("update", "get_next_output_text"):
+        line = base[f"BaseIncrementalDetokenizer.{method}"]
+        assert f"/{line} (vLLM: `BaseIncrementalDetokenizer.{method}`)" in detok, method
+    tok = next(r for r in MAP.splitlines() if "`engine/transformers_utils/tokenizer.py` |" in r)
+    line = DATA["vllm/tokenizers/registry.py"]["qualified"]["get_tokenizer"]
+    assert "`vllm/tokenizers/registry.py`" in tok and f"`get_tokenizer` 12/{line}" in tok

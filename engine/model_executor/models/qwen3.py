@@ -4,13 +4,33 @@ vLLM twin: ``vllm/model_executor/models/qwen3.py``.
 Read it for what Qwen3 changes relative to Qwen2: an RMSNorm over each query
 and key head (``q_norm``/``k_norm``, over ``head_dim``) *before* RoPE, no q/k/v
 bias by default (``attention_bias``), and an explicit ``head_dim`` that may
-differ from ``hidden_size / num_heads``. Everything else -- the MLP, the
-model body, weight loading -- is Qwen2's, reused as vLLM does.
+differ from ``hidden_size / num_heads``.
+
+What vLLM's ``qwen3.py`` takes from ``qwen2.py`` is two names: the MLP
+(``Qwen2MLP``, imported as ``Qwen3MLP``) and ``Qwen2Model``, which its
+``Qwen3Model`` subclasses, passing ``decoder_layer_type=Qwen3DecoderLayer``:
+the embedding, the stack of layers, the final norm and the loading of the
+stacked q/k/v and gate/up weights are Qwen2's. ``Qwen3Attention``,
+``Qwen3DecoderLayer`` (an ``nn.Module`` of its own that repeats Qwen2's
+norm, attention, norm, MLP order) and ``Qwen3ForCausalLM`` (its own LM head
+and ``load_weights``, whose ``AutoWeightsLoader`` hands the body's weights to
+``Qwen2Model.load_weights``) are classes of vLLM's ``qwen3.py``. Glassbox
+reuses more: its ``Qwen3DecoderLayer`` subclasses ``Qwen2DecoderLayer`` and
+only swaps the attention (``make_attention``), and its ``Qwen3ForCausalLM``
+subclasses ``Qwen2ForCausalLM`` with ``model_cls = Qwen3Model``; the layers
+compute the same as vLLM's.
+
 On CUDA the q/k norms and RoPE run as one kernel, ``fused_qk_norm_rope``
 (``engine/_custom_ops.py``), in place on the qkv output. vLLM reaches the same
 op through a torch.compile pass that rewrites the graph
 (``vllm/compilation/passes/fusion/qk_norm_rope_fusion.py``); Glassbox has no
 compile passes, so ``Qwen3Attention.forward`` calls it directly.
+
+In vLLM at 52a31cc a dense Qwen3 runs on model runner V2
+(``vllm/v1/worker/gpu/``) by default: ``Qwen3ForCausalLM`` is the one entry
+of ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`` (``vllm/config/vllm.py``; not
+for MoE or quantized checkpoints, and ``VLLM_USE_V2_MODEL_RUNNER`` overrides
+it). Glassbox's runner mirrors V1 (``vllm/v1/worker/gpu_model_runner.py``).
 Sessions: 04.
 """
 
@@ -100,9 +120,17 @@ class Qwen3Attention(nn.Module):
             # One launch: per-head RMSNorm of q and k, then RoPE, in place on
             # qkv (so the q and k views above see the result).
             ops.fused_qk_norm_rope(
-                qkv, self.num_heads, self.num_kv_heads, self.num_kv_heads, self.head_dim,
-                self.q_norm.variance_epsilon, self.q_norm.weight, self.k_norm.weight,
-                self.rotary_emb.cos_sin_cache, self.rotary_emb.is_neox_style, positions,
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.q_norm.variance_epsilon,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.rotary_emb.cos_sin_cache,
+                self.rotary_emb.is_neox_style,
+                positions,
             )
         else:
             # Per-head RMSNorm: view as [T, heads, D], normalise over D, flatten back.
