@@ -33,9 +33,10 @@ split into linear / attention / norm / RoPE / activation, LM head, sampler,
 detokenizer, the rest = Python glue -- and ``torch.profiler`` tables of the
 busiest ops for one Glassbox and one transformers batched run.
 
-Run:  .venv/bin/python benchmarks/cpu_vs_transformers.py --threads 1 --profile \
-          --out benchmarks/results/cpu_vs_transformers_$(date +%F).json
-(benchmarks/README.md says why the committed results use one thread.)
+Run:  .venv/bin/python benchmarks/cpu_vs_transformers.py --threads 1 --profile --record
+(``--record`` stores the run as ``benchmarks/results/cpu_vs_transformers_cpu.json`` and
+appends it to ``history.jsonl``; ``--out FILE`` writes the JSON anywhere.
+benchmarks/README.md says why the committed results use one thread.)
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import results_store  # noqa: E402
 
 # 32 varied, realistic short questions: facts, how-to, code, writing, advice.
 QUESTIONS: list[str] = [
@@ -152,17 +155,13 @@ def git_commit() -> dict[str, Any]:
 
     # Uncommitted engine changes would make the commit hash a lie: record
     # which files differ and a hash of the diff, so the run can be traced.
-    dirty = [
-        line[3:] for line in run("status", "--porcelain", "--", "engine").splitlines()
-    ]
+    dirty = [line[3:] for line in run("status", "--porcelain", "--", "engine").splitlines()]
     diff = run("diff", "HEAD", "--", "engine")
     return {
         "commit": run("rev-parse", "HEAD").strip() or None,
         "engine_dirty": bool(dirty),
         "engine_uncommitted_files": dirty,
-        "engine_diff_sha256": hashlib.sha256(diff.encode()).hexdigest()
-        if dirty
-        else None,
+        "engine_diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if dirty else None,
     }
 
 
@@ -192,9 +191,7 @@ class Stopwatch:
         self.other_pids = other_pids or []
 
     def _cpu_now(self) -> float:
-        return time.process_time() + sum(
-            process_cpu_seconds(p) for p in self.other_pids
-        )
+        return time.process_time() + sum(process_cpu_seconds(p) for p in self.other_pids)
 
     def __enter__(self) -> Stopwatch:  # noqa: PYI034
         self._wall, self._cpu = time.perf_counter(), self._cpu_now()
@@ -205,9 +202,7 @@ class Stopwatch:
         self.cpu = self._cpu_now() - self._cpu
 
 
-def run_glassbox(
-    llm: Any, questions: list[str], max_tokens: int
-) -> tuple[Stopwatch, list[Any]]:
+def run_glassbox(llm: Any, questions: list[str], max_tokens: int) -> tuple[Stopwatch, list[Any]]:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -231,9 +226,7 @@ def run_glassbox_bs1(
     return sw, outs
 
 
-def make_llm(
-    path: str, engine_kwargs: dict[str, Any], multiprocess: bool | None
-) -> Any:
+def make_llm(path: str, engine_kwargs: dict[str, Any], multiprocess: bool | None) -> Any:
     """``multiprocess=None``: the engine's default (EngineCore in its own
     process unless GLASSBOX_ENABLE_MULTIPROCESSING=0)."""
     from engine import LLM
@@ -351,9 +344,7 @@ class SectionTimers:
         self.missing: list[str] = []
         self._undo: list[Callable[[], None]] = []
 
-    def wrap(
-        self, owner: Any, attr: str, section: str, on_exit: Callable | None = None
-    ) -> None:
+    def wrap(self, owner: Any, attr: str, section: str, on_exit: Callable | None = None) -> None:
         fn = getattr(owner, attr, None)
         if fn is None:
             self.missing.append(f"{type(owner).__name__}.{attr}")
@@ -418,9 +409,7 @@ def install_glassbox_timers(llm: Any) -> tuple[SectionTimers, list[dict[str, Any
         )
 
     timers.wrap(engine, "add_request", "input: llm_engine.add_request")
-    timers.wrap(
-        engine.output_processor, "process_outputs", "output processor + detokenize"
-    )
+    timers.wrap(engine.output_processor, "process_outputs", "output processor + detokenize")
     timers.wrap(core, "step", "engine core step")
     timers.wrap(core.scheduler, "schedule", "scheduler.schedule")
     timers.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
@@ -438,9 +427,7 @@ def install_glassbox_timers(llm: Any) -> tuple[SectionTimers, list[dict[str, Any
         if isinstance(module, LinearBase):
             timers.wrap(module, "forward", "forward: linear layers (matmul)")
         elif isinstance(module, Attention):
-            timers.wrap(
-                module.impl, "forward", "forward: attention backend (impl.forward)"
-            )
+            timers.wrap(module.impl, "forward", "forward: attention backend (impl.forward)")
         elif isinstance(module, RMSNorm):
             timers.wrap(module, "forward", "forward: RMSNorm")
         elif isinstance(module, RotaryEmbedding):
@@ -454,7 +441,9 @@ def breakdown(timers: SectionTimers, total: Stopwatch) -> list[dict[str, Any]]:
     """Exclusive seconds per section (CPU and wall), rows adding up to the run."""
 
     def exclusive(t: dict[str, float], run_total: float) -> dict[str, float]:
-        g = lambda k: t.get(k, 0.0)
+        def g(k: str) -> float:
+            return t.get(k, 0.0)
+
         leaf_forward = [k for k in t if k.startswith("forward: ")]
         rows = {k: g(k) for k in leaf_forward}
         rows["forward: rest (embedding, residual adds, splits, module calls)"] = g(
@@ -475,15 +464,11 @@ def breakdown(timers: SectionTimers, total: Stopwatch) -> list[dict[str, Any]]:
         rows["sampling metadata build"] = g("sampling metadata build")
         rows["sampler forward"] = g("sampler forward")
         rows["runner.sample_tokens: rest"] = (
-            g("runner.sample_tokens")
-            - g("sampling metadata build")
-            - g("sampler forward")
+            g("runner.sample_tokens") - g("sampling metadata build") - g("sampler forward")
         )
         rows["scheduler.schedule"] = g("scheduler.schedule")
         rows["scheduler.update_from_output"] = g("scheduler.update_from_output")
-        rows["engine core step: rest (executor/worker calls)"] = g(
-            "engine core step"
-        ) - (
+        rows["engine core step: rest (executor/worker calls)"] = g("engine core step") - (
             g("scheduler.schedule")
             + g("scheduler.update_from_output")
             + g("runner.execute_model")
@@ -491,9 +476,7 @@ def breakdown(timers: SectionTimers, total: Stopwatch) -> list[dict[str, Any]]:
         )
         rows["output processor + detokenize"] = g("output processor + detokenize")
         rows["input: llm_engine.add_request"] = g("input: llm_engine.add_request")
-        rows["LLM.chat: rest (chat template, tokenize, loop glue)"] = run_total - sum(
-            rows.values()
-        )
+        rows["LLM.chat: rest (chat template, tokenize, loop glue)"] = run_total - sum(rows.values())
         return rows
 
     cpu_rows = exclusive(timers.cpu, total.cpu)
@@ -523,9 +506,7 @@ def step_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens": sum(s["tokens"] for s in group),
             "cpu_s": round(sum(s["cpu"] for s in group), 3),
             "wall_s": round(sum(s["wall"] for s in group), 3),
-            "cpu_ms_per_step_mean": round(
-                1000 * statistics.mean(s["cpu"] for s in group), 2
-            ),
+            "cpu_ms_per_step_mean": round(1000 * statistics.mean(s["cpu"] for s in group), 2),
             "batch_sizes": sorted({s["reqs"] for s in group}),
         }
 
@@ -596,9 +577,14 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def timing(sw: Stopwatch, num_tokens: int) -> str:
+    return f"{sw.wall:.2f}s wall / {sw.cpu:.2f}s cpu ({num_tokens / sw.wall:.1f} tok/s)"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="write the results JSON here")
+    results_store.add_record_arguments(p)
     p.add_argument(
         "--threads",
         type=int,
@@ -611,16 +597,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=3,
         help="timed runs per side, interleaved (default 3)",
     )
-    p.add_argument(
-        "--num-prompts", type=int, default=len(QUESTIONS), help=f"1..{len(QUESTIONS)}"
-    )
+    p.add_argument("--num-prompts", type=int, default=len(QUESTIONS), help=f"1..{len(QUESTIONS)}")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument(
-        "--skip-bs1", action="store_true", help="skip the batch-size-1 context runs"
-    )
-    p.add_argument(
-        "--skip-hf", action="store_true", help="Glassbox only (for trying engine args)"
-    )
+    p.add_argument("--skip-bs1", action="store_true", help="skip the batch-size-1 context runs")
+    p.add_argument("--skip-hf", action="store_true", help="Glassbox only (for trying engine args)")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -642,7 +622,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--multiprocess",
         choices=["default", "on", "off"],
         default="default",
-        help="EngineCore in its own process (GLASSBOX_ENABLE_MULTIPROCESSING); default: the engine's default",
+        help="EngineCore in its own process (GLASSBOX_ENABLE_MULTIPROCESSING); "
+        "default: the engine's default",
     )
     args = p.parse_args(argv)
     if not 1 <= args.num_prompts <= len(QUESTIONS):
@@ -685,8 +666,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "benchmark": "cpu_vs_transformers",
-        "date": _dt.date.today().isoformat(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "started_at": _dt.datetime.now().isoformat(timespec="seconds"),
+        "commit": results_store.commit_id(),
         "git": git_commit(),
         "machine": {
             "cpu_model": cpu_model(),
@@ -709,7 +691,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "device": "cpu",
             "num_prompts": len(questions),
             "max_new_tokens": args.max_tokens,
-            "sampling": "greedy; EOS does not stop (Glassbox ignore_eos=True, transformers eos_token_id=None)",
+            "sampling": "greedy; EOS does not stop (Glassbox ignore_eos=True, "
+            "transformers eos_token_id=None)",
             "questions": questions,
         },
     }
@@ -739,9 +722,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf_model = hf_tok = None
     if not args.skip_hf:
         hf_tok = AutoTokenizer.from_pretrained(path)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32
-        ).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         result["transformers"] = {
             "attn_implementation": hf_model.config._attn_implementation,
             "generate_kwargs": {
@@ -768,17 +749,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         g_runs.append(sw)
         g_ids = [list(o.outputs[0].token_ids) for o in outs]
         g_prompt_ids = [list(o.prompt_token_ids) for o in outs]
-        log(
-            f"run {r}: Glassbox {sw.wall:.2f}s wall / {sw.cpu:.2f}s cpu ({n_out / sw.wall:.1f} tok/s)"
-        )
+        log(f"run {r}: Glassbox {timing(sw, n_out)}")
         if hf_model is not None:
             sw, h_ids, padded_len = run_hf_batched(
                 hf_model, hf_tok, questions, args.max_tokens, hf_cache
             )
             h_runs.append(sw)
-            log(
-                f"run {r}: transformers batched {sw.wall:.2f}s wall / {sw.cpu:.2f}s cpu ({n_out / sw.wall:.1f} tok/s)"
-            )
+            log(f"run {r}: transformers batched {timing(sw, n_out)}")
     assert g_ids is not None and g_prompt_ids is not None
     g_counted = sum(len(x) for x in g_ids)
     if g_counted != n_out:
@@ -790,62 +767,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max(len(p) for p in g_prompt_ids),
     ]
     result["glassbox"]["batched"] = summarize(g_runs, g_counted)
-    result["glassbox"]["prefix_cache_counters_cumulative"] = (
-        glassbox_prefix_cache_counters(llm)
-    )
+    result["glassbox"]["prefix_cache_counters_cumulative"] = glassbox_prefix_cache_counters(llm)
 
     if hf_model is not None:
         assert h_ids is not None and padded_len is not None
         h_counted = sum(len(x) for x in h_ids)
         if h_counted != n_out:
-            raise RuntimeError(
-                f"transformers produced {h_counted} tokens, expected {n_out}"
-            )
+            raise RuntimeError(f"transformers produced {h_counted} tokens, expected {n_out}")
         # Both sides must have seen the same prompt tokens.
         hf_prompt_ids = [
-            hf_tok(t, add_special_tokens=False)["input_ids"]
-            for t in hf_prompts(hf_tok, questions)
+            hf_tok(t, add_special_tokens=False)["input_ids"] for t in hf_prompts(hf_tok, questions)
         ]
         result["workload"]["prompt_token_ids_identical"] = hf_prompt_ids == g_prompt_ids
         result["transformers"]["batched"] = summarize(h_runs, h_counted)
-        result["transformers"]["batched"]["padded_prompt_tokens"] = padded_len * len(
-            questions
-        )
-        med = lambda runs, attr: statistics.median(getattr(x, attr) for x in runs)
+        result["transformers"]["batched"]["padded_prompt_tokens"] = padded_len * len(questions)
+
+        def med(runs: list[Stopwatch], attr: str) -> float:
+            return statistics.median(getattr(x, attr) for x in runs)
+
         result["ratio_glassbox_over_transformers_batched"] = {
             "wall_median": round(med(h_runs, "wall") / med(g_runs, "wall"), 3),
-            "wall_best": round(
-                min(x.wall for x in h_runs) / min(x.wall for x in g_runs), 3
-            ),
+            "wall_best": round(min(x.wall for x in h_runs) / min(x.wall for x in g_runs), 3),
             "cpu_median": round(med(h_runs, "cpu") / med(g_runs, "cpu"), 3),
         }
-        result["greedy_agreement_glassbox_vs_transformers_batched"] = agreement(
-            g_ids, h_ids
-        )
+        result["greedy_agreement_glassbox_vs_transformers_batched"] = agreement(g_ids, h_ids)
 
     # --- batch-size-1 context runs -----------------------------------------
     if not args.skip_bs1:
         sw, outs = run_glassbox_bs1(llm, questions, args.max_tokens)
         g1_ids = [list(o.outputs[0].token_ids) for o in outs]
         result["glassbox"]["bs1"] = summarize([sw], sum(len(x) for x in g1_ids))
-        log(
-            f"Glassbox bs1 {sw.wall:.2f}s wall / {sw.cpu:.2f}s cpu ({n_out / sw.wall:.1f} tok/s)"
-        )
+        log(f"Glassbox bs1 {timing(sw, n_out)}")
         result["greedy_agreement_glassbox_batched_vs_bs1"] = agreement(g_ids, g1_ids)
         if hf_model is not None:
-            sw, h1_ids = run_hf_bs1(
-                hf_model, hf_tok, questions, args.max_tokens, hf_cache
-            )
+            sw, h1_ids = run_hf_bs1(hf_model, hf_tok, questions, args.max_tokens, hf_cache)
             result["transformers"]["bs1"] = summarize([sw], sum(len(x) for x in h1_ids))
-            log(
-                f"transformers bs1 {sw.wall:.2f}s wall / {sw.cpu:.2f}s cpu ({n_out / sw.wall:.1f} tok/s)"
-            )
-            result["greedy_agreement_glassbox_vs_transformers_bs1"] = agreement(
-                g_ids, h1_ids
-            )
-            result["greedy_agreement_transformers_batched_vs_bs1"] = agreement(
-                h_ids, h1_ids
-            )
+            log(f"transformers bs1 {timing(sw, n_out)}")
+            result["greedy_agreement_glassbox_vs_transformers_bs1"] = agreement(g_ids, h1_ids)
+            result["greedy_agreement_transformers_batched_vs_bs1"] = agreement(h_ids, h1_ids)
 
     # --- profile ---------------------------------------------------------------
     if args.profile:
@@ -880,9 +839,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log("profiling one transformers batched run (torch.profiler)")
             result["transformers_profile"] = {
                 "torch_profiler_top_ops": torch_op_table(
-                    lambda: run_hf_batched(
-                        hf_model, hf_tok, questions, args.max_tokens, hf_cache
-                    )
+                    lambda: run_hf_batched(hf_model, hf_tok, questions, args.max_tokens, hf_cache)
                 )
             }
 
@@ -894,8 +851,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
         log(f"wrote {args.out}")
-    else:
+    elif not args.record:
         print(text)
+    if args.record:
+        stored = results_store.record(result, args.record, note=args.note)
+        log(f"recorded {stored} (and its history line)")
     return result
 
 

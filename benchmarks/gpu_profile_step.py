@@ -4,7 +4,10 @@ Runs Qwen3-0.6B (dummy weights, bf16) in-process, one request decoding at
 context 512 with CUDA graphs, and reports for 50 steps: wall time per step,
 GPU time per step (CUDA events around the model call would hide host gaps,
 so torch.profiler's device total is used), and the top host-side functions
-from cProfile. Usage: python3 benchmarks/gpu_profile_step.py --out DIR
+from cProfile. Usage: python3 benchmarks/gpu_profile_step.py --out DIR [--record [RESULTS_DIR]]
+Writes DIR/gpu_profile_step_b<batch>_<gpu>.json (the figures) and .txt (the
+cProfile and torch.profiler tables); ``--record`` stores both in
+benchmarks/results (``results_store.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks import results_store  # noqa: E402
 from benchmarks.gpu_throughput import model_dir  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
+    ap.add_argument("--out", default="out", help="the directory to write the results into")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check of this script)")
+    ap.add_argument(
+        "--device", default="cuda", help="cuda (the measurement) or cpu (a check of this script)"
+    )
+    results_store.add_record_arguments(ap)
     args = ap.parse_args()
+    from engine.benchmarks.throughput import provenance
     from engine.engine.arg_utils import EngineArgs
     from engine.sampling_params import SamplingParams
     from engine.v1.engine.core import EngineCore
@@ -43,14 +51,26 @@ def main() -> int:
             torch.cuda.synchronize()
 
     path = model_dir()
-    eargs = EngineArgs(model=path, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-                       max_num_seqs=256, device=args.device, disable_log_stats=True,
-                       enable_prefix_caching=False)
+    eargs = EngineArgs(
+        model=path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=4096,
+        max_num_seqs=256,
+        device=args.device,
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+    )
     config = eargs.create_engine_config()
     core = EngineCore(config, Executor.get_class(config), log_stats=False)
     for i in range(args.batch):
-        core.add_request(Request(f"r{i}", [(i + j) % 10000 for j in range(512)],
-                                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=400)))
+        core.add_request(
+            Request(
+                f"r{i}",
+                [(i + j) % 10000 for j in range(512)],
+                SamplingParams(temperature=0, ignore_eos=True, max_tokens=400),
+            )
+        )
     for _ in range(5):
         core.step()
     sync()
@@ -70,8 +90,9 @@ def main() -> int:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as tp:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as tp:
         for _ in range(10):
             core.step()
         sync()
@@ -81,10 +102,12 @@ def main() -> int:
     stats = pstats.Stats(prof)
     # Host time per phase of EngineCore.step (cumulative, ms per step).
     phases = {
-        "EngineCore.step": "core.py:step", "Scheduler.schedule": "scheduler.py:schedule",
+        "EngineCore.step": "core.py:step",
+        "Scheduler.schedule": "scheduler.py:schedule",
         "GPUModelRunner.execute_model": "gpu_model_runner.py:execute_model",
         "GPUModelRunner._prepare_inputs": "gpu_model_runner.py:_prepare_inputs",
-        "AttentionMetadataBuilder.build": ":build", "CUDAGraph.replay": "graphs.py:replay",
+        "AttentionMetadataBuilder.build": ":build",
+        "CUDAGraph.replay": "graphs.py:replay",
         "GPUModelRunner.sample_tokens": "gpu_model_runner.py:sample_tokens",
         "Sampler.forward": "sampler.py:forward",
         "Scheduler.update_from_output": "scheduler.py:update_from_output",
@@ -92,18 +115,32 @@ def main() -> int:
     host_ms = {}
     for label, key in phases.items():
         file_part, func = key.split(":")
-        total = sum(v[3] for (f, _, fn), v in stats.stats.items() if fn == func and f.endswith(file_part))
+        total = sum(
+            v[3] for (f, _, fn), v in stats.stats.items() if fn == func and f.endswith(file_part)
+        )
         host_ms[label] = total / steps * 1e3
-    result = {"batch": args.batch, "model": "Qwen3-0.6B config, dummy weights, bf16", "context": 512,
-              "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_us / 1e3,
-              "gpu_kernels_per_step": len(kernels) / 10, "host_ms_per_step_under_cprofile": host_ms,
-              "attention_backend": core.model_executor.driver_worker.model_runner.attn_backend.get_name()}
+    result = {
+        "benchmark": "gpu_profile_step",
+        **provenance(),
+        "commit": results_store.commit_id(),
+        "device": args.device,
+        "batch": args.batch,
+        "model": "Qwen3-0.6B config, dummy weights, bf16",
+        "context": 512,
+        "wall_ms_per_step": wall_ms,
+        "gpu_ms_per_step": gpu_us / 1e3,
+        "gpu_kernels_per_step": len(kernels) / 10,
+        "host_ms_per_step_under_cprofile": host_ms,
+        "attention_backend": core.model_executor.driver_worker.model_runner.attn_backend.get_name(),
+    }
     print(json.dumps(result))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"profile_step_b{args.batch}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, f"profile_step_b{args.batch}.txt"), "w") as f:
-        f.write(json.dumps(result) + "\n\n" + s.getvalue() + "\n\n" + table)
+    text = json.dumps(result) + "\n\n" + s.getvalue() + "\n\n" + table
+    out_path = results_store.output_path(args.out + "/", result)
+    out_path.write_text(results_store.dump_result(result))
+    out_path.with_suffix(".txt").write_text(text)
+    if args.record:
+        stored = results_store.record(result, args.record, text=text, note=args.note)
+        print(f"recorded {stored} (and its history line)", flush=True)
     core.shutdown()
     return 0
 

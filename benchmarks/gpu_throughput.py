@@ -25,8 +25,10 @@ process, and writes one JSON with everything the docs table needs:
   graphs on and off, against the weight + KV-read floor.
 
 Usage: python3 benchmarks/gpu_throughput.py --out DIR [--parts throughput,eager,hf,latency]
-       [--hf-num-prompts N] [--hf-timeout-s S]
-Writes DIR/gpu_throughput.json after every part (a run cut short keeps what it measured).
+       [--hf-num-prompts N] [--hf-timeout-s S] [--record [RESULTS_DIR]]
+Writes DIR/gpu_throughput_<gpu>.json (``gpu_throughput_h200.json`` on an H200)
+after every part (a run cut short keeps what it measured); ``--record``
+stores the finished run in benchmarks/results (``results_store.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from benchmarks import results_store
 from engine.benchmarks.datasets import sample_random_requests
 from engine.benchmarks.latency import run_decode_latency
 from engine.benchmarks.roofline import (
@@ -59,14 +62,31 @@ from engine.benchmarks.throughput import (
 from engine.engine.arg_utils import EngineArgs
 
 QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000,
-    "rope_scaling": None, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960, "attention_bias": False, "hidden_act": "silu",
-    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
 }
-TARGETS = {"throughput_tokens_per_s": 25000, "ratio_to_transformers": 20, "decode_step_batch1_ms": 1.0}
+TARGETS = {
+    "throughput_tokens_per_s": 25000,
+    "ratio_to_transformers": 20,
+    "decode_step_batch1_ms": 1.0,
+}
 ALL_PARTS = ("throughput", "eager", "hf", "latency")
 
 
@@ -79,8 +99,14 @@ def model_dir() -> str:
 
 def engine_args(path: str, enforce_eager: bool, **overrides) -> EngineArgs:
     kwargs = {
-        "model": path, "load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 4096,
-        "max_num_seqs": 256, "max_num_batched_tokens": 16384, "enforce_eager": enforce_eager, "device": "cuda",
+        "model": path,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "max_model_len": 4096,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 16384,
+        "enforce_eager": enforce_eager,
+        "device": "cuda",
     }
     kwargs.update(overrides)
     return EngineArgs(**kwargs)
@@ -92,25 +118,41 @@ def missed_by(result: dict) -> dict:
     tp = result.get("throughput_cudagraphs", {}).get("output_tokens_per_second")
     if tp is not None:
         t = TARGETS["throughput_tokens_per_s"]
-        out["throughput"] = f"{tp:,.0f} tok/s is {tp / t:.0%} of the {t:,} target" + (" (met)" if tp >= t else "")
+        out["throughput"] = f"{tp:,.0f} tok/s is {tp / t:.0%} of the {t:,} target" + (
+            " (met)" if tp >= t else ""
+        )
     ratio = result.get("ratio_to_transformers")
     if ratio is not None:
         t = TARGETS["ratio_to_transformers"]
         kind = "at least " if result.get("ratio_is_lower_bound") else ""
-        out["ratio_to_transformers"] = f"{kind}{ratio:.1f}x against the {t}x target" + (" (met)" if ratio >= t else "")
+        out["ratio_to_transformers"] = f"{kind}{ratio:.1f}x against the {t}x target" + (
+            " (met)" if ratio >= t else ""
+        )
     b1 = result.get("decode_latency_cudagraphs", {}).get("1", {}).get("mean_ms")
     if b1 is not None:
         t = TARGETS["decode_step_batch1_ms"]
-        out["decode_batch1"] = f"{b1:.2f} ms is {b1 / t:.1f}x the {t} ms target" + (" (met)" if b1 <= t else "")
+        out["decode_batch1"] = f"{b1:.2f} ms is {b1 / t:.1f}x the {t} ms target" + (
+            " (met)" if b1 <= t else ""
+        )
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
-    ap.add_argument("--hf-num-prompts", type=int, default=256, help="HF baseline on the first N requests (default all)")
-    ap.add_argument("--hf-timeout-s", type=float, default=240.0, help="stop the HF baseline after this long")
+    ap.add_argument("--out", default="out", help="the directory to write the JSON into")
+    ap.add_argument(
+        "--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}"
+    )
+    ap.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=256,
+        help="HF baseline on the first N requests (default all)",
+    )
+    ap.add_argument(
+        "--hf-timeout-s", type=float, default=240.0, help="stop the HF baseline after this long"
+    )
+    results_store.add_record_arguments(ap)
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(ALL_PARTS))
@@ -118,18 +160,21 @@ def main() -> int:
         ap.error(f"--parts: unknown {unknown}; choose from {list(ALL_PARTS)}")
     if not 1 <= args.hf_num_prompts <= 256:
         ap.error(f"--hf-num-prompts must be in [1, 256], got {args.hf_num_prompts}")
-    os.makedirs(args.out, exist_ok=True)
-    out_path = os.path.join(args.out, "gpu_throughput.json")
     path = model_dir()
     requests = sample_random_requests()  # nano-vllm's workload
 
     result = {
+        "benchmark": "gpu_throughput",
         **provenance(),
+        "commit": results_store.commit_id(),
         "model": "Qwen3-0.6B config, dummy weights, bf16",
-        "workload": "nano-vllm bench.py: 256 seqs, seed 0, in 100-1024, out 100-1024, T=0.6, ignore_eos",
+        "workload": "nano-vllm bench.py: 256 seqs, seed 0, in 100-1024, out 100-1024, "
+        "T=0.6, ignore_eos",
         "engine": describe_engine(engine_args(path, enforce_eager=False)),
         "targets": TARGETS,
     }
+
+    out_path = results_store.output_path(args.out + "/", result)
 
     def save():
         result["missed_by"] = missed_by(result)
@@ -165,21 +210,36 @@ def main() -> int:
 
     if "hf" in parts:
         hf_requests = requests[: args.hf_num_prompts]
-        hf = attempt("hf_transformers_continuous_batching", lambda: run_hf(
-            hf_requests, path, device="cuda", load_format="dummy", temperature=0.6,
-            max_batch_tokens=16384, max_requests_per_batch=256, timeout_s=args.hf_timeout_s,
-        ))
+        hf = attempt(
+            "hf_transformers_continuous_batching",
+            lambda: run_hf(
+                hf_requests,
+                path,
+                device="cuda",
+                load_format="dummy",
+                temperature=0.6,
+                max_batch_tokens=16384,
+                max_requests_per_batch=256,
+                timeout_s=args.hf_timeout_s,
+            ),
+        )
         if hf is not None:
-            hf["capped_to_first_n_prompts"] = args.hf_num_prompts if args.hf_num_prompts < len(requests) else None
+            hf["capped_to_first_n_prompts"] = (
+                args.hf_num_prompts if args.hf_num_prompts < len(requests) else None
+            )
             hf["timeout_s"] = args.hf_timeout_s
             ours = result.get("throughput_cudagraphs")
             if args.hf_num_prompts < len(requests):
                 # Compare on the same prompts: Glassbox on the same subset.
-                ours = attempt("throughput_cudagraphs_on_hf_subset",
-                               lambda: run_glassbox(hf_requests, engine_args(path, False)))
+                ours = attempt(
+                    "throughput_cudagraphs_on_hf_subset",
+                    lambda: run_glassbox(hf_requests, engine_args(path, False)),
+                )
             if ours is not None and "output_tokens_per_second" in ours:
                 if hf["completed"]:
-                    result["ratio_to_transformers"] = ours["output_tokens_per_second"] / hf["output_tokens_per_second"]
+                    result["ratio_to_transformers"] = (
+                        ours["output_tokens_per_second"] / hf["output_tokens_per_second"]
+                    )
                     result["ratio_is_lower_bound"] = False
                 else:
                     # Stopped at the timeout: it could not have produced all the
@@ -187,27 +247,45 @@ def main() -> int:
                     requested = sum(r.expected_output_len for r in hf_requests)
                     hf["output_tokens_per_second_upper_bound"] = requested / args.hf_timeout_s
                     result["ratio_to_transformers"] = (
-                        ours["output_tokens_per_second"] / hf["output_tokens_per_second_upper_bound"]
+                        ours["output_tokens_per_second"]
+                        / hf["output_tokens_per_second_upper_bound"]
                     )
                     result["ratio_is_lower_bound"] = True
             save()
 
     if "latency" in parts:
-        model_bytes = count_model_bytes(engine_args(path, False).create_engine_config().model_config, torch.bfloat16)
+        model_bytes = count_model_bytes(
+            engine_args(path, False).create_engine_config().model_config, torch.bfloat16
+        )
         for name, eager in (("decode_latency_cudagraphs", False), ("decode_latency_eager", True)):
-            per_batch = attempt(name, lambda eager=eager: run_decode_latency(
-                engine_args(path, eager, enable_prefix_caching=False), [1, 16, 64, 256], input_len=512,
-                num_iters=32, num_iters_warmup=4,
-            ))
+            per_batch = attempt(
+                name,
+                lambda eager=eager: run_decode_latency(
+                    engine_args(path, eager, enable_prefix_caching=False),
+                    [1, 16, 64, 256],
+                    input_len=512,
+                    num_iters=32,
+                    num_iters_warmup=4,
+                ),
+            )
             if per_batch is not None:
                 for entry in per_batch.values():
-                    entry["floor_ms"] = 1e3 * decode_step_floor_seconds(entry["batch_size"], 512, model_bytes, bandwidth)
+                    entry["floor_ms"] = 1e3 * decode_step_floor_seconds(
+                        entry["batch_size"], 512, model_bytes, bandwidth
+                    )
                     entry["ms_per_step"] = entry["mean_ms"]  # the name the first results file used
                 save()
         torch.cuda.empty_cache()
 
     save()
-    print(json.dumps({k: v for k, v in result.items() if not k.startswith("decode_latency")}, indent=1)[:6000])
+    if args.record:
+        stored = results_store.record(result, args.record, note=args.note)
+        print(f"recorded {stored} (and its history line)", flush=True)
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if not k.startswith("decode_latency")}, indent=1
+        )[:6000]
+    )
     return 0
 
 

@@ -1,24 +1,59 @@
-"""Print the docs/gpu.md results table from a gpu_throughput.json.
+"""The tables of benchmark figures in the docs, generated from benchmarks/results.
 
-Usage: python3 benchmarks/results_table.py benchmarks/results/gpu_throughput_<date>_h200.json
+Every table of measured figures in README.md, benchmarks/README.md,
+docs/gpu.md and docs/trace_format.md sits between two marker comments::
 
-Reads the file written by benchmarks/gpu_throughput.py and prints a Markdown
-table (Glassbox, target, bound per figure) plus the missed targets, so the
-numbers in the docs are copied from the results file by a program, not by
-hand. Figures the file lacks are left out.
+    <!-- results-table:NAME -->
+    ...generated...
+    <!-- /results-table:NAME -->
+
+and is written by this script from the current result files and
+``history.jsonl`` (``results_store.py`` describes both), so the figures in
+the docs are copied by a program, not by hand. ``BLOCKS`` lists every table
+and the doc it belongs to.
+
+Usage (from the repo root):
+  python benchmarks/results_table.py --check        # exit 1 if a table or a file name drifted
+  python benchmarks/results_table.py --write        # rewrite every table
+  python benchmarks/results_table.py --record out/gpu_throughput_h200.json ... [--note TEXT]
+      # store results written elsewhere (the GPU machine's $OUT; a .txt beside a
+      # .json goes with it) as the current files, append them to history.jsonl,
+      # then rewrite the tables
+  python benchmarks/results_table.py FILE.json      # print the GPU table of a gpu_throughput file
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import statistics
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import results_store  # noqa: E402
+
+RESULTS = Path("benchmarks/results")  # relative to the repo root
+# The docs that may name result files and hold tables.
+DOCS = ("README.md", "benchmarks/README.md", "docs/gpu.md", "docs/trace_format.md")
+# Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
+CPU_RATIO_TARGET = 1.5
+# How many of the functions tracing adds the GPU profile table shows.
+PROFILE_ROWS = 10
 
 
 def _tps(x: float) -> str:
     return f"{x:,.0f} tok/s"
 
 
-def _get(d: dict, *names: str):
+def _get(d: dict, *names: str) -> Any:
     """The first of ``names`` present in ``d`` (the first results file used
     ``tokens_per_s``/``seconds``/``ms_per_step``; later ones vLLM's names)."""
     for name in names:
@@ -27,23 +62,227 @@ def _get(d: dict, *names: str):
     return None
 
 
+def _pct(x: float) -> str:
+    """A slowdown: ``+4.3%``, ``−0.6%`` (a minus sign), ``0.0%``."""
+    if round(x, 1) == 0:
+        return "0.0%"
+    return f"{x:+.1f}%".replace("-", "\N{MINUS SIGN}")
+
+
+def _day(date: str | None) -> str:
+    return (date or "")[:10]
+
+
+def _short(commit: str | None) -> str:
+    """``"7330f34+uncommitted (a long note)"`` -> ``"7330f34+uncommitted"``."""
+    return (commit or "unknown").split(" ")[0]
+
+
+# --- the data ------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    """The current files (file name -> parsed JSON) and history.jsonl's lines."""
+
+    current: dict[str, dict[str, Any]]
+    history: list[dict[str, Any]]
+    files: list[str]  # every file name in benchmarks/results
+
+    @classmethod
+    def load(cls, root: Path) -> Results:
+        results_dir = root / RESULTS
+        files = sorted(p.name for p in results_dir.iterdir() if p.is_file())
+        current = {
+            name: json.loads((results_dir / name).read_text())
+            for name in files
+            if name.endswith(".json")
+        }
+        return cls(current, results_store.read_history(results_dir), files)
+
+    def series(self, current_file: str) -> list[dict[str, Any]]:
+        """The history lines of one series, in the order stored."""
+        return [r for r in self.history if r["current_file"] == current_file]
+
+    def line_of(self, current_file: str) -> dict[str, Any]:
+        """The history line the current file came from: its series' last."""
+        lines = self.series(current_file)
+        if not lines:
+            raise ValueError(f"{current_file} has no line in history.jsonl")
+        return lines[-1]
+
+
+# --- tracing overhead ------------------------------------------------------------
+
+
+def overhead(r: dict[str, Any]) -> dict[str, float]:
+    """Slowdown per traced mode, %, against the file's baseline: ``off``
+    (files from the subsystem trace objects on) or ``noop`` (earlier files:
+    the tracer's entry points monkeypatched to no-ops)."""
+    return r.get("slowdown_vs_off_percent") or r["slowdown_vs_noop_percent"]
+
+
+def baseline(r: dict[str, Any]) -> str:
+    return r.get("baseline", "noop")
+
+
+def off_figure(r: dict[str, Any]) -> str:
+    """``off``'s cost: the bound against no hooks (newer files), or the
+    figure measured against the no-op run (earlier ones)."""
+    if baseline(r) == "off":
+        return f"≤ {r['off_upper_bound']['percent']:.2f}% (bound)"
+    return _pct(r["slowdown_vs_noop_percent"]["off"])
+
+
+def _medians(r: dict[str, Any]) -> dict[str, float]:
+    key = "throughput_tok_per_wall_s" if r["headline_metric"] == "wall_clock" else None
+    return r[key or "throughput_tok_per_cpu_s"]["median"]
+
+
+def _samples(r: dict[str, Any]) -> dict[str, list[float]]:
+    key = "throughput_tok_per_wall_s" if r["headline_metric"] == "wall_clock" else None
+    return r[key or "throughput_tok_per_cpu_s"]["samples"]
+
+
+def step_ms(r: dict[str, Any]) -> float | None:
+    """One step of the baseline run, in the headline metric's time."""
+    w = r["workload"]
+    steps = w.get("engine_steps_per_run")
+    if not steps:
+        return None
+    return 1e3 * w["num_prompts"] * w["max_tokens"] / _medians(r)[baseline(r)] / steps
+
+
+def per_round(r: dict[str, Any], mode: str) -> float:
+    """Median over rounds of the mode's slowdown against the baseline run of
+    the same round (which cancels a host that drifts between rounds)."""
+    samples = _samples(r)
+    pairs = zip(samples[baseline(r)], samples[mode])
+    return statistics.median(100.0 * (base - x) / base for base, x in pairs)
+
+
+def tracing_where(name: str, r: dict[str, Any]) -> tuple[str, str]:
+    """(where, model) of a tracing_overhead series, for the tables."""
+    threads = r.get("machine", {}).get("torch_threads", 1)
+    if r.get("device") == "cpu":
+        where = f"CPU, {threads} thread{'s' if threads != 1 else ''}, CPU time"
+    else:
+        gpu = r.get("gpu") or r.get("machine", {}).get("gpu", "GPU")
+        where = f"{gpu.replace('NVIDIA ', '')}, wall clock"
+    if name.endswith("_tiny.json"):
+        model = "tiny 2-layer Llama (worst case: all bookkeeping)"
+    elif r.get("device") == "cpu":
+        model = "SmolLM2-135M (default), fp32"
+    else:
+        model = "SmolLM2-135M shapes, dummy weights, bf16"
+    return where, model
+
+
+def tracing_overhead_table(res: Results) -> str:
+    """docs/trace_format.md: the current overhead of each level, per machine."""
+    lines = [
+        "| where | model | `off` | `lifecycle` | `full` | against | file |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in ("tracing_overhead_cpu_smollm2.json", "tracing_overhead_cpu_tiny.json"):
+        lines.append(_overhead_row(res, name))
+    for name in sorted(res.current):
+        if name.startswith("tracing_overhead_gpu_"):
+            lines.append(_overhead_row(res, name))
+    return "\n".join(lines)
+
+
+def _overhead_row(res: Results, name: str) -> str:
+    r = res.current[name]
+    where, model = tracing_where(name, r)
+    s = overhead(r)
+    line = res.line_of(name)
+    return (
+        f"| {where} | {model} | {off_figure(r)} | {_pct(s['lifecycle'])} | {_pct(s['full'])} | "
+        f"`{baseline(r)}` | `{name}` ({_day(line['date'])}, {_short(line['commit'])}) |"
+    )
+
+
+def tracing_gpu_history_table(res: Results) -> str:
+    """docs/gpu.md: every GPU tracing-overhead run, in the order stored."""
+    lines = [
+        "| date, commit | run | against | `off` | `lifecycle` | `full` | per round | hooks alone "
+        "| step | tracer µs/event | source_file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for line in res.history:
+        r = line["result"]
+        if line["benchmark"] != "tracing_overhead" or r.get("device") != "cuda":
+            continue
+        s = overhead(r)
+        paired = f"{_pct(per_round(r, 'lifecycle'))} / {_pct(per_round(r, 'full'))}"
+        hooks = (
+            f"{_pct(s['lifecycle-hooks'])} / {_pct(s['full-hooks'])}"
+            if "lifecycle-hooks" in s
+            else ""
+        )
+        step = step_ms(r)
+        us = r.get("tracer_us_per_event", {}).get("lifecycle")
+        lines.append(
+            f"| {_day(line['date'])}, {_short(line['commit'])} | {line.get('note', '')} | "
+            f"`{baseline(r)}` | {off_figure(r)} | {_pct(s['lifecycle'])} | {_pct(s['full'])} | "
+            f"{paired} | {hooks} | "
+            f"{f'{step:.1f} ms' if step else ''} | {f'{us:.2f}' if us else ''} | "
+            f"`{line['source_file']}` |"
+        )
+    return "\n".join(lines)
+
+
+def tracing_profile_table(res: Results) -> str:
+    """docs/gpu.md: the functions whose own time ``lifecycle`` adds the most."""
+    name = "tracing_profile_gpu_h200.json"
+    r = res.current[name]
+    line = res.line_of(name)
+    level = r["level"]
+    un = r["unprofiled_step_us"]
+    pr = r["profiled_step_us"]
+    head = (
+        f"`{name}` and `{name[:-5]}.txt` ({_day(line['date'])}, {_short(line['commit'])}): "
+        f"step {un['off']:,.0f} µs at `off` and {un[level]:,.0f} µs at `{level}` unprofiled, "
+        f"{pr['off']:,.0f} and {pr[level]:,.0f} µs under cProfile."
+    )
+    lines = [
+        head,
+        "",
+        "| function | own +µs/step | cumulative +µs/step | +calls/step |",
+        "| --- | --- | --- | --- |",
+    ]
+    for row in r["top_functions_by_added_own_time"][:PROFILE_ROWS]:
+        lines.append(
+            f"| `{row['function']}` | {row['own_us_per_step']:.1f} | "
+            f"{row['cum_us_per_step']:.1f} | {row['calls_per_step']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+# --- GPU throughput ----------------------------------------------------------------
+
+
 def table(r: dict) -> str:
+    """The figures of one gpu_throughput file: Glassbox, target, bound."""
     lines = ["| | Glassbox | target | bound |", "| --- | --- | --- | --- |"]
     roof = r.get("roofline", {})
     bound_tps = _get(roof, "output_tokens_per_second", "tokens_per_s")
     bound = (
         f"{_tps(bound_tps)} (roofline at the measured {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s)"
-        if bound_tps else ""
+        if bound_tps
+        else ""
     )
     targets = r.get("targets", {})
     backend = r.get("engine", {}).get("attention_backend", "?")
     graphs = r.get("throughput_cudagraphs", {})
     if _get(graphs, "output_tokens_per_second", "tokens_per_s"):
         tokens = _get(graphs, "total_output_tokens", "output_tokens")
+        seconds = _get(graphs, "elapsed_time", "seconds")
         lines.append(
             f"| nano-vllm workload ({tokens:,} output tokens), {backend}, CUDA graphs | "
             f"{_tps(_get(graphs, 'output_tokens_per_second', 'tokens_per_s'))} "
-            f"({_get(graphs, 'elapsed_time', 'seconds'):.1f} s, {graphs.get('fraction_of_roofline', 0):.0%} of bound) | "
+            f"({seconds:.1f} s, {graphs.get('fraction_of_roofline', 0):.0%} of bound) | "
             f"{targets.get('throughput_tokens_per_s', 0):,} tok/s | {bound} |"
         )
     eager = r.get("throughput_eager", {})
@@ -60,11 +299,21 @@ def table(r: dict) -> str:
         if hf.get("completed", True):
             figure = f"{_tps(hf['output_tokens_per_second'])} ({hf['elapsed_time']:.1f} s)"
         else:
-            figure = (f"stopped after {hf['timeout_s']:.0f} s ({hf['num_requests_finished']} of "
-                      f"{hf['num_requests_submitted']} done): at most {_tps(hf['output_tokens_per_second_upper_bound'])}")
+            upper = _tps(hf["output_tokens_per_second_upper_bound"])
+            figure = (
+                f"stopped after {hf['timeout_s']:.0f} s ({hf['num_requests_finished']} of "
+                f"{hf['num_requests_submitted']} done): at most {upper}"
+            )
+        attn = hf.get("attn_implementation", "?").replace("|", "\\|")
         lines.append(
             f"| HF transformers {hf.get('transformers_version', '')} continuous batching ({scope}, "
-            f"{hf.get('attn_implementation', '?')}) | {figure} | | |"
+            f"{attn}) | {figure} | | |"
+        )
+    subset = r.get("throughput_cudagraphs_on_hf_subset")
+    if isinstance(subset, dict) and "output_tokens_per_second" in subset:
+        lines.append(
+            f"| Glassbox on the same {subset.get('num_requests', '')} prompts | "
+            f"{_tps(subset['output_tokens_per_second'])} ({subset['elapsed_time']:.1f} s) | | |"
         )
     if r.get("ratio_to_transformers") is not None:
         kind = "≥ " if r.get("ratio_is_lower_bound") else ""
@@ -72,14 +321,21 @@ def table(r: dict) -> str:
             f"| Glassbox / transformers | {kind}{r['ratio_to_transformers']:.1f}x | "
             f"{targets.get('ratio_to_transformers', '')}x | |"
         )
-    for name, label in (("decode_latency_cudagraphs", "CUDA graphs"), ("decode_latency_eager", "eager")):
+    for name, label in (
+        ("decode_latency_cudagraphs", "CUDA graphs"),
+        ("decode_latency_eager", "eager"),
+    ):
         lat = r.get(name)
         if not isinstance(lat, dict) or "error" in lat:
             continue
         sizes = sorted(lat, key=int)
         ms = " / ".join(f"{_get(lat[b], 'mean_ms', 'ms_per_step'):.2f}" for b in sizes)
         floor = " / ".join(f"{lat[b]['floor_ms']:.2f}" for b in sizes if "floor_ms" in lat[b])
-        target = f"{targets.get('decode_step_batch1_ms', '')} ms (batch 1)" if label == "CUDA graphs" else ""
+        target = (
+            f"{targets.get('decode_step_batch1_ms', '')} ms (batch 1)"
+            if label == "CUDA graphs"
+            else ""
+        )
         lines.append(
             f"| decode step, batch {' / '.join(sizes)}, ctx 512, {label} | {ms} ms | {target} | "
             f"{floor + ' ms floor' if floor else ''} |"
@@ -91,17 +347,391 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
-        return 2
-    with open(argv[0]) as f:
-        result = json.load(f)
-    head = (f"Measured on one {result.get('gpu', 'GPU')} ({result.get('date', '')[:10]}, torch {result.get('torch')}, "
-            f"commit {result.get('commit')}); {result.get('model', '')}.")
-    print(head + "\n\n" + table(result))
-    return 0
+def gpu_head(r: dict) -> str:
+    return (
+        f"Measured on one {r.get('gpu', 'GPU')} ({_day(r.get('date'))}, torch {r.get('torch')}, "
+        f"commit {_short(r.get('commit'))}); {r.get('model', '')}."
+    )
+
+
+def gpu_throughput_table(res: Results) -> str:
+    """docs/gpu.md: the current gpu_throughput file."""
+    name = "gpu_throughput_h200.json"
+    r = res.current[name]
+    versions = ", ".join(
+        f"{k} {r[k]}" for k in ("flashinfer", "triton", "transformers") if r.get(k)
+    )
+    return f"`{name}` ({versions}). {gpu_head(r)}\n\n{table(r)}"
+
+
+def gpu_throughput_history_table(res: Results) -> str:
+    """docs/gpu.md: every gpu_throughput run, in the order stored."""
+    lines = [
+        "| date, commit | run | CUDA graphs | eager | transformers / ratio | decode step, "
+        "batch 1, graphs | source_file |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for line in res.series("gpu_throughput_h200.json"):
+        r = line["result"]
+        graphs = _get(
+            r.get("throughput_cudagraphs", {}), "output_tokens_per_second", "tokens_per_s"
+        )
+        eager = _get(r.get("throughput_eager", {}), "output_tokens_per_second", "tokens_per_s")
+        ratio = r.get("ratio_to_transformers")
+        ratio_text = ""
+        if ratio is not None:
+            ratio_text = f"{'≥ ' if r.get('ratio_is_lower_bound') else ''}{ratio:.1f}x"
+        lat = r.get("decode_latency_cudagraphs", {})
+        b1 = _get(lat.get("1", {}), "mean_ms", "ms_per_step") if isinstance(lat, dict) else None
+        lines.append(
+            f"| {_day(line['date'])}, {_short(line['commit'])} | {line.get('note', '')} | "
+            f"{_tps(graphs) if graphs else ''} | {_tps(eager) if eager else ''} | {ratio_text} | "
+            f"{f'{b1:.2f} ms' if b1 else ''} | `{line['source_file']}` |"
+        )
+    return "\n".join(lines)
+
+
+def gpu_profile_step_table(res: Results) -> str:
+    """docs/gpu.md: where one batch-1 decode step's time goes."""
+    name = "gpu_profile_step_b1_h200.json"
+    r = res.current[name]
+    line = res.line_of(name)
+    lines = [
+        f"`{name}` and `{name[:-5]}.txt` ({_day(line['date'])}, {_short(line['commit'])}; "
+        f"{r['model']}, context {r['context']}, {r['attention_backend']}, CUDA graphs):",
+        "",
+        "| per decode step, batch 1 | ms |",
+        "| --- | --- |",
+        f"| wall time (under cProfile) | {r['wall_ms_per_step']:.2f} |",
+        f"| GPU busy ({r['gpu_kernels_per_step']:.0f} kernels) | {r['gpu_ms_per_step']:.2f} |",
+    ]
+    for phase, ms in r["host_ms_per_step_under_cprofile"].items():
+        if ms:
+            lines.append(f"| host, cumulative: `{phase}` | {ms:.2f} |")
+    return "\n".join(lines)
+
+
+# --- CPU against transformers -------------------------------------------------------
+
+
+def cpu_summary(r: dict[str, Any]) -> dict[str, Any]:
+    g = r["glassbox"]["batched"]
+    t = r.get("transformers", {}).get("batched", {})
+    ratio = r.get("ratio_glassbox_over_transformers_batched", {})
+    agree = r.get("greedy_agreement_glassbox_vs_transformers_batched", {})
+    return {
+        "glassbox": g["output_tok_per_s_median"],
+        "glassbox_s": g["wall_s_median"],
+        "transformers": t.get("output_tok_per_s_median"),
+        "transformers_s": t.get("wall_s_median"),
+        "ratio_wall": ratio.get("wall_median"),
+        "ratio_cpu": ratio.get("cpu_median"),
+        "bs1": r["glassbox"].get("bs1", {}).get("output_tok_per_s_median"),
+        "hf_bs1": r.get("transformers", {}).get("bs1", {}).get("output_tok_per_s_median"),
+        "identical": f"{agree['identical']}/{agree['of']}" if agree else "",
+        "threads": r.get("torch_num_threads"),
+    }
+
+
+def cpu_history_table(res: Results) -> str:
+    """benchmarks/README.md: every CPU benchmark run, in the order stored."""
+    lines = [
+        "| date, commit | run | threads | Glassbox | transformers batched | ratio (wall) "
+        "| ratio (CPU time) | Glassbox bs1 | transformers bs1 | identical greedy outputs "
+        "| source_file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def num(x: float | None, fmt: str) -> str:
+        return format(x, fmt) if x is not None else "—"
+
+    for line in res.series("cpu_vs_transformers_cpu.json"):
+        s = cpu_summary(line["result"])
+        lines.append(
+            f"| {_day(line['date'])}, {_short(line['commit'])} | {line.get('note', '')} | "
+            f"{s['threads']} | **{s['glassbox']:.1f}** tok/s ({s['glassbox_s']:.2f} s) | "
+            f"{num(s['transformers'], '.1f')} tok/s ({num(s['transformers_s'], '.2f')} s) | "
+            f"**{num(s['ratio_wall'], '.2f')}×** | {num(s['ratio_cpu'], '.2f')}× | "
+            f"{num(s['bs1'], '.1f')} | {num(s['hf_bs1'], '.1f')} | {s['identical']} | "
+            f"`{line['source_file']}` |"
+        )
+    return "\n".join(lines)
+
+
+# --- summaries: README's status and the list of files ------------------------------------
+
+
+def status_table(res: Results) -> str:
+    """README.md: the current headline figures."""
+    lines = [
+        "| measured | figure | target | file (date, commit) |",
+        "| --- | --- | --- | --- |",
+    ]
+
+    def source(name: str) -> str:
+        line = res.line_of(name)
+        return f"`{name}` ({_day(line['date'])}, {_short(line['commit'])})"
+
+    gpu = res.current["gpu_throughput_h200.json"]
+    targets = gpu.get("targets", {})
+    tps = gpu["throughput_cudagraphs"]["output_tokens_per_second"]
+    roof = gpu["roofline"]["output_tokens_per_second"]
+    lines.append(
+        f"| H200, nano-vllm workload (Qwen3-0.6B shapes, dummy weights, bf16), CUDA graphs | "
+        f"{_tps(tps)} (roofline {_tps(roof)}) | {targets['throughput_tokens_per_s']:,} tok/s | "
+        f"{source('gpu_throughput_h200.json')} |"
+    )
+    hf = gpu.get("hf_transformers_continuous_batching", {})
+    scope = (
+        f"the same first {hf['capped_to_first_n_prompts']}"
+        if hf.get("capped_to_first_n_prompts")
+        else "the same"
+    )
+    kind = "≥ " if gpu.get("ratio_is_lower_bound") else ""
+    lines.append(
+        f"| H200, against HF transformers' continuous batching on {scope} requests | "
+        f"{kind}{gpu['ratio_to_transformers']:.1f}x | {targets['ratio_to_transformers']}x | "
+        "same file |"
+    )
+    b1 = gpu["decode_latency_cudagraphs"]["1"]["mean_ms"]
+    lines.append(
+        f"| H200, one decode step at batch 1, context 512, CUDA graphs | {b1:.2f} ms | "
+        f"{targets['decode_step_batch1_ms']} ms | same file |"
+    )
+    cpu = cpu_summary(res.current["cpu_vs_transformers_cpu.json"])
+    lines.append(
+        f"| CPU, {cpu['threads']} thread, 32 chat prompts (default model, fp32): against "
+        f"transformers' batched `generate` | {cpu['ratio_wall']:.2f}x ({cpu['glassbox']:.1f} "
+        f"against {cpu['transformers']:.1f} tok/s) | {CPU_RATIO_TARGET}x | "
+        f"{source('cpu_vs_transformers_cpu.json')} |"
+    )
+    for name, label in (
+        ("tracing_overhead_gpu_h200.json", "H200, SmolLM2-135M shapes"),
+        ("tracing_overhead_cpu_smollm2.json", "CPU, default model"),
+    ):
+        r = res.current[name]
+        s = overhead(r)
+        t = r["targets_percent"]
+        lines.append(
+            f"| tracing, {label}: `lifecycle` / `full` slower than `{baseline(r)}`; `off` | "
+            f"{_pct(s['lifecycle'])} / {_pct(s['full'])}; {off_figure(r)} | "
+            f"{t['lifecycle']:g}% / {t['full']:g}%; {t['off']:g}% | {source(name)} |"
+        )
+    return "\n".join(lines)
+
+
+def _file_says(res: Results, name: str) -> str:
+    """One line on what a current file holds."""
+    if name == results_store.HISTORY_FILE:
+        return f"every result stored so far, in the order stored ({len(res.history)} lines)"
+    stem = name.rsplit(".", 1)[0]
+    r = res.current.get(stem + ".json", {})
+    if name.endswith(".txt"):
+        return "the report printed beside the JSON (profile tables)"
+    benchmark = res.line_of(name)["benchmark"]
+    if benchmark == "cpu_vs_transformers":
+        s = cpu_summary(r)
+        return (
+            f"Glassbox {s['glassbox']:.1f} tok/s, transformers {s['transformers']:.1f} tok/s: "
+            f"{s['ratio_wall']:.2f}x, {s['identical']} identical"
+        )
+    if benchmark == "gpu_throughput":
+        return (
+            f"{_tps(r['throughput_cudagraphs']['output_tokens_per_second'])} with CUDA graphs, "
+            f"{r['ratio_to_transformers']:.1f}x transformers, batch-1 step "
+            f"{r['decode_latency_cudagraphs']['1']['mean_ms']:.2f} ms"
+        )
+    if benchmark == "gpu_profile_step":
+        return (
+            f"batch-1 step {r['wall_ms_per_step']:.2f} ms wall, GPU busy "
+            f"{r['gpu_ms_per_step']:.2f} ms"
+        )
+    if benchmark == "tracing_overhead":
+        s = overhead(r)
+        return (
+            f"`lifecycle` {_pct(s['lifecycle'])}, `full` {_pct(s['full'])} against "
+            f"`{baseline(r)}`; `off` {off_figure(r)}"
+        )
+    if benchmark == "tracing_profile":
+        return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
+    return ""
+
+
+def results_files_table(res: Results) -> str:
+    """benchmarks/README.md: every file in benchmarks/results."""
+    lines = [
+        "| file | benchmark | date, commit | holds |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in res.files:
+        if name == results_store.HISTORY_FILE:
+            lines.append(f"| `{name}` | all | | {_file_says(res, name)} |")
+            continue
+        if not res.series(name.rsplit(".", 1)[0] + ".json"):
+            lines.append(f"| `{name}` | | | not a current result: no line in history.jsonl |")
+            continue
+        line = res.line_of(name.rsplit(".", 1)[0] + ".json")
+        lines.append(
+            f"| `{name}` | `{line['benchmark']}.py` | {_day(line['date'])}, "
+            f"{_short(line['commit'])} | {_file_says(res, name)} |"
+        )
+    return "\n".join(lines)
+
+
+# --- the blocks ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    doc: str
+    render: Callable[[Results], str]
+
+
+BLOCKS = (
+    Block("status", "README.md", status_table),
+    Block("results-files", "benchmarks/README.md", results_files_table),
+    Block("cpu-vs-transformers", "benchmarks/README.md", cpu_history_table),
+    Block("gpu-throughput", "docs/gpu.md", gpu_throughput_table),
+    Block("gpu-throughput-history", "docs/gpu.md", gpu_throughput_history_table),
+    Block("gpu-profile-step", "docs/gpu.md", gpu_profile_step_table),
+    Block("tracing-overhead-gpu-history", "docs/gpu.md", tracing_gpu_history_table),
+    Block("tracing-profile-gpu", "docs/gpu.md", tracing_profile_table),
+    Block("tracing-overhead", "docs/trace_format.md", tracing_overhead_table),
+)
+
+
+def block_pattern(name: str) -> re.Pattern[str]:
+    name = re.escape(name)
+    return re.compile(
+        rf"(<!-- results-table:{name} -->\n)(.*?)(<!-- /results-table:{name} -->)", re.S
+    )
+
+
+def render_doc(text: str, blocks: list[Block], res: Results) -> str:
+    """``text`` with every block's content generated anew; a missing block
+    raises ``KeyError``."""
+    for block in blocks:
+        pattern = block_pattern(block.name)
+        if not pattern.search(text):
+            raise KeyError(f"no <!-- results-table:{block.name} --> block")
+        body = block.render(res).rstrip("\n") + "\n"
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(3), text, count=1)
+    return text
+
+
+def docs_by_name(root: Path) -> dict[str, list[Block]]:
+    out: dict[str, list[Block]] = {}
+    for block in BLOCKS:
+        out.setdefault(block.doc, []).append(block)
+    return out
+
+
+def files_named_in_no_doc(root: Path) -> list[str]:
+    """Files in benchmarks/results whose name appears in none of ``DOCS``."""
+    text = "\n".join((root / doc).read_text() for doc in DOCS if (root / doc).exists())
+    names = sorted(p.name for p in (root / RESULTS).iterdir() if p.is_file())
+    return [name for name in names if name not in text]
+
+
+def named_files_missing(root: Path) -> list[str]:
+    """``benchmarks/results/NAME`` or ``results/NAME`` paths in the docs that are not there."""
+    missing = []
+    pattern = re.compile(r"(?:benchmarks/)?results/([\w.-]+\.(?:jsonl|json|txt))(?![\w.])")
+    for doc in DOCS:
+        path = root / doc
+        if not path.exists():
+            continue
+        for name in pattern.findall(path.read_text()):
+            if not (root / RESULTS / name).exists():
+                missing.append(f"{doc}: results/{name}")
+    return missing
+
+
+def check(root: Path = REPO_ROOT) -> list[str]:
+    """Every way the docs and benchmarks/results disagree (empty: none)."""
+    res = Results.load(root)
+    problems = []
+    for doc, blocks in docs_by_name(root).items():
+        text = (root / doc).read_text()
+        try:
+            expected = render_doc(text, blocks, res)
+        except KeyError as e:
+            problems.append(f"{doc}: {e.args[0]}")
+            continue
+        if expected != text:
+            drifted = [
+                b.name
+                for b in blocks
+                if block_pattern(b.name).search(text).group(2)  # type: ignore[union-attr]
+                != block_pattern(b.name).search(expected).group(2)  # type: ignore[union-attr]
+            ]
+            problems.append(f"{doc}: table(s) {', '.join(drifted)} differ from benchmarks/results")
+    problems += [
+        f"{name} is the current file of no series in history.jsonl"
+        for name in res.files
+        if name != results_store.HISTORY_FILE and not res.series(name.rsplit(".", 1)[0] + ".json")
+    ]
+    problems += [f"{name} is named in no doc" for name in files_named_in_no_doc(root)]
+    problems += [f"{where}, which does not exist" for where in named_files_missing(root)]
+    return problems
+
+
+def write(root: Path = REPO_ROOT) -> tuple[list[str], list[str]]:
+    """Rewrite every block: (the docs that changed, the docs left alone for
+    a missing block, with why)."""
+    res = Results.load(root)
+    changed, failed = [], []
+    for doc, blocks in docs_by_name(root).items():
+        path = root / doc
+        text = path.read_text()
+        try:
+            new = render_doc(text, blocks, res)
+        except KeyError as e:
+            failed.append(f"{doc}: {e.args[0]}")
+            continue
+        if new != text:
+            path.write_text(new)
+            changed.append(doc)
+    return changed, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--check", action="store_true", help="exit 1 if the docs drifted")
+    group.add_argument("--write", action="store_true", help="rewrite every table")
+    group.add_argument("--record", nargs="+", metavar="FILE", help="store results, then --write")
+    group.add_argument("file", nargs="?", help="print the table of one gpu_throughput file")
+    parser.add_argument("--note", help="with --record: what the run changed or measured")
+    parser.add_argument("--root", type=Path, default=REPO_ROOT, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.file:
+        result = json.loads(Path(args.file).read_text())
+        print(gpu_head(result) + "\n\n" + table(result))
+        return 0
+    if args.record:
+        for name in args.record:
+            path = Path(name)
+            result = json.loads(path.read_text())
+            txt = path.with_suffix(".txt")
+            text = txt.read_text() if txt.exists() else None
+            stored = results_store.record(result, args.root / RESULTS, text=text, note=args.note)
+            print(f"{path} -> {stored}" + (" (+ .txt)" if text is not None else ""))
+    if args.check:
+        problems = check(args.root)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            print("run: python benchmarks/results_table.py --write", file=sys.stderr)
+        return 1 if problems else 0
+    changed, failed = write(args.root)
+    for doc in changed:
+        print(f"rewrote {doc}")
+    for problem in failed:
+        print(f"not rewritten: {problem}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -10,14 +10,19 @@ unprofiled step times printed first are the real ones.
 
 Run:  .venv/bin/python benchmarks/tracing_profile.py --model tiny --device cpu
       python3 benchmarks/tracing_profile.py --model smollm2-dummy --device cuda \\
-          --max-tokens 96 --out $OUT/tracing_profile_gpu.json
+          --max-tokens 96 --out $OUT/
+``--out X.json`` writes the table as JSON and the printed report as ``X.txt``
+(``--out DIR/``: ``DIR/<series>.json`` and ``.txt``, e.g. ``tracing_profile_gpu_h200``);
+``--record`` stores both as the current result of the series
+(``benchmarks/results/tracing_profile_<device>_<...>.{json,txt}``, see
+``results_store.py``) and appends them to ``history.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import json
+import datetime as _dt
 import pstats
 import statistics
 import sys
@@ -30,7 +35,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.tracing_overhead import build_engine, git_commit, machine, timed_run, workload  # noqa: E402
+from benchmarks import results_store  # noqa: E402
+from benchmarks.tracing_overhead import build_engine, machine, timed_run, workload  # noqa: E402
 
 
 def _where(key: tuple[str, int, str]) -> str:
@@ -41,7 +47,9 @@ def _where(key: tuple[str, int, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", default="tiny", help="'tiny', 'smollm2-dummy', 'default' or a path")
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny', 'smollm2-dummy', 'default' or a path"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--level", default="lifecycle", choices=("lifecycle", "full"))
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -50,13 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiled-runs", type=int, default=3)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--cum", action="store_true", help="sort by added cumulative time")
-    parser.add_argument("--out", help="write the table as JSON here")
+    parser.add_argument(
+        "--out",
+        help="write the table as JSON to this file, or into this directory (DIR/), and the "
+        "report beside it (.txt)",
+    )
+    results_store.add_record_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     scratch = tempfile.mkdtemp(prefix="glassbox-trace-profile-")
     levels = ("off", args.level)
-    engines = {lv: build_engine(args.model, lv, scratch, args.device, args.num_prompts) for lv in levels}
+    engines = {
+        lv: build_engine(args.model, lv, scratch, args.device, args.num_prompts) for lv in levels
+    }
     vocab = engines["off"].model_config.vocab_size
     requests = workload(engines["off"], args.num_prompts, args.max_tokens, vocab)
     counter = [0]
@@ -70,9 +85,17 @@ def main(argv: list[str] | None = None) -> int:
             _, elapsed, _, _ = timed_run(engines[lv], requests, counter)
             wall[lv].append(elapsed)
     step_us = {lv: statistics.median(w) / steps * 1e6 for lv, w in wall.items()}
-    print(f"unprofiled step time (median of {args.rounds}): "
-          + ", ".join(f"{lv} {us:.0f} us" for lv, us in step_us.items())
-          + f"  -> {args.level} +{(step_us[args.level] / step_us['off'] - 1) * 100:.1f}%")
+    report: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        report.append(line)
+
+    say(
+        f"unprofiled step time (median of {args.rounds}): "
+        + ", ".join(f"{lv} {us:.0f} us" for lv, us in step_us.items())
+        + f"  -> {args.level} +{(step_us[args.level] / step_us['off'] - 1) * 100:.1f}%"
+    )
 
     stats = {}
     for lv in levels:
@@ -94,22 +117,40 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: r[1] if args.cum else r[0], reverse=True)
     total_off = sum(v[2] for v in off.values()) / num_steps * 1e6
     total_on = sum(v[2] for v in on.values()) / num_steps * 1e6
-    print(f"profiled host time per step: off {total_off:.0f} us, {args.level} {total_on:.0f} us")
-    print(f"{'own +us/step':>12} {'cum +us/step':>12} {'+calls/step':>11}  function")
+    say(f"profiled host time per step: off {total_off:.0f} us, {args.level} {total_on:.0f} us")
+    say(f"{'own +us/step':>12} {'cum +us/step':>12} {'+calls/step':>11}  function")
     table = []
     for d_tot, d_cum, d_calls, where in rows[: args.top]:
         per = (d_tot / num_steps * 1e6, d_cum / num_steps * 1e6, d_calls / num_steps)
-        print(f"{per[0]:12.1f} {per[1]:12.1f} {per[2]:11.1f}  {where}")
-        table.append({"function": where, "own_us_per_step": round(per[0], 2),
-                      "cum_us_per_step": round(per[1], 2), "calls_per_step": round(per[2], 2)})
+        say(f"{per[0]:12.1f} {per[1]:12.1f} {per[2]:11.1f}  {where}")
+        table.append(
+            {
+                "function": where,
+                "own_us_per_step": round(per[0], 2),
+                "cum_us_per_step": round(per[1], 2),
+                "calls_per_step": round(per[2], 2),
+            }
+        )
+    result = {
+        "benchmark": "tracing_profile",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": results_store.commit_id(),
+        "machine": machine(),
+        "model": args.model,
+        "device": args.device,
+        "level": args.level,
+        "unprofiled_step_us": step_us,
+        "profiled_step_us": {"off": total_off, args.level: total_on},
+        "top_functions_by_added_own_time": table,
+    }
+    text = "\n".join(report) + "\n"
     if args.out:
-        result = {
-            "benchmark": "tracing_profile", "commit": git_commit(), "machine": machine(),
-            "model": args.model, "device": args.device, "level": args.level,
-            "unprofiled_step_us": step_us, "profiled_step_us": {"off": total_off, args.level: total_on},
-            "top_functions_by_added_own_time": table,
-        }
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        out = results_store.output_path(args.out, result)
+        out.write_text(results_store.dump_result(result))
+        out.with_suffix(".txt").write_text(text)
+    if args.record:
+        path = results_store.record(result, args.record, text=text, note=args.note)
+        print(f"recorded {path} (and its history line)", file=sys.stderr)
     for engine in engines.values():
         engine.shutdown()
     return 0

@@ -1,21 +1,57 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, then the GPU benchmarks.
-# Usage (on a CUDA machine, from the repo root):  OUT=/some/dir bash scripts/gpu_run.sh [tests|bench|tracing|all]
-# (`tracing`: only the tracing overhead benchmark and its profile, issue 5's figures.)
-# Packages the GPU image lacks travel with the call: see scripts/gpu_env.sh.
-# Environment: SAVE_CACHES=0 skips returning the FlashInfer/Triton kernel caches (default 1);
-# GPU_TESTS_K="expr" with `bench` or `tracing` first runs the gpu tests whose names match (pytest -k);
-# TRACING_PROFILE=1|0 runs benchmarks/tracing_profile.py (default: in `bench` and `tracing`, not `all`).
+# The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
+#
+# Usage, on a CUDA machine, from the repo root:
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing]      (`make test-gpu` = `all`)
+#     tests    every test marked `gpu` (tests/gpu, tests/v1/attention); log in $OUT/gpu_tests.log
+#     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
+#              decode latency, the batch-1 step profile
+#     tracing  only the tracing overhead benchmark and its profile
+#     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
+#   Results land in $OUT under the names of their current files in benchmarks/results
+#   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
+#   tracing_overhead_gpu_h200.json, tracing_profile_gpu_h200.{json,txt} on an H200),
+#   packed with the logs into $OUT/results.tgz. To keep them:
+#     tar -xzf $OUT/results.tgz -C $OUT
+#     python benchmarks/results_table.py --record $OUT/*.json --note "what changed"
+#   (current files overwritten, history.jsonl appended to, the docs' tables rewritten).
+#
+# Environment:
+#   PYTHON=...           the interpreter (default: .venv/bin/python if it sees CUDA, else python3)
+#   GLASSBOX_COMMIT=sha  the commit the results record, when the machine's git copy is not
+#                        the commit of the tree it runs (a copied working tree)
+#   GPU_TESTS_K="expr"   with `bench` or `tracing`: first the gpu tests whose names match
+#   TRACING_PROFILE=1|0  run benchmarks/tracing_profile.py (default: in bench and tracing)
+#   SAVE_CACHES=0        do not put the FlashInfer/Triton kernel caches in $OUT (default 1)
+#
+# Machines without network (the project's H200 is reached through a device tool that
+# copies the working tree, at most 64 MiB of carried extras, and returns what the call
+# leaves in $OUT, at most 8 files of at most 16 MB each):
+#   - The GPU image lacks msgspec, pyzmq and flashinfer. scripts/pack_gpu_wheels.sh builds,
+#     on a machine with network, .whl/ (msgspec + pyzmq wheels) and .gpu_carry/fi_site.tar.xz
+#     (flashinfer-python 0.7.2.post1 + apache-tvm-ffi 0.1.11, unpacked and xz-compressed:
+#     19 MB, where the wheels are 62 MB). Carry both (carry: [".whl", ".gpu_carry"]);
+#     scripts/gpu_env.sh, sourced below, installs them into /tmp/site.
+#   - Kernel builds are slow on a fresh machine (FlashInfer ~45-90 s per kernel family,
+#     Triton a few seconds per kernel variant). This script leaves both caches in $OUT
+#     (fi_jit_cache.tgz.part-*, split under 16 MB, and triton_cache.tgz); copied into
+#     .gpu_carry/ they travel with the next call and gpu_env.sh unpacks them.
+#   - Timing: `all` without kernel caches takes ~500 s of the 600 s a call may last;
+#     `tracing` ~60 s with caches; `tests` 180 tests in 204 s (2026-12-03).
+#   - Only $OUT comes back, and at most 8 files: the logs and results travel as results.tgz.
 set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
-source "$(dirname "$0")/gpu_env.sh"
+case "$WHAT" in
+  all | tests | bench | tracing) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing]" >&2; exit 2 ;;
+esac
+source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
-  # The FlashInfer and Triton kernels built in this call, for the next one (see
-  # gpu_env.sh; copy them into .gpu_carry/). Triton's intermediate stages (.ttir,
-  # .ttgir, .llir, .ptx, .source) are left out: a cached kernel loads from its
-  # cubin and metadata alone. A file over 16 MB would not come back.
-  # FlashInfer's cache passes 16 MB: it comes back in parts (gpu_env.sh joins them).
+  # The FlashInfer and Triton kernels built in this call, for the next one. Triton's
+  # intermediate stages (.ttir, .ttgir, .llir, .ptx, .source) are left out: a cached
+  # kernel loads from its cubin and metadata alone. FlashInfer's cache passes 16 MB:
+  # it comes back in parts (gpu_env.sh joins them); a Triton cache over 16 MB is dropped.
   rm -f "$OUT"/fi_jit_cache.tgz.part-*
   [ -d "$HOME/.cache/flashinfer" ] && tar -czf - -C "$HOME/.cache" flashinfer \
     | split -b 15000000 - "$OUT/fi_jit_cache.tgz.part-"
@@ -27,38 +63,44 @@ save_caches() {
   done
   return 0
 }
+gpu_tests() {  # pytest arguments beyond the gpu marker and the two test folders
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=15 -m gpu "$@" \
+    tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
+  return "${PIPESTATUS[0]}"
+}
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=15 -m gpu tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
-  rc=${PIPESTATUS[0]}
+  gpu_tests || rc=$?
   [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
 if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ]; } && [ -n "${GPU_TESTS_K:-}" ]; then
   # A few GPU tests picked by name before the benchmarks (when a whole test run does not fit).
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -k "$GPU_TESTS_K" tests/gpu tests/v1/attention 2>&1 | tee "$OUT/gpu_tests.log"
-  rc=${PIPESTATUS[0]}
+  gpu_tests -k "$GPU_TESTS_K" || rc=$?
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = all ]; then
-  # Tracing first (issue 5): its overhead at each level (with the hooks-only split), then
-  # where the lifecycle level's host time goes (a cProfile of off against lifecycle).
-  python3 benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 25 --max-tokens 96 --split \
-    --out "$OUT/tracing_overhead_gpu.json" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
-  # The profile (~40 s) by default not in `all`: `all` stays inside one call's 600 s on a
-  # machine without kernel caches (~500 s measured). TRACING_PROFILE=1|0 overrides.
+  # Tracing first: its overhead at each level against `off` (with the hooks-only split),
+  # written as $OUT/tracing_overhead_gpu_<gpu>.json.
+  "$PYTHON" benchmarks/tracing_overhead.py --model smollm2-dummy --device cuda --rounds 25 \
+    --max-tokens 96 --split --out "$OUT/" 2>&1 | tail -30 | tee -a "$OUT/bench.log" || rc=1
+  # Where lifecycle's host time goes (a cProfile of off against lifecycle, ~40 s):
+  # $OUT/tracing_profile_gpu_<gpu>.{json,txt}. Not in `all` by default, so that `all` stays
+  # inside one call of a machine without kernel caches.
   if [ "${TRACING_PROFILE:-$([ "$WHAT" = all ] && echo 0 || echo 1)}" = 1 ]; then
-    python3 benchmarks/tracing_profile.py --model smollm2-dummy --device cuda --max-tokens 96 --top 40 \
-      --out "$OUT/tracing_profile_gpu.json" 2>&1 | grep -v INFO | tee "$OUT/tracing_profile_gpu.txt" || rc=1
+    "$PYTHON" benchmarks/tracing_profile.py --model smollm2-dummy --device cuda --max-tokens 96 \
+      --top 40 --out "$OUT/" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
   fi
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  # Eager throughput is left out (--parts eager adds it). transformers runs the first 64
-  # requests and Glassbox the same 64 for the ratio: all 256 take transformers longer
-  # than one call may last.
-  python3 benchmarks/gpu_throughput.py --out "$OUT" --parts throughput,hf,latency --hf-num-prompts 64 --hf-timeout-s 200 2>&1 | tee -a "$OUT/bench.log" || rc=1
-  python3 benchmarks/gpu_profile_step.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  # $OUT/gpu_throughput_<gpu>.json. Eager throughput is left out (--parts eager adds it).
+  # transformers runs the first 64 requests and Glassbox the same 64 for the ratio: all
+  # 256 take transformers longer than one call may last.
+  "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts throughput,hf,latency \
+    --hf-num-prompts 64 --hf-timeout-s 200 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  # $OUT/gpu_profile_step_b1_<gpu>.{json,txt}
+  "$PYTHON" benchmarks/gpu_profile_step.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
-# At most 8 files come back from a call: the logs and results travel as one archive.
+# The logs and results as one archive (kernel caches stay beside it).
 (cd "$OUT" && ls | grep -v -e '^fi_jit_cache' -e '^triton_cache' > .results_list \
   && tar -czf results.tgz -T .results_list && xargs rm -f < .results_list && rm -f .results_list)
 exit $rc

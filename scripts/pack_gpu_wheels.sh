@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Build what a GPU call carries (the GPU image has no network and lacks these):
+# Only for a GPU machine without network (the project's H200, reached through a device tool;
+# the header of scripts/gpu_run.sh says how such a call works). Run here, with network,
+# before the call. Build what a GPU call carries (the GPU image has no network and lacks these):
 #   .whl/                     msgspec + pyzmq wheels (cp312, ~1 MB)
 #   .gpu_carry/fi_site.tar.xz flashinfer-python 0.7.2.post1 + apache-tvm-ffi 0.1.11, unpacked
 #                             and xz-compressed (19 MB; the wheels themselves are 62 MB and
 #                             with the tree would pass the 64 MiB carry limit)
 # Both folders are git-ignored through .git/info/exclude. Then:
 #   device run, carry [".whl", ".gpu_carry"], command: OUT=$OUT bash scripts/gpu_run.sh all
+# (scripts/gpu_env.sh, which gpu_run.sh sources, installs both into /tmp/site there.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude

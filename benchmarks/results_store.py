@@ -1,0 +1,212 @@
+"""Where benchmark results are kept: one current file per benchmark and machine,
+and every result ever stored in ``history.jsonl``.
+
+``benchmarks/results/`` holds, per series (a benchmark on a machine, with the
+model or batch that tells its runs apart), the last result stored as
+``<series>.json`` (a profile also as ``<series>.txt``), and
+``history.jsonl``: one JSON object per line, appended to and never rewritten,
+in the order the results were stored. A line is::
+
+    {"benchmark": "tracing_overhead", "machine": "h200",
+     "current_file": "tracing_overhead_gpu_h200.json", "date": "...", "commit": "b143b34",
+     "source_file": "...", "note": "...", "result": {...the JSON...}, "text": "...the .txt..."}
+
+``source_file`` is the name the result was first written under (older results
+were kept under dated names); ``note`` (optional) says what the run changed
+or measured; ``text`` is present for profiles. The lines from before this
+file (moved in by date order) also say which commit added the file
+(``committed_in``) and, where the result had no time of day, that ``date`` is
+that commit's time (``date_note``).
+
+Series names (``current_name``):
+
+* ``cpu_vs_transformers_cpu``
+* ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``
+* ``gpu_profile_step_b<batch>_<gpu>``
+* ``tracing_overhead_cpu_<model>`` (``smollm2``: the default model; ``tiny``) and
+  ``tracing_overhead_gpu_<gpu>`` (SmolLM2 shapes with dummy weights; another
+  model adds ``_<model>``); ``tracing_profile_...`` the same way (``_full`` added for a
+  profile of level ``full``).
+
+A benchmark stores its run with ``--record`` (CPU scripts) or, for results
+written elsewhere (the GPU machine's ``$OUT``), with
+``python benchmarks/results_table.py --record FILE.json ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+HISTORY_FILE = "history.jsonl"
+
+# The --model values of the tracing benchmarks, as series names spell them.
+MODEL_SLUGS = {"default": "smollm2", "smollm2-dummy": "smollm2dummy", "tiny": "tiny"}
+# The model the GPU tracing series is named after without a suffix.
+GPU_TRACING_MODEL = "smollm2dummy"
+
+
+def commit_id() -> str:
+    """The commit being measured: ``GLASSBOX_COMMIT`` if set (a machine whose
+    git copy lags behind the tree it was sent), else ``git rev-parse --short
+    HEAD``, with ``+dirty`` when the tree has uncommitted changes."""
+    env = os.environ.get("GLASSBOX_COMMIT")
+    if env:
+        return env
+    try:
+        sha = subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True
+        ).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=REPO_ROOT, text=True)
+        return sha + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def slug(text: str) -> str:
+    """``"NVIDIA H200"`` -> ``"h200"``: lower case, vendor words dropped,
+    other characters than letters and digits folded to ``_``."""
+    words = [w for w in re.split(r"[^a-z0-9]+", text.lower()) if w]
+    return "_".join(w for w in words if w not in ("nvidia", "geforce")) or "unknown"
+
+
+def machine_of(result: dict[str, Any]) -> str:
+    """``"cpu"`` for a CPU run, else the GPU's slug (``"h200"``)."""
+    machine = result.get("machine")
+    gpu = result.get("gpu") or (machine.get("gpu") if isinstance(machine, dict) else None)
+    device = result.get("device") or ("cuda" if gpu else "cpu")
+    if device == "cpu" or not gpu:
+        return "cpu"
+    return slug(gpu)
+
+
+def model_slug(result: dict[str, Any]) -> str:
+    arg = str(result.get("model_arg") or result.get("model") or "unknown")
+    return MODEL_SLUGS.get(arg, slug(os.path.basename(arg.rstrip("/"))))
+
+
+def current_name(result: dict[str, Any]) -> str:
+    """The series of ``result``: the stem of its current file."""
+    benchmark = result.get("benchmark")
+    machine = machine_of(result)
+    if benchmark == "cpu_vs_transformers":
+        return "cpu_vs_transformers_cpu"
+    if benchmark == "gpu_throughput":
+        return f"gpu_throughput_{machine}"
+    if benchmark == "gpu_profile_step":
+        return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
+    if benchmark in ("tracing_overhead", "tracing_profile"):
+        model = model_slug(result)
+        if machine == "cpu":
+            name = f"{benchmark}_cpu_{model}"
+        else:
+            name = f"{benchmark}_gpu_{machine}" + (
+                "" if model == GPU_TRACING_MODEL else f"_{model}"
+            )
+        # A profile of level full is a series of its own (lifecycle's is the default).
+        return name + ("_full" if result.get("level") == "full" else "")
+    raise ValueError(f"no series for a result of benchmark {benchmark!r}")
+
+
+def history_record(
+    result: dict[str, Any],
+    *,
+    source_file: str,
+    text: str | None = None,
+    note: str | None = None,
+    current_file: str | None = None,
+    machine: str | None = None,
+    date: str | None = None,
+    commit: str | None = None,
+) -> dict[str, Any]:
+    """One line of ``history.jsonl`` (the keyword arguments override what
+    the result says, for results older than these conventions)."""
+    record: dict[str, Any] = {
+        "benchmark": result["benchmark"],
+        "machine": machine or machine_of(result),
+        "current_file": current_file or current_name(result) + ".json",
+        "date": date or result["date"],
+        "commit": commit or result.get("commit") or "unknown",
+        "source_file": source_file,
+    }
+    if note:
+        record["note"] = note
+    record["result"] = result
+    if text is not None:
+        record["text"] = text
+    return record
+
+
+def read_history(results_dir: Path = RESULTS_DIR) -> list[dict[str, Any]]:
+    path = Path(results_dir) / HISTORY_FILE
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def dump_result(result: dict[str, Any]) -> str:
+    """A current file's text (the one format every writer uses)."""
+    return json.dumps(result, indent=1, ensure_ascii=False) + "\n"
+
+
+def append_history(record: dict[str, Any], results_dir: Path = RESULTS_DIR) -> None:
+    with open(Path(results_dir) / HISTORY_FILE, "a") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def record(
+    result: dict[str, Any],
+    results_dir: Path | str = RESULTS_DIR,
+    *,
+    text: str | None = None,
+    note: str | None = None,
+) -> Path:
+    """Store ``result`` as the current result of its series: overwrite
+    ``<series>.json`` (and ``<series>.txt`` when ``text`` is given, or remove
+    a stale one) and append it to ``history.jsonl``. Returns the JSON's path.
+    The tables in the docs are not rewritten: ``results_table.py --write`` does."""
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    name = current_name(result)
+    path = results_dir / f"{name}.json"
+    path.write_text(dump_result(result))
+    txt = results_dir / f"{name}.txt"
+    if text is not None:
+        txt.write_text(text)
+    elif txt.exists():
+        txt.unlink()
+    append_history(history_record(result, source_file=path.name, text=text, note=note), results_dir)
+    return path
+
+
+def output_path(out: str | Path, result: dict[str, Any]) -> Path:
+    """Where ``--out`` writes ``result``: ``out`` itself, or, when ``out`` is a
+    directory (or ends with ``/``), ``out/<series>.json`` -- the name the
+    current file will have (``scripts/gpu_run.sh`` passes ``$OUT/``)."""
+    path = Path(out)
+    if str(out).endswith("/") or path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        return path / f"{current_name(result)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def add_record_arguments(parser: Any) -> None:
+    """``--record [DIR]`` and ``--note TEXT`` for a benchmark's command line."""
+    parser.add_argument(
+        "--record",
+        nargs="?",
+        const=str(RESULTS_DIR),
+        metavar="DIR",
+        help="store the run as the current result of its series in DIR (default "
+        "benchmarks/results): overwrite <series>.json, append to history.jsonl; then "
+        "`python benchmarks/results_table.py --write` updates the docs' tables",
+    )
+    parser.add_argument("--note", help="with --record: what this run changed or measured")
