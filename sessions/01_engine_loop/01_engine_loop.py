@@ -45,7 +45,7 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | `vllm/v1/engine/core.py` | `EngineCore.step()` (schedule → execute → update) and `EngineCoreProc`, the process wrapper: its busy loop, its input and output threads |
+# | `vllm/v1/engine/core.py` | `EngineCore.step()` (schedule → execute → sample → update, inside `log_error_detail`) and `EngineCoreProc`, the process wrapper: its busy loop, its input and output threads |
 # | `vllm/v1/engine/async_llm.py` | `AsyncLLM`: `generate()` is an async generator per request; `output_handler` is the one background task that feeds all of them |
 # | `vllm/v1/engine/core_client.py` | the front end's side of the sockets: `AsyncMPClient` sends requests and reads outputs |
 #
@@ -71,6 +71,7 @@ SESSION_FILES = {
     "vllm/v1/engine/core.py": [
         "EngineCore",
         "EngineCore.step",
+        "EngineCore.log_error_detail",
         "EngineCoreProc",
         "EngineCoreProc.run_engine_core",
         "EngineCoreProc.run_busy_loop",
@@ -99,7 +100,7 @@ display(Markdown(reading_table(SESSION_FILES)))
 # %% [markdown]
 # ### Where the reading plan is out of date
 #
-# The seed reading plan was written against an older layout. At `52a31cc`:
+# The reading plan was written against an older layout. At `52a31cc`:
 #
 # * **`run_engine_core` is not a module-level function**; it is a
 #   `@staticmethod` of `EngineCoreProc` (line 1103). Glassbox keeps that shape.
@@ -107,10 +108,13 @@ display(Markdown(reading_table(SESSION_FILES)))
 #   stale**: they are at 524 and 656. `output_handler` is a coroutine defined
 #   *inside* `_run_output_handler` (637) and started once as a background task.
 # * **`step()` does not get tokens back from `execute_model`.** vLLM calls
-#   `execute_model(..., non_block=True)` (line 440), which yields `None` for
-#   the forward pass, then `sample_tokens(grammar_output)` (448). Glassbox
-#   keeps the two calls (`execute_model` returns `None`, then `sample_tokens`),
-#   synchronously.
+#   `execute_model(scheduler_output, non_block=True)` (line 440), which
+#   returns a future; once the forward pass is done its result is `None`,
+#   and the tokens come from a second call, `sample_tokens(grammar_output)`
+#   (448). Both waits happen inside `log_error_detail`, which reports what
+#   the step was doing if the model fails. Glassbox's `step()` makes the same
+#   calls in the same order; its executor runs the worker in this process, so
+#   the future it hands back is already done.
 # * **vLLM's busy loop often calls `step_with_batch_queue` (469), not `step`.**
 #   When the executor can hold more than one batch in flight (async
 #   scheduling, on by default where supported, or pipeline parallelism), the
@@ -199,19 +203,22 @@ print("finish reason:  ", out_0.outputs[0].finish_reason)
 # %% [markdown]
 # ## 3. Read the trace
 #
-# Every event has `ts` (wall clock, ns — comparable across processes), `pid`,
-# `seq` (the writing process's own order) and `kind`. Which process is which
-# is in the data: the front end wrote `request.added`, the engine core wrote
-# `kv.init`. (Event kinds and fields: `docs/trace_format.md`.)
+# `load_trace` returns typed events: one class per kind
+# (`engine/tracing/events.py`), so a field is an attribute — `e.kind`,
+# `e.request_id`. Every event has `ts` (wall clock, ns — comparable across
+# processes), `pid`, `seq` (the writing process's own order), `kind`, and
+# `step`, which is `None` when the event belongs to no step. Which process is
+# which is in the data: the front end wrote `request.added`, the engine core
+# wrote `kv.init`. (Event kinds and fields: `docs/trace_format.md`.)
 
 # %%
-FRONT_END = next(e["pid"] for e in events if e["kind"] == "request.added")
-CORE = next(e["pid"] for e in events if e["kind"] == "kv.init")
+FRONT_END = next(e.pid for e in events if e.kind == "request.added")
+CORE = next(e.pid for e in events if e.kind == "kv.init")
 ROLE = {FRONT_END: "front end", CORE: "engine core"}
-runner_init = next(e for e in events if e["kind"] == "runner.init")
+runner_init = next(e for e in events if e.kind == "runner.init")
 print(f"front end pid {FRONT_END}, engine core pid {CORE}")
-print(f"model {runner_init['architecture']} on {runner_init['device']} ({runner_init['dtype']}), "
-      f"attention backend {runner_init['attn_backend']}, {runner_init['num_blocks']} KV blocks")
+print(f"model {runner_init.architecture} on {runner_init.device} ({runner_init.dtype}), "
+      f"attention backend {runner_init.attn_backend}, {runner_init.num_blocks} KV blocks")
 
 # %% [markdown]
 # Which process writes which kind of event (only the kinds this session is
@@ -224,8 +231,8 @@ KINDS_OF_INTEREST = [
     "sched.step", "runner.batch", "runner.forward", "sampler.sampled", "sched.update",
     "output.sent", "output.received", "request.output", "sched.finished", "request.finished",
 ]
-writers = {k: sorted({ROLE[e["pid"]] for e in events if e["kind"] == k}) for k in KINDS_OF_INTEREST}
-print(f"{len(set(e['pid'] for e in events))} processes wrote this trace")
+writers = {k: sorted({ROLE[e.pid] for e in events if e.kind == k}) for k in KINDS_OF_INTEREST}
+print(f"{len(set(e.pid for e in events))} processes wrote this trace")
 for kind in KINDS_OF_INTEREST:
     print(f"  {kind:17} written by {', '.join(writers[kind]) or 'nobody'}")
 
@@ -239,24 +246,26 @@ for kind in KINDS_OF_INTEREST:
 # %%
 # NBVAL_CHECK_OUTPUT
 def of_request(e, rid):
-    return e.get("request_id") == rid or rid in (e.get("request_ids") or [])
+    """Whether the event names ``rid``: in ``request_id``, or in ``request_ids``
+    (hop events batch several requests)."""
+    return getattr(e, "request_id", None) == rid or rid in (getattr(e, "request_ids", None) or [])
 
 
 def by_seq(pid):
-    return sorted((e for e in events if e["pid"] == pid), key=lambda e: e["seq"])
+    return sorted((e for e in events if e.pid == pid), key=lambda e: e.seq)
 
 
 def first_step_journey(rid):
     fe, core = by_seq(FRONT_END), by_seq(CORE)
-    sent = next(i for i, e in enumerate(fe) if e["kind"] == "request.sent" and of_request(e, rid))
-    received = next(i for i, e in enumerate(core) if e["kind"] == "request.received" and of_request(e, rid))
-    out_sent = next(i for i, e in enumerate(core[received:], received) if e["kind"] == "output.sent" and of_request(e, rid))
-    step = core[out_sent]["step"]
-    back = next(i for i, e in enumerate(fe) if e["kind"] == "output.received" and of_request(e, rid))
-    fe_before = [e["kind"] for e in fe[: sent + 1] if of_request(e, rid)]
+    sent = next(i for i, e in enumerate(fe) if e.kind == "request.sent" and of_request(e, rid))
+    received = next(i for i, e in enumerate(core) if e.kind == "request.received" and of_request(e, rid))
+    out_sent = next(i for i, e in enumerate(core[received:], received) if e.kind == "output.sent" and of_request(e, rid))
+    step = core[out_sent].step
+    back = next(i for i, e in enumerate(fe) if e.kind == "output.received" and of_request(e, rid))
+    fe_before = [e.kind for e in fe[: sent + 1] if of_request(e, rid)]
     # Everything the core did between receiving and answering (its step is one request wide).
-    core_part = [e["kind"] for e in core[received : out_sent + 1] if e["kind"] not in ("kv.cached",)]
-    fe_after = [e["kind"] for e in fe[back : back + 2]]
+    core_part = [e.kind for e in core[received : out_sent + 1] if e.kind not in ("kv.cached",)]
+    fe_after = [e.kind for e in fe[back : back + 2]]
     return step, fe_before, core_part, fe_after
 
 
@@ -286,8 +295,11 @@ print(f"(the first token left the core at the end of step {step})")
 #   just *after* the forward was launched: on a GPU the host builds that
 #   description while the device computes, instead of making it wait.
 # * `sched.update` — `update_from_output` appended the token.
-# * `output.sent` — `_put_output` handed the batch to the **output thread**,
-#   which pushes it to the front end.
+# * `output.sent` — `_process_engine_step` put the step's outputs on
+#   `output_queue` for the **output thread**, which pushes them to the front
+#   end. (Glassbox does the put in a small helper of its own, `_put_output`,
+#   which also writes this event; vLLM calls `output_queue.put_nowait` in
+#   `_process_engine_step` itself.)
 # * `output.received`, `request.output` — the front end's `output_handler`
 #   task got the batch, the `OutputProcessor` detokenized it, and the
 #   `RequestOutputCollector` woke the `generate()` that was awaiting it.
@@ -299,7 +311,7 @@ print(f"(the first token left the core at the end of step {step})")
 def hops(rid):
     """(kind, ts) of the four hop events that name ``rid``, in time order."""
     kinds = ("request.sent", "request.received", "output.sent", "output.received")
-    return [(e["kind"], e["ts"]) for e in events if e["kind"] in kinds and of_request(e, rid)]
+    return [(e.kind, e.ts) for e in events if e.kind in kinds and of_request(e, rid)]
 
 
 h0 = hops("req-0")
@@ -336,10 +348,10 @@ def core_rhythm():
     """step -> the phases its events show, in the core's own order."""
     rhythm: dict[int, list[str]] = {}
     for e in by_seq(CORE):
-        if e["kind"] in PHASE and "step" in e:
-            phases = rhythm.setdefault(e["step"], [])
-            if not phases or phases[-1] != PHASE[e["kind"]]:
-                phases.append(PHASE[e["kind"]])
+        if e.kind in PHASE and e.step is not None:
+            phases = rhythm.setdefault(e.step, [])
+            if not phases or phases[-1] != PHASE[e.kind]:
+                phases.append(PHASE[e.kind])
     return rhythm
 
 
@@ -361,9 +373,9 @@ patterns = {" -> ".join(p for p in rhythm[s] if p != "take input") for s in mode
 print(f"steps that ran the model follow {len(patterns)} pattern:")
 for p in sorted(patterns):
     print("   ", p)
-queued = [e for e in by_seq(CORE) if e["kind"] == "sched.queued"]
+queued = [e for e in by_seq(CORE) if e.kind == "sched.queued"]
 print(f"{len(queued)} requests queued; each right after a step's last event or on an idle core:",
-      all(rhythm.get(e.get("step"), ["take input"])[-1] == "take input" for e in queued))
+      all(rhythm.get(e.step, ["take input"])[-1] == "take input" for e in queued))
 
 # %% [markdown]
 # And all the patterns, including steps that computed nothing:
@@ -392,12 +404,12 @@ def core_step_windows():
     """step -> (start_ns, end_ns): from schedule()'s start to the step's last event."""
     windows: dict[int, list[int]] = {}
     for e in events:
-        if e["pid"] != CORE or "step" not in e:
+        if e.pid != CORE or e.step is None:
             continue
-        if e["kind"] == "sched.step":
-            windows.setdefault(e["step"], [e["ts"] - e["duration_ns"], e["ts"]])
-        elif e["kind"] in ("sched.update", "output.sent") and e["step"] in windows:
-            windows[e["step"]][1] = max(windows[e["step"]][1], e["ts"])
+        if e.kind == "sched.step":
+            windows.setdefault(e.step, [e.ts - e.duration_ns, e.ts])
+        elif e.kind in ("sched.update", "output.sent") and e.step in windows:
+            windows[e.step][1] = max(windows[e.step][1], e.ts)
     return {s: tuple(w) for s, w in windows.items()}
 
 
@@ -406,21 +418,21 @@ WINDOWS = core_step_windows()
 
 def arrival_story(rid):
     """The hop-in events of ``rid`` and the step the core had last started when it arrived."""
-    received = next(e for e in events if e["kind"] == "request.received" and of_request(e, rid))
-    queued = next(e for e in events if e["kind"] == "sched.queued" and of_request(e, rid))
-    admitted = next(e for e in events if e["kind"] == "sched.admitted" and of_request(e, rid))
-    started = [s for s, (a, _) in WINDOWS.items() if a <= received["ts"]]
+    received = next(e for e in events if e.kind == "request.received" and of_request(e, rid))
+    queued = next(e for e in events if e.kind == "sched.queued" and of_request(e, rid))
+    admitted = next(e for e in events if e.kind == "sched.admitted" and of_request(e, rid))
+    started = [s for s, (a, _) in WINDOWS.items() if a <= received.ts]
     return received, queued, admitted, (max(started) if started else None)
 
 
 received_2, queued_2, admitted_2, during_2 = arrival_story("req-2")
-inside = WINDOWS[during_2][0] <= received_2["ts"] <= WINDOWS[during_2][1]
+inside = WINDOWS[during_2][0] <= received_2.ts <= WINDOWS[during_2][1]
 print(f"req-2 reached the input thread {'during' if inside else 'just after'} step {during_2}")
-print(f"the busy loop queued it after step {queued_2['step']} ended, "
-      f"{(queued_2['ts'] - received_2['ts']) / 1e6:.2f} ms later")
-print(f"schedule() admitted it in step {admitted_2['step']}")
+print(f"the busy loop queued it after step {queued_2.step} ended, "
+      f"{(queued_2.ts - received_2.ts) / 1e6:.2f} ms later")
+print(f"schedule() admitted it in step {admitted_2.step}")
 received_0, queued_0, _, _ = arrival_story("req-0")
-print(f"(req-0, sent to an idle core, waited {(queued_0['ts'] - received_0['ts']) / 1e6:.2f} ms)")
+print(f"(req-0, sent to an idle core, waited {(queued_0.ts - received_0.ts) / 1e6:.2f} ms)")
 
 # %% [markdown]
 # The step numbers above depend on timing (how fast the first two tokens of
@@ -429,8 +441,8 @@ print(f"(req-0, sent to an idle core, waited {(queued_0['ts'] - received_0['ts']
 # %%
 # NBVAL_CHECK_OUTPUT
 print("req-2 was queued only after the step it arrived in had finished:",
-      queued_2["step"] == during_2 and queued_2["ts"] >= WINDOWS[during_2][1])
-print("and admitted by the very next schedule():", admitted_2["step"] == queued_2["step"] + 1)
+      queued_2.step == during_2 and queued_2.ts >= WINDOWS[during_2][1])
+print("and admitted by the very next schedule():", admitted_2.step == queued_2.step + 1)
 
 # %% [markdown]
 # ### 3.3 Where the time went, per process
@@ -450,27 +462,28 @@ def core_phases_per_step():
     """step -> {phase: ns}, from the core's timed events."""
     by_step = defaultdict(dict)
     for e in events:
-        if e["pid"] == CORE and "step" in e and e["kind"] in (
+        if e.pid == CORE and e.step is not None and e.kind in (
             "sched.step", "runner.forward", "sched.update", "output.sent"
         ):
-            by_step[e["step"]].setdefault(e["kind"], e)
+            by_step[e.step].setdefault(e.kind, e)
     phases = {}
     for s, k in sorted(by_step.items()):
         if "sched.step" not in k or "sched.update" not in k:
             continue
         sched, upd = k["sched.step"], k["sched.update"]
-        update_start = upd["ts"] - upd["duration_ns"]
-        p = {"schedule()": sched["duration_ns"]}
+        update_start = upd.ts - upd.duration_ns
+        p = {"schedule()": sched.duration_ns}
         if "runner.forward" in k:
             fwd = k["runner.forward"]
-            p["prepare inputs"] = fwd["ts"] - fwd["duration_ns"] - sched["ts"]
-            p["forward + logits"] = fwd["duration_ns"]
-            p["sample"] = update_start - fwd["ts"]
+            # start_ts: the launch; on CUDA the event itself is written after sampling.
+            p["prepare inputs"] = fwd.start_ts - sched.ts
+            p["forward + logits"] = fwd.duration_ns
+            p["sample"] = update_start - (fwd.start_ts + fwd.duration_ns)
         else:
-            p["prepare inputs"] = update_start - sched["ts"]
-        p["update_from_output()"] = upd["duration_ns"]
+            p["prepare inputs"] = update_start - sched.ts
+        p["update_from_output()"] = upd.duration_ns
         if "output.sent" in k:
-            p["hand outputs to thread"] = k["output.sent"]["ts"] - upd["ts"]
+            p["hand outputs to thread"] = k["output.sent"].ts - upd.ts
         phases[s] = p
     return phases
 
@@ -500,19 +513,19 @@ def front_end_time_breakdown():
     fe = by_seq(FRONT_END)
     totals = defaultdict(float)
     hop_ns = []
-    core_sent = [e for e in events if e["kind"] == "output.sent"]
+    core_sent = [e for e in events if e.kind == "output.sent"]
     for i, e in enumerate(fe):
-        if e["kind"] != "output.received":
+        if e.kind != "output.received":
             continue
         # The OutputProcessor's work: from the batch's arrival to its last request.output.
         j = i + 1
-        while j < len(fe) and fe[j]["kind"] == "request.output":
+        while j < len(fe) and fe[j].kind == "request.output":
             j += 1
-        totals["process outputs"] += fe[j - 1]["ts"] - e["ts"]
+        totals["process outputs"] += fe[j - 1].ts - e.ts
         # The hop: the newest output.sent with the same request ids before this arrival.
-        match = [s for s in core_sent if s["request_ids"] == e["request_ids"] and s["ts"] <= e["ts"]]
+        match = [s for s in core_sent if s.request_ids == e.request_ids and s.ts <= e.ts]
         if match:
-            hop_ns.append(e["ts"] - match[-1]["ts"])
+            hop_ns.append(e.ts - match[-1].ts)
     return totals, hop_ns
 
 
@@ -522,7 +535,7 @@ print(f"front end: {len(hop_ns)} output batches received")
 print(f"  processing them (detokenize, stop checks, hand to generate()): {fe_totals['process outputs'] / 1e6:.1f} ms in all")
 print(f"  core output.sent -> front end output.received: median {hop_ns[len(hop_ns) // 2] / 1e6:.2f} ms, "
       f"max {hop_ns[-1] / 1e6:.2f} ms")
-print(f"  the rest of the front end's time it was free (awaiting the socket)")
+print("  the rest of the front end's time it was free (awaiting the socket)")
 
 # %% [markdown]
 # ### 3.4 A timeline per process
@@ -548,19 +561,20 @@ def step_bars():
     bars = []
     by_step = defaultdict(dict)
     for e in events:
-        if e["pid"] == CORE and "step" in e:
-            by_step[e["step"]].setdefault(e["kind"], e)
+        if e.pid == CORE and e.step is not None:
+            by_step[e.step].setdefault(e.kind, e)
     for s, k in by_step.items():
         if "sched.step" not in k or "sched.update" not in k:
             continue
         sched, upd = k["sched.step"], k["sched.update"]
-        bars.append(("schedule()", sched["ts"] - sched["duration_ns"], sched["ts"]))
+        bars.append(("schedule()", sched.ts - sched.duration_ns, sched.ts))
         if "runner.forward" in k:
             fwd = k["runner.forward"]
-            bars.append(("prepare inputs", sched["ts"], fwd["ts"] - fwd["duration_ns"]))
-            bars.append(("forward + logits", fwd["ts"] - fwd["duration_ns"], fwd["ts"]))
-            bars.append(("sample", fwd["ts"], upd["ts"] - upd["duration_ns"]))
-        bars.append(("update_from_output()", upd["ts"] - upd["duration_ns"], upd["ts"]))
+            fwd_end = fwd.start_ts + fwd.duration_ns
+            bars.append(("prepare inputs", sched.ts, fwd.start_ts))
+            bars.append(("forward + logits", fwd.start_ts, fwd_end))
+            bars.append(("sample", fwd_end, upd.ts - upd.duration_ns))
+        bars.append(("update_from_output()", upd.ts - upd.duration_ns, upd.ts))
     return bars
 
 
@@ -576,19 +590,19 @@ def draw_timeline(ax, t0, t1, origin):
         ("sched.queued", 0, "*", "tab:red"),
     ]
     for kind, lane, marker, color in marks:
-        xs = [ms(e["ts"]) for e in events if e["kind"] == kind and t0 <= e["ts"] <= t1]
+        xs = [ms(e.ts) for e in events if e.kind == kind and t0 <= e.ts <= t1]
         ax.scatter(xs, [lane] * len(xs), marker=marker, color=color, s=60, zorder=3, label=kind)
     ax.set_yticks(list(lanes.values()), list(lanes))
     ax.set_xlabel("ms since the first request was sent")
 
 
-t_first = next(e["ts"] for e in events if e["kind"] == "request.sent")
-t_last = max(e["ts"] for e in events if e["kind"] == "request.output")
+t_first = next(e.ts for e in events if e.kind == "request.sent")
+t_last = max(e.ts for e in events if e.kind == "request.output")
 fig, (top, zoom) = plt.subplots(2, 1, figsize=(12, 6.5))
 draw_timeline(top, t_first, t_last, t_first)
 top.set_title("the whole run: req-0 alone, then req-1 and req-2 overlapping")
 z0 = WINDOWS[max(during_2 - 1, min(WINDOWS))][0]
-z1 = WINDOWS[min(admitted_2["step"] + 1, max(WINDOWS))][1]
+z1 = WINDOWS[min(admitted_2.step + 1, max(WINDOWS))][1]
 for ax in (top, zoom):
     ax.set_ylim(-0.6, 2.9)
 draw_timeline(zoom, z0, z1, t_first)
@@ -597,7 +611,7 @@ legend = {}
 for ax in (top, zoom):
     legend.update(zip(*reversed(ax.get_legend_handles_labels())))
 fig.legend(legend.values(), legend.keys(), fontsize=8, ncol=6, loc="lower center")
-zoom.set_title(f"zoom: steps {max(during_2 - 1, min(WINDOWS))}–{min(admitted_2['step'] + 1, max(WINDOWS))}; "
+zoom.set_title(f"zoom: steps {max(during_2 - 1, min(WINDOWS))}–{min(admitted_2.step + 1, max(WINDOWS))}; "
                "the red triangle is req-2 reaching the input thread mid-step")
 fig.tight_layout(rect=(0, 0.07, 1, 1))
 plt.show()
@@ -606,21 +620,25 @@ plt.show()
 # ### 3.5 The processes, threads and sockets of this run
 #
 # Drawn from the trace: the two process ids, and on each socket edge how many
-# messages crossed it and how long the hop took. The thread and task names are
-# the ones in the code (`EngineCoreInputThread`, `EngineCoreOutputThread`,
-# `AsyncLLMOutputHandler`, `EngineCoreOutputQueueTask`).
+# messages crossed it and how long the hop took. The names in parentheses are
+# the threads' and tasks' `name=` in Glassbox's code. Only the socket reader's,
+# `EngineCoreOutputQueueTask`, is vLLM's too. The other three are Glassbox's
+# own (`EngineCoreInputThread`, `EngineCoreOutputThread`,
+# `AsyncLLMOutputHandler`), given so that a debugger or `py-spy dump` shows
+# them by name; at `52a31cc` vLLM starts those two threads and the
+# `output_handler` task without a name.
 
 # %%
 import graphviz
 from IPython.display import SVG
 
-n_requests = sum(1 for e in events if e["kind"] == "request.sent")
-n_outputs = sum(1 for e in events if e["kind"] == "output.sent")
+n_requests = sum(1 for e in events if e.kind == "request.sent")
+n_outputs = sum(1 for e in events if e.kind == "output.sent")
 in_hop = []
 for e in events:
-    if e["kind"] == "request.received":
-        s = next(x for x in events if x["kind"] == "request.sent" and x.get("request_id") == e.get("request_id"))
-        in_hop.append(e["ts"] - s["ts"])
+    if e.kind == "request.received":
+        s = next(x for x in events if x.kind == "request.sent" and x.request_id == e.request_id)
+        in_hop.append(e.ts - s.ts)
 in_hop.sort()
 
 g = graphviz.Digraph(
@@ -674,20 +692,20 @@ display(SVG(g.pipe(format="svg")))
 
 # %%
 def leg_times(rid):
-    ev = {k: next(e for e in events if e["kind"] == k and of_request(e, rid))
+    ev = {k: next(e for e in events if e.kind == k and of_request(e, rid))
           for k in ("request.added", "request.sent", "request.received", "sched.queued",
                     "sched.admitted", "output.sent", "output.received")}
-    first_output = next(e for e in events if e["kind"] == "request.output" and of_request(e, rid))
-    step = ev["sched.admitted"]["step"]
-    fwd = next(e for e in events if e["kind"] == "runner.forward" and e.get("step") == step)
+    first_output = next(e for e in events if e.kind == "request.output" and of_request(e, rid))
+    step = ev["sched.admitted"].step
+    fwd = next(e for e in events if e.kind == "runner.forward" and e.step == step)
     return [
-        ("front end: add_request -> socket", ev["request.sent"]["ts"] - ev["request.added"]["ts"]),
-        ("ZMQ hop in (ROUTER -> DEALER)", ev["request.received"]["ts"] - ev["request.sent"]["ts"]),
-        ("input queue -> scheduler", ev["sched.queued"]["ts"] - ev["request.received"]["ts"]),
-        (f"step {step}: schedule .. output (model {fwd['duration_ns'] / 1e6:.1f} ms of it)",
-         ev["output.sent"]["ts"] - ev["sched.queued"]["ts"]),
-        ("ZMQ hop out (PUSH -> PULL)", ev["output.received"]["ts"] - ev["output.sent"]["ts"]),
-        ("front end: detokenize -> generate()", first_output["ts"] - ev["output.received"]["ts"]),
+        ("front end: add_request -> socket", ev["request.sent"].ts - ev["request.added"].ts),
+        ("ZMQ hop in (ROUTER -> DEALER)", ev["request.received"].ts - ev["request.sent"].ts),
+        ("input queue -> scheduler", ev["sched.queued"].ts - ev["request.received"].ts),
+        (f"step {step}: schedule .. output (model {fwd.duration_ns / 1e6:.1f} ms of it)",
+         ev["output.sent"].ts - ev["sched.queued"].ts),
+        ("ZMQ hop out (PUSH -> PULL)", ev["output.received"].ts - ev["output.sent"].ts),
+        ("front end: detokenize -> generate()", first_output.ts - ev["output.received"].ts),
     ]
 
 
@@ -700,7 +718,7 @@ for rid in ("req-0", "req-2"):
 
 model_share = core_totals["forward + logits"] / (core_wall - core_totals["between steps / idle"])
 print(f"\nOf the core's busy time, the forward pass took {100 * model_share:.0f} %.")
-print(f"req-2 arrived during step {during_2} and waited {(queued_2['ts'] - received_2['ts']) / 1e6:.1f} ms "
+print(f"req-2 arrived during step {during_2} and waited {(queued_2.ts - received_2.ts) / 1e6:.1f} ms "
       f"in input_queue for it to end.")
 
 # %% [markdown]
@@ -727,8 +745,8 @@ print(f"req-2 arrived during step {during_2} and waited {(queued_2['ts'] - recei
 # %%
 # Two processes wrote the trace, and the hop events came from the right sides.
 assert FRONT_END != CORE
-assert {ROLE[e["pid"]] for e in events if e["kind"] in ("request.sent", "output.received")} == {"front end"}
-assert {ROLE[e["pid"]] for e in events if e["kind"] in ("request.received", "output.sent")} == {"engine core"}
+assert {ROLE[e.pid] for e in events if e.kind in ("request.sent", "output.received")} == {"front end"}
+assert {ROLE[e.pid] for e in events if e.kind in ("request.received", "output.sent")} == {"engine core"}
 
 # %%
 # Every token of req-0 crossed back as its own output batch (it ran alone).
@@ -738,11 +756,11 @@ assert len(sent) == len(received) == len(out_0.outputs[0].token_ids)
 # The busy loop never takes input in the middle of a step: every sched.queued
 # lies outside the window of every step.
 for e in events:
-    if e["kind"] == "sched.queued":
-        assert not any(a < e["ts"] < b for a, b in WINDOWS.values()), e
+    if e.kind == "sched.queued":
+        assert not any(a < e.ts < b for a, b in WINDOWS.values()), e
 
 # %%
-# The seed's line hint for generate() (~315) is stale at 52a31cc.
+# The reading plan's line hint for generate() (~315) is stale at 52a31cc.
 assert vllm_line("vllm/v1/engine/async_llm.py", "AsyncLLM.generate") == 524
 assert vllm_line("vllm/v1/engine/core.py", "EngineCoreProc.run_busy_loop") == 1203
 

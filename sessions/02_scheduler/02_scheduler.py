@@ -55,12 +55,19 @@
 # | `vllm/config/scheduler.py` | the knobs: `max_num_batched_tokens`, `max_num_seqs`, `policy`, `enable_chunked_prefill`, `long_prefill_token_threshold` |
 
 # %%
+import os
 import sys
 from pathlib import Path
 
 from IPython.display import Markdown, display
 
-import engine
+# Five engines run below. Let torch's idle OpenMP threads sleep rather than
+# spin: on a CPU shared with other jobs, spinning threads make every step
+# several times slower. It must be set before torch is imported; the results
+# do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
@@ -99,9 +106,11 @@ display(Markdown(reading_table(SESSION_FILES)))
 #   `WAITING_FOR_*` states (structured-output grammar, remote KV, streaming
 #   input), `RUNNING`, `PREEMPTED`, and six `FINISHED_*` states. Glassbox keeps
 #   the ones it can reach.
-# * **There is a third queue**, `skipped_waiting`, for requests that cannot be
-#   scheduled yet for a reason other than space (blocked on a grammar or on
-#   remote KV). Glassbox has neither feature, so it has no such queue.
+# * **There is a third queue**, `skipped_waiting`. It holds waiting requests
+#   that the waiting loop passed over for a reason other than space: blocked
+#   on a structured-output grammar, on remote KV or on streamed input, over
+#   the `max_loras` limit, or with a KV connector that cannot tell its match
+#   yet. Glassbox has none of those features, so it has no such queue.
 # * **"If HBM is full: preempt" applies to running requests only.** A waiting
 #   request that does not fit ends admission for that step; nobody is preempted
 #   on its behalf. And a step that preempted anyone admits no waiting request.
@@ -133,15 +142,16 @@ ORDER = [
      our_line_of("num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens")),
     ("... clamped to the budget that is left", 392,
      our_line_of("num_new_tokens = min(num_new_tokens, token_budget)")),
-    ("`allocate_slots`; if it returns `None`, pick a victim and retry", 443,
+    ("`allocate_slots`; if it returns `None`, preempt someone and retry", 443,
      our_line_of("new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)")),
-    ("PRIORITY victim: the worst `(priority, arrival_time)` in `running`", 457, our_line_of("victim = max(")),
-    ("FCFS victim: the tail of `running`, the most recently admitted", 481,
-     our_line_of("victim = self.running.pop()")),
+    ("PRIORITY: `preempted_req` is the worst `(priority, arrival_time)` in `running`", 457,
+     our_line_of("preempted_req = max(")),
+    ("FCFS: `preempted_req` is the tail of `running`, the most recently admitted", 481,
+     our_line_of("preempted_req = self.running.pop()")),
     ("`_preempt_request`: free its blocks, `PREEMPTED`, cursor to 0, front of `waiting`", 483,
-     our_line_of("self._preempt_request(victim")),
-    ("the victim was the request itself: stop scheduling running requests", 485,
-     our_line_of("if victim is request:")),
+     our_line_of("self._preempt_request(preempted_req")),
+    ("`preempted_req` was the request itself: stop scheduling running requests", 485,
+     our_line_of("if preempted_req == request:")),
     ("**waiting requests second**, only if nothing was preempted this step", 545, waiting_loop),
     ("fresh or preempted: look the prompt up in the prefix cache", 594,
      our_line_of("self.kv_cache_manager.get_computed_blocks(request)", waiting_loop)),
@@ -197,7 +207,8 @@ def run_workload(name, arrivals, **engine_kwargs):
         while k <= max(arrivals) or llm_engine.has_unfinished_requests():
             for rid, prompt, max_tokens, priority in arrivals.get(k, []):
                 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                # FCFS rejects a priority other than 0, as vLLM does.
+                # Glassbox's InputProcessor rejects a priority other than 0 unless the
+                # policy is "priority". vLLM at 52a31cc does not check: FCFS ignores it.
                 llm_engine.add_request(rid, prompt, params, priority=priority if by_priority else 0)
             for out in llm_engine.step():
                 if out.finished:
@@ -209,13 +220,13 @@ def run_workload(name, arrivals, **engine_kwargs):
 
 
 def preemptions(replay):
-    return [e for e in replay.events if e["kind"] == "sched.preempted"]
+    return [e for e in replay.events if e.kind == "sched.preempted"]
 
 
 def row_kind(replay, step, slot):
     """'d' decode, 'p' prompt prefill, 'r' recompute after a preemption."""
     req = replay.state_at(step).requests[slot.request_id]
-    lost = [e["num_tokens"] for e in preemptions(replay) if e["request_id"] == slot.request_id and e["step"] < step]
+    lost = [e.num_tokens for e in preemptions(replay) if e.request_id == slot.request_id and e.step < step]
     if lost and slot.num_computed_tokens < lost[-1]:
         return "r"
     return "p" if slot.num_computed_tokens < req.num_prompt_tokens else "d"
@@ -235,15 +246,15 @@ def step_rows(replay, request_ids):
             cells[slot.request_id] = f"{row_kind(replay, step, slot)}{slot.query_len}{mark}"
         happened = []
         for e in view.events:
-            if e["kind"] == "sched.admitted":
-                happened.append(f"{'resumed' if e['resumed'] else 'admitted'} {e['request_id']}")
-            elif e["kind"] == "sched.preempted":
-                happened.append(f"preempted {e['request_id']} (for {e['for_request_id']})")
-            elif e["kind"] == "sched.finished":
-                happened.append(f"finished {e['request_id']}")
+            if e.kind == "sched.admitted":
+                happened.append(f"{'resumed' if e.resumed else 'admitted'} {e.request_id}")
+            elif e.kind == "sched.preempted":
+                happened.append(f"preempted {e.request_id} (for {e.for_request_id})")
+            elif e.kind == "sched.finished":
+                happened.append(f"finished {e.request_id}")
         rows.append({
             "step": str(step),
-            "used/budget": f"{sched['total_num_scheduled_tokens']}/{sched['token_budget']}",
+            "used/budget": f"{sched.total_num_scheduled_tokens}/{sched.token_budget}",
             **cells,
             "running": " ".join(view.running) or "-",
             "waiting": " ".join(view.waiting) or "-",
@@ -302,8 +313,8 @@ chunked, chunked_out = run_workload(
     {0: [("short", SHORT, 10, 0)], 2: [("long", LONG, 3, 0)]},
     max_num_batched_tokens=32,
 )
-runner_init = next(e for e in chunked.events if e["kind"] == "runner.init")
-print(f"ran on {runner_init['device']} ({runner_init['dtype']}), {chunked.last_step} steps")
+runner_init = next(e for e in chunked.events if e.kind == "runner.init")
+print(f"ran on {runner_init.device} ({runner_init.dtype}), {chunked.last_step} steps")
 
 # %% [markdown]
 # The table. Per request: `d1` a decode, `pN` N prompt tokens, `rN` N tokens
@@ -312,9 +323,9 @@ print(f"ran on {runner_init['device']} ({runner_init['dtype']}), {chunked.last_s
 
 # %%
 # NBVAL_CHECK_OUTPUT
-queued = {e["request_id"]: e for e in chunked.events if e["kind"] == "sched.queued"}
+queued = {e.request_id: e for e in chunked.events if e.kind == "sched.queued"}
 for rid, e in queued.items():
-    print(f"{rid}: {e['num_prompt_tokens']} prompt tokens, max_tokens {e['max_tokens']}")
+    print(f"{rid}: {e.num_prompt_tokens} prompt tokens, max_tokens {e.max_tokens}")
 print()
 chunked_rows = step_rows(chunked, ["short", "long"])
 print(text_table(chunked_rows))
@@ -334,22 +345,22 @@ show_frame(chunked_rows)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-long_chunks = [(s, v.sched_step["num_scheduled_tokens"]["long"])
+long_chunks = [(s, v.sched_step.num_scheduled_tokens["long"])
                for s in chunked.steps[1:]
                for v in [chunked.view(s)]
-               if v.sched_step and "long" in v.sched_step["num_scheduled_tokens"]]
+               if v.sched_step and "long" in v.sched_step.num_scheduled_tokens]
 prompt_chunks = [(s, n) for s, n in long_chunks if n > 1]
 print("long's prompt went in as chunks (step, tokens):", prompt_chunks)
-print("sum of the chunks == prompt length:", sum(n for _, n in prompt_chunks) == queued["long"]["num_prompt_tokens"])
+print("sum of the chunks == prompt length:", sum(n for _, n in prompt_chunks) == queued["long"].num_prompt_tokens)
 decode_first = all(
-    list(v.sched_step["num_scheduled_tokens"])[0] == "short"
+    list(v.sched_step.num_scheduled_tokens)[0] == "short"
     for s in chunked.steps[1:]
     for v in [chunked.view(s)]
-    if v.sched_step and len(v.sched_step["num_scheduled_tokens"]) == 2
+    if v.sched_step and len(v.sched_step.num_scheduled_tokens) == 2
 )
 print("in every shared step, short's decode was scheduled before long's chunk:", decode_first)
 print("budget never exceeded:", all(
-    chunked.view(s).sched_step["total_num_scheduled_tokens"] <= 32
+    chunked.view(s).sched_step.total_num_scheduled_tokens <= 32
     for s in chunked.steps[1:] if chunked.view(s).sched_step))
 
 # %% [markdown]
@@ -411,25 +422,25 @@ print(text_table(compress(step_rows(fcfs, RIDS), RIDS)))
 def preemption_story(replay):
     p = preemptions(replay)[0]
     lines = []
-    for e in replay.events_at(p["step"]):
-        if e["pid"] != replay.engine_pid:
+    for e in replay.events_at(p.step):
+        if e.pid != replay.engine_pid:
             continue
-        k = e["kind"]
+        k = e.kind
         if k == "kv.allocation_failed":
-            lines.append(f"{k:21} {e['request_id']} needs {e['num_blocks_needed']} block(s), "
-                         f"{e['num_free_blocks']} free")
+            lines.append(f"{k:21} {e.request_id} needs {e.num_blocks_needed} block(s), "
+                         f"{e.num_free_blocks} free")
         elif k == "kv.freed":
-            lines.append(f"{k:21} {e['request_id']} gives back blocks {e['block_ids']} "
-                         f"(to the free queue: {e['to_free_queue']})")
+            lines.append(f"{k:21} {e.request_id} gives back blocks {e.block_ids} "
+                         f"(to the free queue: {e.to_free_queue})")
         elif k == "sched.preempted":
-            lines.append(f"{k:21} victim {e['request_id']} (for {e['for_request_id']}), "
-                         f"had {e['num_tokens']} tokens, {e['num_output_tokens']} of them generated")
+            lines.append(f"{k:21} victim {e.request_id} (for {e.for_request_id}), "
+                         f"had {e.num_tokens} tokens, {e.num_output_tokens} of them generated")
         elif k == "kv.allocated":
-            lines.append(f"{k:21} {e['request_id']} gets block(s) {e['block_ids']}")
+            lines.append(f"{k:21} {e.request_id} gets block(s) {e.block_ids}")
         elif k == "sched.step":
-            lines.append(f"{k:21} scheduled {e['num_scheduled_tokens']}, preempted {e['preempted_req_ids']}, "
-                         f"admitted {e['new_req_ids'] + e['resumed_req_ids']}")
-    return p["step"], lines
+            lines.append(f"{k:21} scheduled {e.num_scheduled_tokens}, preempted {e.preempted_req_ids}, "
+                         f"admitted {e.new_req_ids + e.resumed_req_ids}")
+    return p.step, lines
 
 
 step_f, story_f = preemption_story(fcfs)
@@ -438,12 +449,14 @@ print("\n".join("  " + s for s in story_f))
 
 # %% [markdown]
 # `running` was `[low, a, b]` — admission order. `a` needed its second block;
-# none was free. Under FCFS the victim is simply `running.pop()`: the request
-# admitted last, `b`. Its two blocks went to the *tail* of the free queue,
-# and `a` took one at once.
+# none was free. Under FCFS the victim (`preempted_req` in the code) is simply
+# `running.pop()`: the request admitted last, `b`. Its two blocks went to the
+# *tail* of the free queue, and `a` took one at once.
 #
-# Which one? A request's blocks are freed in reverse order (`kv.freed` lists
-# them tail first), so `b`'s half-filled last block reached the queue first
+# Which one? `SingleTypeKVCacheManager.free` hands a request's block table to
+# the pool reversed, and `BlockPool.free_blocks` appends the blocks to the
+# queue in the order it is given (`kv.freed` lists them in that order, tail
+# first). So `b`'s half-filled last block reached the queue first
 # and was handed to `a`, while its full first block — whose hash stays in the
 # prefix cache until the block is reused — waited behind it. That is why `b`
 # finds 16 of its tokens still cached when it comes back.
@@ -461,28 +474,34 @@ print("\n".join("  " + s for s in story_p))
 # %% [markdown]
 # Same step, same requester, different victim. With `policy="priority"` the
 # victim is `max(running, key=(priority, arrival_time))` — the largest
-# priority *value* (least important), latest arrival among ties. `low`
-# (priority 1) loses, even though it arrived first and is furthest along.
-# FCFS would have taken `b`, and preempts in reverse admission order whatever
-# the priorities.
+# priority *value* (least important), latest arrival among ties. If two
+# running requests tie on both (the `n > 1` children of one request do),
+# vLLM's `max` keeps the one that comes first in `running`; Glassbox scans
+# `running` backwards and takes the last one, because vLLM's choice can make
+# two tied requests preempt each other for ever when prefills are chunked
+# (`docs/source_map.md`, "Where Glassbox differs from vLLM on purpose").
+# Here `low` (priority 1) loses, even though it arrived first and is
+# furthest along. FCFS would have taken `b`, and preempts in reverse
+# admission order whatever the priorities.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 def victim_by_rule(replay, step, policy):
-    """Apply vLLM's victim rule to the replayed running list before ``step``."""
+    """Apply the victim rule to the replayed running list before ``step``
+    (priority: of a full tie, Glassbox takes the last in ``running``)."""
     before = replay.state_at(step - 1)
     if policy == "fcfs":
         return before.running[-1]
-    arrival = {e["request_id"]: e["arrival_time"] for e in replay.events if e["kind"] == "sched.queued"}
-    priority = {e["request_id"]: e["priority"] for e in replay.events if e["kind"] == "sched.queued"}
-    return max(before.running, key=lambda r: (priority[r], arrival[r], r))
+    arrival = {e.request_id: e.arrival_time for e in replay.events if e.kind == "sched.queued"}
+    priority = {e.request_id: e.priority for e in replay.events if e.kind == "sched.queued"}
+    return max(reversed(before.running), key=lambda r: (priority[r], arrival[r]))
 
 
 for name, replay, policy in (("FCFS", fcfs, "fcfs"), ("priority", prio, "priority")):
     p = preemptions(replay)
     first = p[0]
-    print(f"{name:8}: {len(p)} preemption(s); first at step {first['step']}: victim {first['request_id']} "
-          f"for {first['for_request_id']}; the rule predicts {victim_by_rule(replay, first['step'], policy)}")
+    print(f"{name:8}: {len(p)} preemption(s); first at step {first.step}: victim {first.request_id} "
+          f"for {first.for_request_id}; the rule predicts {victim_by_rule(replay, first.step, policy)}")
 
 # %% [markdown]
 # ### A picture of both runs
@@ -530,7 +549,7 @@ for ax, (title, replay) in zip(axes, [("FCFS, 5 usable blocks", fcfs), ("priorit
     labels = [f"{r} (prio {PRIORITY[r]})" if replay is prio else r for r in reversed(RIDS)]
     ax.set_yticks(range(len(RIDS)), labels)
     for p in preemptions(replay):
-        ax.axvline(p["step"], color="k", linestyle=":", linewidth=1)
+        ax.axvline(p.step, color="k", linestyle=":", linewidth=1)
     ax.set_title(title, fontsize=10, loc="left")
 axes[-1].set_xlabel("engine step")
 fig.legend(handles=[Patch(color=c, label=s) for s, c in STATE_COLORS.items()], ncol=5, loc="upper center")
@@ -582,7 +601,7 @@ def block_cluster(g, name, state, label, changed=frozenset()):
 
 def block_diagram(replay, title):
     """The pool after the step before the first preemption and after it; thick: changed blocks."""
-    step = preemptions(replay)[0]["step"]
+    step = preemptions(replay)[0].step
     before, after = replay.state_at(step - 1), replay.state_at(step)
     changed = {b.block_id for b, c in zip(before.blocks, after.blocks) if (b.owners, b.ref_cnt) != (c.owners, c.ref_cnt)}
     g = graphviz.Digraph(graph_attr={"rankdir": "TB", "label": title, "labelloc": "t", "fontsize": "12"})
@@ -620,24 +639,24 @@ nocache, nocache_out = run_workload("fcfs-nocache", WORKLOAD, scheduling_policy=
 
 def preemption_cost(replay, baseline):
     """Per preemption: what the victim lost, waited, recomputed, and how late it finished."""
-    finished = {e["request_id"]: e["step"] for e in replay.events if e["kind"] == "sched.finished"}
-    finished_base = {e["request_id"]: e["step"] for e in baseline.events if e["kind"] == "sched.finished"}
+    finished = {e.request_id: e.step for e in replay.events if e.kind == "sched.finished"}
+    finished_base = {e.request_id: e.step for e in baseline.events if e.kind == "sched.finished"}
     costs = []
     for p in preemptions(replay):
-        rid = p["request_id"]
-        resumed = next(e for e in replay.events if e["kind"] == "sched.admitted"
-                       and e["request_id"] == rid and e["resumed"] and e["step"] > p["step"])
+        rid = p.request_id
+        resumed = next(e for e in replay.events if e.kind == "sched.admitted"
+                       and e.request_id == rid and e.resumed and e.step > p.step)
         # Tokens run through the model again: from the cache hit at resumption
         # up to where it had been when preempted.
-        recomputed = p["num_tokens"] - resumed["num_computed_tokens"]
+        recomputed = p.num_tokens - resumed.num_computed_tokens
         costs.append({
             "victim": rid,
-            "for": p["for_request_id"],
-            "preempted at": p["step"],
-            "tokens lost": p["num_tokens"],
-            "resumed at": resumed["step"],
-            "steps waiting": resumed["step"] - p["step"],
-            "prefix hit": resumed["num_computed_tokens"],
+            "for": p.for_request_id,
+            "preempted at": p.step,
+            "tokens lost": p.num_tokens,
+            "resumed at": resumed.step,
+            "steps waiting": resumed.step - p.step,
+            "prefix hit": resumed.num_computed_tokens,
             "recomputed": recomputed,
             "finished at": finished[rid],
             "baseline": finished_base[rid],
@@ -663,15 +682,15 @@ def recompute_time(replay):
     """Forward time of the steps in which a resumed request recomputed tokens."""
     total = 0
     for p in preemptions(replay):
-        for step in range(p["step"] + 1, replay.last_step + 1):
+        for step in range(p.step + 1, replay.last_step + 1):
             view = replay.view(step)
-            if any(slot.request_id == p["request_id"] and row_kind(replay, step, slot) == "r" for slot in view.batch):
-                total += next(e["duration_ns"] for e in view.events if e["kind"] == "runner.forward")
+            if any(slot.request_id == p.request_id and row_kind(replay, step, slot) == "r" for slot in view.batch):
+                total += next(e.duration_ns for e in view.events if e.kind == "runner.forward")
     return total
 
 
 def forward_total(replay):
-    return sum(e["duration_ns"] for e in replay.events if e["kind"] == "runner.forward")
+    return sum(e.duration_ns for e in replay.events if e.kind == "runner.forward")
 
 
 for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache", nocache), ("baseline", roomy)):
@@ -708,21 +727,21 @@ for replay, budget in ((chunked, 32), (fcfs, None), (prio, None)):
     for step in replay.steps[1:]:
         sched = replay.view(step).sched_step
         if sched:
-            assert sched["total_num_scheduled_tokens"] <= sched["token_budget"]
-            assert budget is None or sched["token_budget"] == budget
+            assert sched.total_num_scheduled_tokens <= sched.token_budget
+            assert budget is None or sched.token_budget == budget
 
 # %%
 # A step that preempts admits nobody from the waiting queue.
 for replay in (fcfs, prio, nocache):
     for p in preemptions(replay):
-        sched = replay.view(p["step"]).sched_step
-        assert not sched["new_req_ids"] and not sched["resumed_req_ids"], p
+        sched = replay.view(p.step).sched_step
+        assert not sched.new_req_ids and not sched.resumed_req_ids, p
 
 # %%
 # FCFS preempts the most recently admitted running request; priority the
 # worst (priority, arrival_time).
-assert preemptions(fcfs)[0]["request_id"] == victim_by_rule(fcfs, preemptions(fcfs)[0]["step"], "fcfs") == "b"
-assert preemptions(prio)[0]["request_id"] == victim_by_rule(prio, preemptions(prio)[0]["step"], "priority") == "low"
+assert preemptions(fcfs)[0].request_id == victim_by_rule(fcfs, preemptions(fcfs)[0].step, "fcfs") == "b"
+assert preemptions(prio)[0].request_id == victim_by_rule(prio, preemptions(prio)[0].step, "priority") == "low"
 
 # %%
 # A preempted request comes back with its cursor at a block boundary (the

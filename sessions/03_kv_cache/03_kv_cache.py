@@ -51,8 +51,8 @@
 # |---|---|
 # | `vllm/v1/core/kv_cache_manager.py` | the scheduler's only door into the cache: `get_computed_blocks` (the prefix-cache lookup), `allocate_slots`, `free` |
 # | `vllm/v1/core/kv_cache_coordinator.py` | the layer between the manager and the per-type managers (one per KV cache group) |
-# | `vllm/v1/core/single_type_kv_cache_manager.py` | per-request block lists; `find_longest_cache_hit` walks the hash chain |
-# | `vllm/v1/core/block_pool.py` | the physical pool: `get_new_blocks` pops the free queue, `touch` revives a cached block, `free_blocks` returns blocks tail first, `cache_full_blocks` registers hashes |
+# | `vllm/v1/core/single_type_kv_cache_manager.py` | per-request block lists; `free` hands a request's blocks to the pool tail first; `find_longest_cache_hit` walks the hash chain |
+# | `vllm/v1/core/block_pool.py` | the physical pool: `get_new_blocks` pops the free queue, `touch` revives a cached block, `free_blocks` appends blocks to the free queue in the order it is given, `cache_full_blocks` registers hashes |
 # | `vllm/v1/core/kv_cache_utils.py` | `KVCacheBlock`, `FreeKVCacheBlockQueue` (the LRU list), `hash_block_tokens`, `get_request_block_hasher` |
 #
 # The table below is computed: vLLM's lines come from `docs/data/vllm_twins_52a31cc.json`
@@ -111,10 +111,10 @@ display(Markdown(reading_table(SESSION_FILES)))
 # %% [markdown]
 # ### Where the reading plan is out of date
 #
-# The seed's session 3 names a few things that have moved or been renamed
-# since it was written. These rows come from the source map's table of stale
-# paths (`scripts/gen_source_map.py`, checked by `tests/test_source_map.py`),
-# with the lines looked up in the same vLLM data:
+# Session 3 of the reading plan names a few things that have moved or been
+# renamed since it was written. These rows come from the source map's table
+# of stale paths (`scripts/gen_source_map.py`, checked by
+# `tests/test_source_map.py`), with the lines looked up in the same vLLM data:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -127,7 +127,7 @@ for item in gen_source_map.STALE:
     path, name, approx = item["old"]
     said = f"{path}" + (f" {name}" if name else "") + (f" (~line {approx})" if approx else "")
     now = ", ".join(f"{p}:{vllm_line(p, q)} {q}" for p, q in item["now"])
-    print(f"seed says  {said}\n  {item['status']:>12}: {now}")
+    print(f"plan says  {said}\n  {item['status']:>12}: {now}")
 
 # %% [markdown]
 # ## 2. The engine and the workload
@@ -152,7 +152,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.tracing import TraceReplay, load_trace
+from engine.tracing import TraceEvent, TraceReplay, load_trace
 
 TRACE = Path(tempfile.mkdtemp(prefix="glassbox-session03-")) / "kv.jsonl"
 BLOCK_SIZE = 16
@@ -261,13 +261,15 @@ print(f"all phases: {time.perf_counter() - t0:.1f} s")
 # %% [markdown]
 # ## 3. Read the trace back
 #
-# `load_trace` returns every event in time order; `TraceReplay` re-applies the
-# scheduler's and the KV cache's events one by one and can hand back the
-# engine's state after any step (`state_at(n)`): queues, requests and their
-# block tables, and every block's reference count, hash, owners and place in
-# the free queue. It checks itself against the engine as it goes (a block the
-# engine allocated that is not at the head of its free queue raises
-# `ReplayError`), so what it shows is what happened.
+# `load_trace` returns every event in time order, each a typed struct whose
+# fields are attributes (`e.kind`, `e.block_ids`; the classes are in
+# `engine/tracing/events.py`). `TraceReplay` re-applies the scheduler's and
+# the KV cache's events one by one and can hand back the engine's state after
+# any step (`state_at(n)`): queues, requests and their block tables, and every
+# block's reference count, hash, owners and place in the free queue. It
+# checks itself against the engine as it goes (a block the engine allocated
+# that is not at the head of its free queue raises `ReplayError`), so what it
+# shows is what happened.
 
 # %%
 llm.llm_engine.tracer.flush()
@@ -276,12 +278,14 @@ replay = TraceReplay(events)
 BY_LABEL = {label: rid for rid, label in ROLE.items()}
 
 
-def first(kind: str, request_id: str | None = None) -> dict:
-    return next(e for e in events if e["kind"] == kind and (request_id is None or e.get("request_id") == request_id))
+def first(kind: str, request_id: str | None = None) -> TraceEvent:
+    """The first event of ``kind`` (that names ``request_id``, if given)."""
+    return next(e for e in events
+                if e.kind == kind and (request_id is None or getattr(e, "request_id", None) == request_id))
 
 
 def admitted_step(label: str) -> int:
-    return first("sched.admitted", BY_LABEL[label])["step"]
+    return first("sched.admitted", BY_LABEL[label]).step
 
 
 def runs(ids: list[int]) -> str:
@@ -298,7 +302,7 @@ def runs(ids: list[int]) -> str:
 
 
 print(f"{len(events)} events, {replay.last_step} steps; kinds:",
-      sorted({e['kind'] for e in events}))
+      sorted({e.kind for e in events}))
 
 # %% [markdown]
 # ### 3a. The prefix-cache lookups
@@ -310,10 +314,10 @@ print(f"{len(events)} events, {replay.last_step} steps; kinds:",
 # %%
 # NBVAL_CHECK_OUTPUT
 for e in events:
-    if e["kind"] == "kv.cache_hit":
-        label = ROLE[e["request_id"]]
-        print(f"step {e['step']:>3}  {label}: {e['num_tokens']} tokens, {e['num_block_hashes']} full blocks hashed, "
-              f"hit {e['num_cached_tokens']:>3} tokens in blocks [{runs(e['block_ids'])}]")
+    if e.kind == "kv.cache_hit":
+        label = ROLE[e.request_id]
+        print(f"step {e.step:>3}  {label}: {e.num_tokens} tokens, {e.num_block_hashes} full blocks hashed, "
+              f"hit {e.num_cached_tokens:>3} tokens in blocks [{runs(e.block_ids)}]")
 
 # %% [markdown]
 # ### 3b. B's block table, and the free queue before and after B arrived
@@ -337,8 +341,8 @@ print(f"free queue before B (head first, {len(before.free_queue)} blocks):", run
 print(f"free queue after  B (head first, {len(after.free_queue)} blocks):", runs(after.free_queue))
 touched = first("kv.touched", BY_LABEL["B"])
 allocated = first("kv.allocated", BY_LABEL["B"])
-print(f"touched (revived from the queue's middle): [{runs(touched['block_ids'])}]; "
-      f"popped from the head: {allocated['block_ids']}")
+print(f"touched (revived from the queue's middle): [{runs(touched.block_ids)}]; "
+      f"popped from the head: {allocated.block_ids}")
 
 # %% [markdown]
 # ### 3c. The hash chain
@@ -361,9 +365,9 @@ from engine.v1.core.kv_cache_utils import hash_block_tokens, sha256
 
 cached = {}  # (request id, block index) -> kv.cached event
 for e in events:
-    if e["kind"] == "kv.cached":
-        cached[(e["request_id"], e["block_index"])] = e
-prompt_ids = {e["request_id"]: e["prompt_token_ids"] for e in events if e["kind"] == "request.added"}
+    if e.kind == "kv.cached":
+        cached[(e.request_id, e.block_index)] = e
+prompt_ids = {e.request_id: e.prompt_token_ids for e in events if e.kind == "request.added"}
 
 
 def chain(request_id: str) -> list[str]:
@@ -388,7 +392,7 @@ for i in [0, 1, 2, 29, 30, 31]:
     ca, cb = chains["A"][i], chains["B"][i]
     parent = chains["A"][i - 1][:8] if i else "NONE"
     print(f"{i:>3}  {table_a[i]:>3} {ca[:16]:<18} {parent:<10} {table_b[i]:>3} {cb[:16]:<18} {ca == cb}")
-engine_a = [cached[(rid_a, i)]["block_hash"] for i in range(len(chains["A"]))]
+engine_a = [cached[(rid_a, i)].block_hash for i in range(len(chains["A"]))]
 print(f"A: {len(engine_a)} hashes in kv.cached, all equal to the recomputed chain: {engine_a == chains['A']}")
 print(f"B: blocks it cached itself: {sorted(i for (r, i) in cached if r == rid_b)} "
       f"(indices 0–30 were already cached, by A)")
@@ -413,8 +417,8 @@ def dot_svg(source: str) -> SVG:
 def hash_chain_dot() -> str:
     block_of = {}  # hash -> physical block the engine cached it in (first time)
     for e in events:
-        if e["kind"] == "kv.cached":
-            block_of.setdefault(e["block_hash"], e["block_id"])
+        if e.kind == "kv.cached":
+            block_of.setdefault(e.block_hash, e.block_id)
     lines = ['digraph chain {', 'rankdir=LR; node [shape=box, fontname="monospace", fontsize=10];',
              'none [label="NONE_HASH", shape=oval];']
     trunk = chains["A"][:31]
@@ -465,9 +469,9 @@ print("ref counts of the trunk blocks 1–31:", sorted({s.block(b).ref_cnt for b
 print("owners of block 1:", [ROLE[r] for r in s.block(1).owners])
 print("ref counts of C's own blocks:", [s.block(b).ref_cnt for b in s.requests[rid_c].block_ids[31:]])
 for e in events:
-    if e["kind"] == "kv.freed" and e["request_id"] in (rid_c, rid_d):
-        print(f"step {e['step']}: {ROLE[e['request_id']]} frees [{runs(e['block_ids'])}]; "
-              f"back to the free queue: [{runs(e['to_free_queue'])}]")
+    if e.kind == "kv.freed" and e.request_id in (rid_c, rid_d):
+        print(f"step {e.step}: {ROLE[e.request_id]} frees [{runs(e.block_ids)}]; "
+              f"back to the free queue: [{runs(e.to_free_queue)}]")
 
 # %% [markdown]
 # The pool while C and D run, drawn from the replayed state: one cell per
@@ -525,7 +529,8 @@ dot_svg(pool_dot(s, f"KV pool after step {step_cd}: C and D running"))
 #
 # * never-used blocks (they sat at the head since start-up);
 # * then the blocks freed longest ago — and among one request's blocks, the
-#   *deepest* first, since `free` returns a block table tail first.
+#   *deepest* first, since `SingleTypeKVCacheManager.free` hands a block
+#   table to the pool reversed, and `free_blocks` queues it in that order.
 #
 # So E eats the conversations' private tail blocks, then the trunk from its
 # end backwards. The start of the system prompt survives, and F still gets a
@@ -541,24 +546,24 @@ fresh = [b for b in before_e.free_queue if before_e.block(b).block_hash is None]
 print(f"E needs {len(replay.state_at(step_e).requests[rid_e].block_ids)} blocks; free queue before E: "
       f"{len(before_e.free_queue)} blocks, {len(fresh)} of them holding no cached prefix")
 print("free queue before E (head first):", runs(before_e.free_queue))
-evicted = [e for e in events if e["kind"] == "kv.evicted" and e["step"] == step_e]
+evicted = [e for e in events if e.kind == "kv.evicted" and e.step == step_e]
 print(f"{len(evicted)} evictions while E was admitted (step {step_e}), in order:")
 where = {}  # hash -> the labels whose chains contain it, with the block index
 for label, ch in chains.items():
     for i, h in enumerate(ch):
         where.setdefault(h, []).append(f"{label}#{i}")
 for e in evicted:
-    print(f"  block {e['block_id']:>2}  hash {e['block_hash'][:8]}  held {', '.join(where.get(e['block_hash'], ['?']))}")
+    print(f"  block {e.block_id:>2}  hash {e.block_hash[:8]}  held {', '.join(where.get(e.block_hash, ['?']))}")
 survivors = [b for b in range(1, 32) if replay.state_at(step_e).block(b).block_hash == chains["A"][b - 1]]
 print(f"trunk blocks still cached after E: [{runs(survivors)}]")
-print(f"F's prefix hit: {first('kv.cache_hit', BY_LABEL['F'])['num_cached_tokens']} tokens "
-      f"in blocks [{runs(first('kv.cache_hit', BY_LABEL['F'])['block_ids'])}]")
-later = [e for e in events if e["kind"] == "kv.evicted" and e["step"] > step_e]
+print(f"F's prefix hit: {first('kv.cache_hit', BY_LABEL['F']).num_cached_tokens} tokens "
+      f"in blocks [{runs(first('kv.cache_hit', BY_LABEL['F']).block_ids)}]")
+later = [e for e in events if e.kind == "kv.evicted" and e.step > step_e]
 print(f"(F's own new blocks then evicted {len(later)} of E's cached blocks, "
-      f"E#{min(int(where[e['block_hash']][0].split('#')[1]) for e in later)} and up)")
+      f"E#{min(int(where[e.block_hash][0].split('#')[1]) for e in later)} and up)")
 
 # %%
-evicted_ids = {e["block_id"] for e in evicted}
+evicted_ids = {e.block_id for e in evicted}
 display(dot_svg(pool_dot(before_e, f"before E (after step {step_e - 1}): everything free, much of it cached")))
 dot_svg(pool_dot(replay.state_at(step_e), f"after E is admitted (step {step_e}); red: evicted", evicted_ids))
 
@@ -567,20 +572,23 @@ dot_svg(pool_dot(replay.state_at(step_e), f"after E is admitted (step {step_e});
 #
 # Block 0 never holds real KV. `BlockPool` takes it out of the free queue at
 # start-up and never hands it out, caches it or frees it. vLLM uses it as a
-# placeholder id — for blocks a sliding window has dropped, or for the rows a
-# CUDA graph pads a batch with (session 04): a slot mapping that points there
-# writes nothing anyone reads.
+# placeholder id in block tables: the blocks a sliding window (or chunked
+# local attention) has dropped are replaced by `null_block`, so the table
+# keeps its shape while the memory goes back to the pool. It is not where
+# padding goes: the tokens a CUDA graph pads a batch with (session 04) get
+# slot `-1` in the slot mapping, in vLLM and in Glassbox alike, and so write
+# no KV anywhere.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 init = first("kv.init")
 final = replay.final_state
-print(f"kv.init: num_blocks={init['num_blocks']}, null_block_id={init['null_block_id']}")
+print(f"kv.init: num_blocks={init.num_blocks}, null_block_id={init.null_block_id}")
 print(f"block 0: is_null={final.block(0).is_null}, ref_cnt={final.block(0).ref_cnt}, "
       f"in free queue={final.block(0).free_queue_position is not None}, hash={final.block(0).block_hash}")
-ever_allocated = {b for e in events if e["kind"] in ("kv.allocated", "kv.touched") for b in e["block_ids"]}
+ever_allocated = {b for e in events if e.kind in ("kv.allocated", "kv.touched") for b in e.block_ids}
 print(f"block 0 ever allocated or touched: {0 in ever_allocated}; "
-      f"usable blocks: {init['num_blocks'] - 1}; kv_cache_usage counts only those")
+      f"usable blocks: {init.num_blocks - 1}; kv_cache_usage counts only those")
 
 # %% [markdown]
 # ### 3g. The pool over the whole run
@@ -655,7 +663,7 @@ d, L, I = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
 H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 h = cfg.get("head_dim") or d // H
 weights_per_layer = d * H * h + 2 * d * Hkv * h + H * h * d + 3 * d * I
-T = first("kv.cache_hit", BY_LABEL["B"])["num_cached_tokens"]
+T = first("kv.cache_hit", BY_LABEL["B"]).num_cached_tokens
 linear_flops = 2 * L * weights_per_layer * T
 attention_flops = L * 4 * H * h * (T * (T + 1) // 2)
 skipped_flops = linear_flops + attention_flops
@@ -704,13 +712,13 @@ llm.llm_engine.tracer.flush()
 events = load_trace(str(TRACE))
 samples = {"cold": [], "warm": []}
 for kind, label, rid in timed:
-    step = first("sched.admitted", rid)["step"]
-    hit = first("kv.cache_hit", rid)["num_cached_tokens"]
-    forward = next(e for e in events if e["kind"] == "runner.forward" and e["step"] == step)
-    batch = next(e for e in events if e["kind"] == "runner.batch" and e["step"] == step)
-    assert batch["req_ids"] == [rid], "each timed prefill must run alone in its step"
-    samples[kind].append(forward["duration_ns"] / 1e6)
-    print(f"{kind}  {label}: {hit:>3} cached, {forward['num_tokens']:>3} computed, forward {forward['duration_ns'] / 1e6:8.1f} ms")
+    step = first("sched.admitted", rid).step
+    hit = first("kv.cache_hit", rid).num_cached_tokens
+    forward = next(e for e in events if e.kind == "runner.forward" and e.step == step)
+    batch = next(e for e in events if e.kind == "runner.batch" and e.step == step)
+    assert batch.req_ids == [rid], "each timed prefill must run alone in its step"
+    samples[kind].append(forward.duration_ns / 1e6)
+    print(f"{kind}  {label}: {hit:>3} cached, {forward.num_tokens:>3} computed, forward {forward.duration_ns / 1e6:8.1f} ms")
 prefill_ms = {kind: statistics.median(v) for kind, v in samples.items()}
 cold_tokens = len(prompts["A"])
 print(f"median cold {prefill_ms['cold']:.1f} ms, median warm {prefill_ms['warm']:.1f} ms")
@@ -744,17 +752,17 @@ print(f"measured saving:  {prefill_ms['cold']:.1f} - {prefill_ms['warm']:.1f} = 
 # %%
 # A prefix hit is a whole number of blocks, and never the whole prompt.
 for e in events:
-    if e["kind"] == "kv.cache_hit":
-        assert e["num_cached_tokens"] % BLOCK_SIZE == 0
-        assert e["num_cached_tokens"] < e["num_tokens"]
-assert first("kv.cache_hit", BY_LABEL["B"])["num_cached_tokens"] == common // BLOCK_SIZE * BLOCK_SIZE
+    if e.kind == "kv.cache_hit":
+        assert e.num_cached_tokens % BLOCK_SIZE == 0
+        assert e.num_cached_tokens < e.num_tokens
+assert first("kv.cache_hit", BY_LABEL["B"]).num_cached_tokens == common // BLOCK_SIZE * BLOCK_SIZE
 print("hits are whole blocks: ok")
 
 # %%
 # The engine's hashes are exactly the chain recomputed from the token ids.
 for (rid, i), e in cached.items():
     if rid in prompt_ids and i < len(prompt_ids[rid]) // BLOCK_SIZE:
-        assert e["block_hash"] == chain(rid)[i], (rid, i)
+        assert e.block_hash == chain(rid)[i], (rid, i)
 print("every prompt block hash matches the recomputed chain: ok")
 
 # %%
@@ -770,10 +778,10 @@ print("trunk ref_cnt == 2 while C and D ran: ok")
 # E's evictions take the free queue's head, in order, skipping nothing.
 before_e = replay.state_at(admitted_step("E") - 1)
 popped = before_e.free_queue[: len(replay.state_at(admitted_step("E")).requests[BY_LABEL["E"]].block_ids)]
-assert [e["block_id"] for e in evicted] == [b for b in popped if before_e.block(b).block_hash is not None]
+assert [e.block_id for e in evicted] == [b for b in popped if before_e.block(b).block_hash is not None]
 # F's hit is exactly the unbroken run of trunk blocks that survived E.
 f_hit = first("kv.cache_hit", BY_LABEL["F"])
-assert f_hit["block_ids"] == survivors[: len(f_hit["block_ids"])] and f_hit["block_ids"][0] == 1
+assert f_hit.block_ids == survivors[: len(f_hit.block_ids)] and f_hit.block_ids[0] == 1
 print("LRU eviction from the head; F hit the surviving start of the trunk: ok")
 
 # %%

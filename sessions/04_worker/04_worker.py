@@ -113,10 +113,10 @@ for item in gen_source_map.STALE:
     path, name, approx = item["old"]
     said = f"{path}" + (f" {name}" if name else "")
     now = "\n               ".join(f"{p}:{vllm_line(p, q)} {q}" for p, q in item["now"])
-    print(f"seed says  {said}\n  {item['status']:>9}: {now}")
+    print(f"plan says  {said}\n  {item['status']:>9}: {now}")
 
 # %% [markdown]
-# One more: the seed says graphs are captured for "1, 2, 4, 8, …,
+# One more: the reading plan says graphs are captured for "1, 2, 4, 8, …,
 # max_num_seqs". Close, not exact. The list is `cudagraph_capture_sizes` in
 # `CompilationConfig`; by default at `52a31cc` it is 1, 2, 4, then every 8 up
 # to 256 and every 16 above that, up to `max_cudagraph_capture_size`, which
@@ -137,6 +137,10 @@ for item in gen_source_map.STALE:
 # We drive `LLMEngine` by hand (`add_request`, `step`) to control when each
 # request arrives. Before the first step we wrap the live runner's
 # `_prepare_inputs` so that every step leaves a copy of the tensors it built.
+# Ours returns a `PreparedInputs`, a dataclass of Glassbox's own (vLLM's
+# returns the logits indices and the spec-decode metadata and leaves the rest
+# in the runner's buffers); the wrapper takes the attention metadata and the
+# logits indices from it, the token ids and positions from the buffers.
 
 # %%
 import tempfile
@@ -146,7 +150,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from engine.tracing import TraceReplay, load_trace
+from engine.tracing import RunnerBatch, TraceReplay, load_trace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRACE = Path(tempfile.mkdtemp(prefix="glassbox-session04-")) / "worker.jsonl"
@@ -174,8 +178,8 @@ _original_prepare_inputs = runner._prepare_inputs
 
 
 def recording_prepare_inputs(scheduler_output):
-    result = _original_prepare_inputs(scheduler_output)
-    common, num_tokens, logits_indices = result[0], result[1], result[2]
+    inputs = _original_prepare_inputs(scheduler_output)  # a PreparedInputs
+    common, num_tokens = inputs.common_attn_metadata, inputs.num_tokens
     rows = common.num_reqs
     captured[scheduler_output.step] = {
         "req_ids": list(runner.input_batch.req_ids),
@@ -192,10 +196,10 @@ def recording_prepare_inputs(scheduler_output):
         "seq_lens": common.seq_lens.cpu().tolist(),
         "slot_mapping": common.slot_mapping.cpu().tolist(),
         "block_table": common.block_table_tensor[:rows].cpu().tolist(),
-        "logits_indices": logits_indices.cpu().tolist(),
+        "logits_indices": inputs.logits_indices.cpu().tolist(),
         "max_query_len": common.max_query_len,
     }
-    return result
+    return inputs
 
 
 runner._prepare_inputs = recording_prepare_inputs  # an instance attribute shadows the method
@@ -244,20 +248,20 @@ print({rid: t for rid, t in sorted(texts.items())})
 llm.llm_engine.tracer.flush()
 events = load_trace(str(TRACE))
 replay = TraceReplay(events)
-batches = {e["step"]: e for e in events if e["kind"] == "runner.batch"}
+batches = {e.step: e for e in events if e.kind == "runner.batch"}
 
 
-def kind_of(batch: dict) -> str:
-    prefill = any(q > 1 or c == 0 for q, c in zip(batch["query_lens"], batch["num_computed_tokens"]))
-    decode = any(q == 1 and c > 0 for q, c in zip(batch["query_lens"], batch["num_computed_tokens"]))
+def kind_of(batch: RunnerBatch) -> str:
+    prefill = any(q > 1 or c == 0 for q, c in zip(batch.query_lens, batch.num_computed_tokens))
+    decode = any(q == 1 and c > 0 for q, c in zip(batch.query_lens, batch.num_computed_tokens))
     return "mixed" if prefill and decode else ("prefill" if prefill else "decode")
 
 
 print("step  kind     tokens  rows (request:query_len)            discarded  graph")
 for step, b in sorted(batches.items()):
-    rows = ", ".join(f"{r}:{q}" for r, q in zip(b["req_ids"], b["query_lens"]))
-    print(f"{step:>4}  {kind_of(b):<8} {b['num_tokens']:>6}  {rows:<36} {','.join(b['discard_req_ids']) or '-':<10} "
-          f"{b['cudagraph_mode']}")
+    rows = ", ".join(f"{r}:{q}" for r, q in zip(b.req_ids, b.query_lens))
+    print(f"{step:>4}  {kind_of(b):<8} {b.num_tokens:>6}  {rows:<36} {','.join(b.discard_req_ids) or '-':<10} "
+          f"{b.cudagraph_mode}")
 
 # %% [markdown]
 # ### 3a. The first mixed step, taken apart
@@ -285,8 +289,8 @@ for step, b in sorted(batches.items()):
 # NBVAL_CHECK_OUTPUT
 MIXED = next(s for s, b in sorted(batches.items()) if kind_of(b) == "mixed")
 b, live = batches[MIXED], captured[MIXED]
-print(f"step {MIXED}: rows {b['req_ids']}, query_lens {b['query_lens']}, "
-      f"num_computed_tokens {b['num_computed_tokens']}, seq_lens {b['seq_lens']}")
+print(f"step {MIXED}: rows {b.req_ids}, query_lens {b.query_lens}, "
+      f"num_computed_tokens {b.num_computed_tokens}, seq_lens {b.seq_lens}")
 print("new requests this step (id: block ids, computed):", live["new_reqs"])
 print("cached requests (id: new block ids, computed):   ", live["cached_reqs"])
 print("query_start_loc:", live["query_start_loc"])
@@ -297,8 +301,8 @@ print("logits_indices: ", live["logits_indices"], "  max_query_len:", live["max_
 print("block table rows (first 5 columns):")
 for rid, row in zip(live["req_ids"], live["block_table"]):
     print(f"  {rid}: {row[:5]}")
-print("trace slot runs [block, offset, count]:", b["slot_mapping"])
-print("discarded samples (mid-prompt):", b["discard_req_ids"])
+print("trace slot runs [block, offset, count]:", b.slot_mapping)
+print("discarded samples (mid-prompt):", b.discard_req_ids)
 
 # %% [markdown]
 # Read it row by row. `r0` has 7 prompt tokens and has sampled 2: the token
@@ -415,7 +419,7 @@ for step in sorted(captured):
     elif "r2" in live["cached_reqs"]:
         new_blocks, computed = live["cached_reqs"]["r2"]
         print(f"step {step}: r2 as CachedRequestData, new block ids {new_blocks}, computed {computed}")
-last = max(s for s, b in batches.items() if "r2" in b["req_ids"])
+last = max(s for s, b in batches.items() if "r2" in b.req_ids)
 row = captured[last]["req_ids"].index("r2")
 n_blocks = -(-captured[last]["seq_lens"][row] // BLOCK_SIZE)
 print(f"r2's block table row at step {last}, its last step: {captured[last]['block_table'][row][:n_blocks]} "
@@ -440,8 +444,8 @@ print(f"r2's block table row at step {last}, its last step: {captured[last]['blo
 # %%
 print(f"device: {DEVICE}; dispatcher mode in the live runner: {runner.cudagraph_dispatcher.mode.name}; "
       f"graphs captured: {sorted(k.num_tokens for k in runner.cudagraph_dispatcher.captured)}")
-print("graph mode the trace recorded per step:", sorted({b["cudagraph_mode"] for b in batches.values()}),
-      "| padded tokens != tokens in any step:", any(b["num_tokens_padded"] != b["num_tokens"] for b in batches.values()))
+print("graph mode the trace recorded per step:", sorted({b.cudagraph_mode for b in batches.values()}),
+      "| padded tokens != tokens in any step:", any(b.num_tokens_padded != b.num_tokens for b in batches.values()))
 
 # %% [markdown]
 # On a CPU there are no graphs (the runner sets the mode to `NONE`). The
@@ -481,10 +485,12 @@ for n, uniform in [(1, True), (3, True), (5, True), (8, True), (13, True), (17, 
 # `benchmarks/gpu_throughput.py` ran on an H200 with the Qwen3-0.6B
 # architecture (dummy weights, bf16): decode steps at a 512-token context,
 # timed as whole `EngineCore.step()` calls, once with CUDA graphs and once
-# with `enforce_eager=True`. The file is committed; these are its numbers.
+# with `enforce_eager=True`. Its latest run is committed as
+# `benchmarks/results/gpu_throughput_h200.json` (earlier runs are in
+# `history.jsonl` beside it); these are its numbers.
 
 # %%
-gpu = json.loads((REPO / "benchmarks/results/gpu_throughput_2026-12-02_h200_kernels.json").read_text())
+gpu = json.loads((REPO / "benchmarks/results/gpu_throughput_h200.json").read_text())
 graph_ms = {int(k): v["mean_ms"] for k, v in gpu["decode_latency_cudagraphs"].items()}
 eager_ms = {int(k): v["mean_ms"] for k, v in gpu["decode_latency_eager"].items()}
 floor_ms = {int(k): v["floor_ms"] for k, v in gpu["decode_latency_cudagraphs"].items()}
@@ -495,7 +501,7 @@ for n in sorted(graph_ms):
 print(f"throughput (nano-vllm workload): {gpu['throughput_cudagraphs']['output_tokens_per_second']:.0f} "
       "output tok/s with graphs")
 # benchmarks/gpu_profile_step.py: one request, batch-1 decode steps, under torch.profiler and cProfile.
-profile = json.loads((REPO / "benchmarks/results/gpu_profile_step_b1_2026-12-02_h200.json").read_text())
+profile = json.loads((REPO / "benchmarks/results/gpu_profile_step_b1_h200.json").read_text())
 host = profile["host_ms_per_step_under_cprofile"]
 print(f"batch-1 step: {profile['wall_ms_per_step']:.2f} ms wall, GPU busy {profile['gpu_ms_per_step']:.2f} ms "
       f"({profile['gpu_kernels_per_step']:.0f} kernels); host: _prepare_inputs "
@@ -525,11 +531,11 @@ fig.tight_layout()
 show(fig)
 
 # %% [markdown]
-# Two things stand out. Eager steps cost 15–18 ms whatever the batch size:
+# Two things stand out. Eager steps cost 17–22 ms whatever the batch size:
 # the time is not arithmetic or memory traffic (the floor is 0.3–3.8 ms) but
 # the host launching kernels one by one from Python, and it barely depends on
 # how much work each kernel does. Graphs remove most of that. What remains at
-# batch 1 (~2.5 ms) is about 1.5 ms of GPU time (hundreds of small kernels,
+# batch 1 (~2.3 ms) is about 1.5 ms of GPU time (hundreds of small kernels,
 # each far from the bandwidth limit) plus the Python part of the step —
 # scheduling, input preparation, FlashInfer's `plan` — during which the GPU
 # waits: nothing overlaps the host's work with the device's. vLLM hides that
@@ -640,7 +646,7 @@ print(f"eager minus graphs at batch 1, spread over our {n_ops} launches: ~{(eage
 # kernels are bound by reading the weights, which happens once per step
 # however many rows there are), while every eager launch costs the host tens
 # of microseconds, hundreds of times per step. Replaying the 16-graph for 13
-# requests wastes 3 rows — tens of microseconds — and skips ~14 ms of
+# requests wastes 3 rows — tens of microseconds — and skips ~16 ms of
 # launches. Padding only loses when the padded rows cost more than the
 # launches saved, hundreds of rows away; vLLM's capture sizes are spaced
 # (every 8, then every 16 at larger sizes) so the waste stays a small
@@ -673,14 +679,14 @@ def live_decode_latency(enforce_eager: bool, batch_sizes=(1, 13, 16), new_tokens
                          use_tqdm=False)
     gpu_llm.llm_engine.tracer.flush()
     evs = load_trace(str(trace))
-    forward_ms = {e["step"]: e["duration_ns"] / 1e6 for e in evs if e["kind"] == "runner.forward"}
+    forward_ms = {e.step: e.duration_ns / 1e6 for e in evs if e.kind == "runner.forward"}
     out = {}
     for e in evs:
-        if e["kind"] == "runner.batch" and kind_of(e) == "decode":
-            row = out.setdefault(e["num_tokens"], {"ms": [], "padded": set(), "mode": set()})
-            row["ms"].append(forward_ms[e["step"]])
-            row["padded"].add(e["num_tokens_padded"])
-            row["mode"].add(e["cudagraph_mode"])
+        if e.kind == "runner.batch" and kind_of(e) == "decode":
+            row = out.setdefault(e.num_tokens, {"ms": [], "padded": set(), "mode": set()})
+            row["ms"].append(forward_ms[e.step])
+            row["padded"].add(e.num_tokens_padded)
+            row["mode"].add(e.cudagraph_mode)
     gpu_llm.shutdown()
     del gpu_llm
     torch.cuda.empty_cache()
@@ -693,9 +699,9 @@ if DEVICE == "cuda":
     live = {"graphs": live_decode_latency(False), "eager": live_decode_latency(True)}
     print(" batch  graphs: mode, padded, median ms   eager: median ms")
     for n in (1, 13, 16):
-        g, e = live["graphs"][n], live["eager"][n]
+        g, eg = live["graphs"][n], live["eager"][n]
         print(f"{n:>6}  {'/'.join(g['mode'])}, {sorted(g['padded'])}, {statistics.median(g['ms']):8.2f}   "
-              f"{statistics.median(e['ms']):8.2f}")
+              f"{statistics.median(eg['ms']):8.2f}")
 else:
     print("no CUDA device here: the live measurement does not run; section 4a's committed H200 numbers stand in")
 
@@ -706,19 +712,19 @@ else:
 # Every step's runner tensors agree with the trace's runner.batch event.
 for step, b in batches.items():
     live = captured[step]
-    assert live["req_ids"] == b["req_ids"]
-    assert np.diff(live["query_start_loc"]).tolist() == b["query_lens"]
-    assert live["seq_lens"] == b["seq_lens"]
-    slots = [blk * BLOCK_SIZE + off + i for runs_ in b["slot_mapping"] for blk, off, cnt in runs_ for i in range(cnt)]
+    assert live["req_ids"] == b.req_ids
+    assert np.diff(live["query_start_loc"]).tolist() == b.query_lens
+    assert live["seq_lens"] == b.seq_lens
+    slots = [blk * BLOCK_SIZE + off + i for runs_ in b.slot_mapping for blk, off, cnt in runs_ for i in range(cnt)]
     assert slots == live["slot_mapping"]
 print("trace and live runner agree on every step: ok")
 
 # %%
 # A mixed step: decodes first (the scheduler serves running requests first), then the chunk.
 b = batches[MIXED]
-assert b["query_lens"][:2] == [1, 1] and b["query_lens"][2] == 32 - 2
-assert b["discard_req_ids"] == ["r2"]  # its sample is thrown away until its prompt is done
-assert sum(b["query_lens"]) <= 32  # max_num_batched_tokens
+assert b.query_lens[:2] == [1, 1] and b.query_lens[2] == 32 - 2
+assert b.discard_req_ids == ["r2"]  # its sample is thrown away until its prompt is done
+assert sum(b.query_lens) <= 32  # max_num_batched_tokens
 print("mixed step layout: ok")
 
 # %%
