@@ -9,12 +9,8 @@ Sessions: 01 (the engine loop, end to end), 02 (scheduling), 03 (KV cache).
 from __future__ import annotations
 
 from engine.tracing import SamplingParamsSummary
-from tui.session import (
-    PHASE_NAMES,
-    STALLED,
-    TraceSession,
-    visible_whitespace,
-)
+from tui.session import TraceSession
+from tui.timelines import PHASE_NAMES, STALLED, visible_whitespace
 
 # Timeline letters, as in the TUI's legend.
 TIMELINE_LEGEND = "w waiting, p prefill, r recompute, d decode, s stalled, x preempted, f finished"

@@ -25,7 +25,9 @@ from engine.tracing import (
     TraceReplay,
     load_trace,
 )
-from tui.session import (
+from tui.session import TraceLoadError, TraceSession, open_session, session_from_events
+from tui.summary import compress_phases, request_summary
+from tui.timelines import (
     DECODE,
     FINISHED,
     NOT_ARRIVED,
@@ -34,12 +36,7 @@ from tui.session import (
     RECOMPUTE,
     STALLED,
     WAITING,
-    TraceLoadError,
-    TraceSession,
-    open_session,
-    session_from_events,
 )
-from tui.summary import compress_phases, request_summary
 
 
 def test_the_committed_trace_shows_what_it_should(small_session: TraceSession):

@@ -17,7 +17,8 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from engine.tracing import StepView
-from tui.session import (
+from tui.session import TraceSession
+from tui.timelines import (
     DECODE,
     FINISHED,
     NOT_ARRIVED,
@@ -26,7 +27,6 @@ from tui.session import (
     RECOMPUTE,
     STALLED,
     WAITING,
-    TraceSession,
 )
 
 # Phase colours and glyphs: the glyph shapes differ too, so the timeline reads

@@ -17,7 +17,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from tui.session import PHASE_NAMES, RequestTimeline
+from tui.timelines import PHASE_NAMES, RequestTimeline
 from tui.widgets.common import DIM, PHASE_STYLES, Panel, StepContext, phase_legend
 
 

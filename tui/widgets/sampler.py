@@ -19,14 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.tracing import SamplerSampled, SamplingParamsSummary
-from tui.session import (
-    FINISHED,
-    NOT_ARRIVED,
-    PREEMPTED,
-    STALLED,
-    WAITING,
-    visible_whitespace,
-)
+from tui.timelines import FINISHED, NOT_ARRIVED, PREEMPTED, STALLED, WAITING, visible_whitespace
 from tui.widgets.common import DIM, Panel, StepContext
 
 STAGE_LABELS = {

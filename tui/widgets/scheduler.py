@@ -23,7 +23,7 @@ from engine.tracing import (
     SchedPreempted,
     SchedQueued,
 )
-from tui.session import DECODE, PREFILL, RECOMPUTE
+from tui.timelines import DECODE, PREFILL, RECOMPUTE
 from tui.widgets.common import DIM, Panel, StepContext, id_list, request_chip
 
 _KIND_OF_PHASE = {DECODE: "decode", PREFILL: "prefill", RECOMPUTE: "recompute"}

@@ -15,7 +15,8 @@ from textual import events
 from textual.message import Message
 from textual.widgets import Static
 
-from tui.session import PHASE_NAMES, TraceSession
+from tui.session import TraceSession
+from tui.timelines import PHASE_NAMES
 from tui.widgets.common import DIM, StepContext
 
 
