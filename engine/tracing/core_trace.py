@@ -206,12 +206,13 @@ class SchedulerTrace(SubsystemTrace):
             )
         )
 
-    def admitted(self, request: Any, resumed: bool, num_new_tokens: int) -> None:
-        """A waiting request joined the running list (after its cursor was set)."""
+    def admitted(self, request: Any, num_new_tokens: int) -> None:
+        """A waiting request joined the running list (after its cursor was set).
+        One that was preempted before is resumed: a fresh one has none."""
         self.tracer.record(
             SchedAdmitted(
                 request_id=request.request_id,
-                resumed=resumed,
+                resumed=request.num_preemptions > 0,
                 num_computed_tokens=request.num_computed_tokens,
                 num_new_tokens=num_new_tokens,
                 num_tokens=request.num_tokens,

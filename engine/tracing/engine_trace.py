@@ -42,17 +42,16 @@ class EngineCoreTrace(SubsystemTrace):
         forward just launched (docs/trace_format.md: why every step)."""
         self.tracer.flush()
 
-    def step_done(self, has_requests: bool) -> None:
+    def step_done(self, scheduler: Any) -> None:
         """Write the step's last events now if no step follows to carry them."""
-        if not has_requests:
+        if not scheduler.has_requests():
             self.tracer.flush()
 
     def request_received(self, request_type: Any, request: Any) -> None:
         """The input thread decoded a request (``EngineCoreRequestType``)."""
-        if request_type.name == "ADD":
-            self.tracer.record(RequestReceived(type="add", request_id=request.request_id))
-        elif request_type.name == "ABORT":
-            self.tracer.record(RequestReceived(type="abort", request_ids=list(request)))
+        event = _hop_event(RequestReceived, request_type, request)
+        if event is not None:
+            self.tracer.record(event)
 
     def output_sent(self, outputs: Any) -> None:
         """The busy loop queued an ``EngineCoreOutputs`` for the output thread."""
@@ -63,13 +62,24 @@ class ClientTrace(SubsystemTrace):
     """The multi-process clients of ``core_client.py``: the front end's side of the hop."""
 
     def request_sent(self, request_type: Any, request: Any) -> None:
-        if request_type.name == "ADD":
-            self.tracer.record(RequestSent(type="add", request_id=request.request_id))
-        elif request_type.name == "ABORT":
-            self.tracer.record(RequestSent(type="abort", request_ids=list(request)))
+        event = _hop_event(RequestSent, request_type, request)
+        if event is not None:
+            self.tracer.record(event)
 
     def output_received(self, outputs: Any) -> None:
         self.tracer.record(OutputReceived(request_ids=[o.request_id for o in outputs.outputs]))
+
+
+def _hop_event(
+    event_type: type[RequestSent] | type[RequestReceived], request_type: Any, request: Any
+) -> RequestSent | RequestReceived | None:
+    """The process-hop event of an add (a request) or an abort (a list of ids);
+    None for the other request types (utility calls are not traced)."""
+    if request_type.name == "ADD":
+        return event_type(type="add", request_id=request.request_id)
+    if request_type.name == "ABORT":
+        return event_type(type="abort", request_ids=list(request))
+    return None
 
 
 class OutputProcessorTrace(SubsystemTrace):

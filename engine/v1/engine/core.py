@@ -182,7 +182,7 @@ class EngineCore:
             if model_output is None:
                 model_output = self.model_executor.sample_tokens(None)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.trace.step_done(self.scheduler.has_requests())
+        self.trace.step_done(self.scheduler)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def reset_prefix_cache(self) -> bool:

@@ -252,7 +252,7 @@ class Scheduler(SchedulerInterface):
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
-                self.trace.admitted(request, request in scheduled_resumed_reqs, num_new_tokens)
+                self.trace.admitted(request, num_new_tokens)
 
         # -- 3. Build the output ------------------------------------------------
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
