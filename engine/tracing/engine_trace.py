@@ -49,9 +49,9 @@ class EngineCoreTrace(SubsystemTrace):
 
     def request_received(self, request_type: Any, request: Any) -> None:
         """The input thread decoded a request (``EngineCoreRequestType``)."""
-        event = _hop_event(RequestReceived, request_type, request)
-        if event is not None:
-            self.tracer.record(event)
+        fields = _hop_fields(request_type, request)
+        if fields is not None:
+            self.tracer.record(RequestReceived(**fields))
 
     def output_sent(self, outputs: Any) -> None:
         """The busy loop queued an ``EngineCoreOutputs`` for the output thread."""
@@ -62,23 +62,21 @@ class ClientTrace(SubsystemTrace):
     """The multi-process clients of ``core_client.py``: the front end's side of the hop."""
 
     def request_sent(self, request_type: Any, request: Any) -> None:
-        event = _hop_event(RequestSent, request_type, request)
-        if event is not None:
-            self.tracer.record(event)
+        fields = _hop_fields(request_type, request)
+        if fields is not None:
+            self.tracer.record(RequestSent(**fields))
 
     def output_received(self, outputs: Any) -> None:
         self.tracer.record(OutputReceived(request_ids=[o.request_id for o in outputs.outputs]))
 
 
-def _hop_event(
-    event_type: type[RequestSent] | type[RequestReceived], request_type: Any, request: Any
-) -> RequestSent | RequestReceived | None:
-    """The process-hop event of an add (a request) or an abort (a list of ids);
-    None for the other request types (utility calls are not traced)."""
+def _hop_fields(request_type: Any, request: Any) -> dict[str, Any] | None:
+    """The fields of a process-hop event: an add names its request, an abort
+    lists its ids; None for the other request types (utility calls)."""
     if request_type.name == "ADD":
-        return event_type(type="add", request_id=request.request_id)
+        return {"type": "add", "request_id": request.request_id}
     if request_type.name == "ABORT":
-        return event_type(type="abort", request_ids=list(request))
+        return {"type": "abort", "request_ids": list(request)}
     return None
 
 
