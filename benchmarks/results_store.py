@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ HISTORY_FILE = "history.jsonl"
 MODEL_SLUGS = {"default": "smollm2", "smollm2-dummy": "smollm2dummy", "tiny": "tiny"}
 # The model the GPU tracing series is named after without a suffix.
 GPU_TRACING_MODEL = "smollm2dummy"
+
+
+def per_round_slowdown(base: list[float], mode: list[float]) -> float:
+    """Median over rounds of a mode's throughput drop (%) against the baseline
+    run of the same round: pairing by round cancels a host that drifts
+    between rounds, which the ratio of the two medians does not."""
+    return statistics.median(100.0 * (b - x) / b for b, x in zip(base, mode))
 
 
 def commit_id() -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,8 +156,7 @@ def per_round(r: dict[str, Any], mode: str) -> float:
     """Median over rounds of the mode's slowdown against the baseline run of
     the same round (which cancels a host that drifts between rounds)."""
     samples = _samples(r)
-    pairs = zip(samples[baseline(r)], samples[mode])
-    return statistics.median(100.0 * (base - x) / base for base, x in pairs)
+    return results_store.per_round_slowdown(samples[baseline(r)], samples[mode])
 
 
 def tracing_where(name: str, r: dict[str, Any]) -> tuple[str, str]:

@@ -470,13 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     headline = "cpu_time" if args.device == "cpu" else "wall_clock"
     overhead = cpu_overhead if headline == "cpu_time" else wall_overhead
     headline_median = median if headline == "cpu_time" else wall_median
-    # Paired within each round (the same minute of the machine), then the median over
-    # rounds: steadier than the medians' ratio when the machine drifts during the run.
     headline_samples = samples if headline == "cpu_time" else wall_samples
     per_round = {
-        m: statistics.median(
-            100.0 * (off - x) / off for off, x in zip(headline_samples["off"], headline_samples[m])
-        )
+        m: results_store.per_round_slowdown(headline_samples["off"], headline_samples[m])
         for m in modes
         if m != "off"
     }
