@@ -52,7 +52,6 @@ from engine.entrypoints.openai.server_utils import (
 )
 from engine.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from engine.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
-from engine.tracing import NULL_TRACER
 from engine.tracing.engine_trace import ServerTrace
 from engine.v1.engine.async_llm import AsyncLLM
 
@@ -216,7 +215,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 async def init_app_state(engine_client: AsyncLLM, state: Any, args: argparse.Namespace) -> None:
     model_path = engine_client.model_config.model
     state.engine_client = engine_client
-    state.trace = ServerTrace.create(getattr(engine_client, "tracer", NULL_TRACER))
+    state.trace = ServerTrace.create(engine_client.tracer)
     state.openai_serving_models = models = OpenAIServingModels(
         [BaseModelPath(name, model_path) for name in served_model_names(args)],
         engine_client.model_config.max_model_len,
