@@ -296,20 +296,22 @@ def sized_executor(num_blocks: int, block_size: int = 16, num_layers: int = 2) -
 
 def test_block_override_too_small_for_max_model_len(model_dir):
     # max_model_len 256 at 16 tokens per block needs 16 blocks + the null block.
-    with pytest.raises(ValueError, match="max_model_len=256") as info:
+    with pytest.raises(ValueError, match=r"max seq len \(256\)") as info:
         make_llm(model_dir, num_gpu_blocks_override=16)
-    assert "needs 16 blocks" in str(info.value)
+    # 15 usable blocks of 16 tokens: the longest sequence that fits is 240.
+    assert "estimated maximum model length is 240" in str(info.value)
+    assert "`num_gpu_blocks_override`" in str(info.value)
     llm = make_llm(model_dir, num_gpu_blocks_override=17)
     assert llm.llm_engine.glassbox_config.cache_config.num_gpu_blocks == 17
     # A shorter max_model_len fits in a smaller pool.
     make_llm(model_dir, num_gpu_blocks_override=4, max_model_len=48)
-    with pytest.raises(ValueError, match="max_model_len=49"):
+    with pytest.raises(ValueError, match=r"max seq len \(49\)"):
         make_llm(model_dir, num_gpu_blocks_override=4, max_model_len=49)
 
 
 def test_available_memory_too_small_for_max_model_len(model_dir):
     too_small = sized_executor(num_blocks=16)
-    with pytest.raises(ValueError, match="max_model_len=256"):
+    with pytest.raises(ValueError, match=r"max seq len \(256\).*increasing `gpu_memory_util"):
         make_llm(model_dir, executor=too_small)
     # The executor (and its model) is released when EngineCore fails to start.
     (executor,) = too_small.instances
@@ -323,7 +325,7 @@ def test_available_memory_too_small_for_max_model_len(model_dir):
 
 def test_no_memory_left_for_kv_cache(model_dir):
     none_left = sized_executor(num_blocks=0)
-    with pytest.raises(ValueError, match="no memory is left"):
+    with pytest.raises(ValueError, match="No available memory for the cache blocks"):
         make_llm(model_dir, executor=none_left)
     assert none_left.instances[0].is_shutdown
 

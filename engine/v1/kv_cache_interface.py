@@ -1,22 +1,48 @@
 """What a KV cache looks like, described without any tensors.
 
 vLLM twin: ``vllm/v1/kv_cache_interface.py``.
-Read it for: ``FullAttentionSpec.page_size_bytes`` (bytes one block costs in one
-layer: K and V, ``block_size`` tokens, every KV head) and ``KVCacheConfig`` (how
-many blocks the pool has and which layers share them). The scheduler only ever
-sees block ids; the worker turns this config into real tensors.
+Read it for: ``AttentionSpec.page_size_bytes`` (bytes one block costs in one
+layer: K and V, ``block_size`` tokens, every KV head), ``max_memory_usage_bytes``
+(what one ``max_model_len`` sequence needs) and ``KVCacheConfig`` (how many
+blocks the pool has and which layers share them). The scheduler only ever sees
+block ids; the worker turns this config into real tensors.
 Sessions: 03 (KV cache), 04 (worker).
 
-Simpler than vLLM: one spec type (full attention); dtypes are named by string
-so this module stays torch-free.
+Simpler than vLLM: one spec type, ``FullAttentionSpec`` (no sliding-window,
+chunked-local, MLA, Mamba, cross-attention or sink specs, hence no
+``UniformTypeKVCacheSpecs`` and no ``KVCacheSpecKind``); no quantized KV
+cache (``kv_quant_mode``), no separate V head size (``head_size_v``), no
+context-parallel sharding in ``max_memory_usage_bytes``.
+
+Differs from vLLM on purpose: ``dtype`` may be a ``torch.dtype`` (as in
+vLLM) or its name (``"float32"``), and is stored by name, so this module --
+which the torch-free scheduler imports -- never imports torch, and a spec built
+either way compares equal.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
+from engine.v1.utils import cdiv
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from engine.config.glassbox import GlassboxConfig
+
+# Bytes per element of each KV cache dtype Glassbox can hold.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float16`` or ``"float16"`` -> ``"float16"`` (no torch import)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -31,28 +57,58 @@ class KVCacheSpec(ABC):
         """Bytes one block of ``block_size`` tokens takes in this layer."""
 
     @abstractmethod
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+    def max_memory_usage_bytes(self, glassbox_config: GlassboxConfig) -> int:
         """Bytes this layer's cache needs for one request of ``max_model_len`` tokens."""
 
+    def copy_with_new_block_size(self, block_size: int) -> Self:
+        return replace(self, block_size=block_size)
 
-@dataclass(frozen=True)
-class FullAttentionSpec(KVCacheSpec):
+    @classmethod
+    def merge(cls, specs: list[Self]) -> Self:
+        """One spec for a group of layers; they must all be equal."""
+        if any(spec != specs[0] for spec in specs[1:]):
+            raise ValueError("All layers in the same KV cache group must be the same.")
+        return specs[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
     num_kv_heads: int
     head_size: int
-    dtype: str = "float32"
+    # A torch.dtype or its name; stored as the name (see the module docstring).
+    dtype: Any
+    # Pads every page to this many bytes (vLLM: to share one page size across
+    # groups of different layer types).
+    page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     @property
-    def page_size_bytes(self) -> int:
+    def real_page_size_bytes(self) -> int:
         # 2 = one K page + one V page.
         return 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
 
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
-        num_blocks = -(-max_model_len // self.block_size)
-        return num_blocks * self.page_size_bytes
+    @property
+    def page_size_bytes(self) -> int:
+        real = self.real_page_size_bytes
+        if self.page_size_padded is None:
+            return real
+        if self.page_size_padded < real:
+            raise ValueError(
+                f"page_size_padded={self.page_size_padded} is smaller than the "
+                f"real page size {real}"
+            )
+        return self.page_size_padded
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token of the sequence stays in the cache until the request ends."""
+
+    def max_memory_usage_bytes(self, glassbox_config: GlassboxConfig) -> int:
+        max_model_len = glassbox_config.model_config.max_model_len
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
 
 @dataclass

@@ -60,7 +60,9 @@ class CountingExecutor(Executor):
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         block_size = self.glassbox_config.cache_config.block_size
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8)
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=8, dtype="float32"
+        )
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(self.num_layers)}
 
     def determine_available_memory(self) -> int:

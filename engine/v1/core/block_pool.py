@@ -14,21 +14,35 @@ Block 0 is the null block: popped at start-up, never handed out, never cached,
 never returned to the free queue.
 Sessions: 03 (KV cache).
 
+``hash_block_size`` is the number of tokens each of ``Request.block_hashes``
+covers; ``cache_full_blocks`` joins consecutive hashes when a block is a
+multiple of it (``BlockHashListWithBlockSize``). The KV cache manager always
+passes the block size itself (one KV cache group).
+
 Simpler than vLLM: no KV events for external consumers (vLLM's
-``BlockStored`` / ``BlockRemoved`` for KV-aware routers) and no residency
-metrics. Glassbox's trace events (``kv.init``, ``kv.cached``, ``kv.evicted``,
-``kv.cache_reset``; the per-request ones come from the managers) play a
-similar role for the replay model in ``engine/tracing/replay.py``.
+``BlockStored`` / ``BlockRemoved`` for KV-aware routers, ``take_events``), no
+``evict_blocks`` for KV connectors, no ``block_mask`` (sliding-window groups
+cache only some blocks) and no residency metrics. Glassbox's trace events
+(``kv.init``, ``kv.cached``, ``kv.evicted``, ``kv.cache_reset``; the
+per-request ones come from the managers) play a similar role for the replay
+model in ``engine/tracing/replay.py``.
+
+Differs from vLLM on purpose: a pool needs at least 2 blocks, the null block
+and one usable (vLLM accepts the null block alone, for attention-free models,
+which Glassbox does not serve).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.tracing.core_trace import KVCacheTrace
 from engine.v1.core.kv_cache_utils import (
     BlockHash,
+    BlockHashList,
+    BlockHashListWithBlockSize,
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -39,6 +53,8 @@ from engine.v1.core.kv_cache_utils import (
 
 if TYPE_CHECKING:
     from engine.v1.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class BlockHashToBlockMap:
@@ -69,20 +85,22 @@ class BlockHashToBlockMap:
             entry[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        """Remove ``block_id`` under ``key``; returns it, or None if absent."""
-        entry = self._cache.get(key)
+        """Remove ``block_id`` under ``key``; returns it, or None if absent.
+
+        A dict entry stays a dict even when one block is left in it (it is
+        never turned back into a bare block).
+        """
+        entry = self._cache.pop(key, None)
         if entry is None:
             return None
         if isinstance(entry, KVCacheBlock):
-            if entry.block_id != block_id:
-                return None
-            del self._cache[key]
-            return entry
+            if entry.block_id == block_id:
+                return entry
+            self._cache[key] = entry  # another block holds this hash: keep it
+            return None
         block = entry.pop(block_id, None)
-        if not entry:
-            del self._cache[key]
-        elif len(entry) == 1:
-            self._cache[key] = next(iter(entry.values()))
+        if entry:
+            self._cache[key] = entry
         return block
 
     def __len__(self) -> int:
@@ -143,18 +161,23 @@ class BlockPool:
         request's block hashes, making them reusable by later requests."""
         if num_cached_blocks >= num_full_blocks:
             return
+        block_hashes: BlockHashList = request.block_hashes
         if block_size != self.hash_block_size:
-            raise ValueError("block_size must equal hash_block_size (one KV cache group)")
-        if len(request.block_hashes) < num_full_blocks:
+            # Hashes were computed every hash_block_size tokens; join them up
+            # to one hash per block (block_size must be a multiple).
+            block_hashes = BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block_size, block_size
+            )
+        if len(block_hashes) < num_full_blocks:
             raise RuntimeError(
                 f"request {request.request_id}: {num_full_blocks} full blocks but only "
-                f"{len(request.block_hashes)} block hashes"
+                f"{len(block_hashes)} block hashes"
             )
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
                 continue
-            key = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
+            key = make_block_hash_with_group_id(block_hashes[i], kv_cache_group_id)
             block.block_hash = key
             self.cached_block_hash_to_block.insert(key, block)
         self.trace.cached(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id)
@@ -168,7 +191,8 @@ class BlockPool:
         """
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(
-                f"cannot get {num_blocks} free blocks: only {self.get_num_free_blocks()} free"
+                f"Cannot get {num_blocks} free blocks from the pool "
+                f"(only {self.get_num_free_blocks()} are free)"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
@@ -206,12 +230,18 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
-        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:  # the null block
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # the null block is always in use
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                num_used_blocks - 1,
+            )
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.reset_hash()
         self.trace.cache_reset()
+        logger.info("Successfully reset prefix cache")
         return True
 
     # -- accounting -------------------------------------------------------------

@@ -1,16 +1,20 @@
 """Fans KV-cache calls out to one manager per KV cache group.
 
 vLLM twin: ``vllm/v1/core/kv_cache_coordinator.py`` (``KVCacheCoordinator``,
-``UnitaryKVCacheCoordinator``, ``get_kv_cache_coordinator``).
+``KVCacheCoordinatorNoPrefixCache``, ``UnitaryKVCacheCoordinator``,
+``get_kv_cache_coordinator``).
 Read it for: the seam between ``KVCacheManager`` (what the scheduler calls) and
-the per-type managers. A plain decoder has a single group, so the unitary
-coordinator just forwards; hybrid models (full + sliding-window layers) get
-several groups and must agree on one cache-hit length.
+the per-type managers. ``get_kv_cache_coordinator`` picks one of three: no
+prefix caching (lookups always miss), one group (the unitary coordinator just
+forwards), or several groups (hybrid models: full + sliding-window layers,
+which must agree on one cache-hit length).
 Sessions: 03 (KV cache).
 
-Simpler than vLLM: only the unitary coordinator (one group) exists; the
-hybrid coordinator is not implemented and a config with several groups is
-rejected with an error.
+Simpler than vLLM: the hybrid coordinator is not implemented, so a config with
+several groups is rejected with an error when prefix caching is on (vLLM's
+no-prefix-cache coordinator takes any number of groups, and so does ours, but
+the pool sizing in ``kv_cache_utils`` only ever builds one). No KV events, no
+context parallelism, no cross-attention (encoder) blocks.
 """
 
 from __future__ import annotations
@@ -33,14 +37,21 @@ class KVCacheCoordinator(ABC):
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        use_eagle: bool,
         enable_caching: bool,
+        hash_block_size: int,
         trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
         self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.block_pool = BlockPool(
-            kv_cache_config.num_blocks, enable_caching, hash_block_size=block_size, trace=trace
+            kv_cache_config.num_blocks, enable_caching, hash_block_size=hash_block_size, trace=trace
+        )
+        # Groups whose cache hits lose their last block for the EAGLE drafter.
+        self.eagle_group_ids: set[int] = (
+            set(range(len(kv_cache_config.kv_cache_groups))) if use_eagle else set()
         )
         self.single_type_managers = tuple(
             get_manager_for_kv_cache_spec(
@@ -99,18 +110,54 @@ class KVCacheCoordinator(ABC):
         """Hit blocks per group and the hit length in tokens."""
 
 
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching is off: every lookup misses and no block counts as a
+    shared prefix (any number of groups)."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        use_eagle: bool,
+        hash_block_size: int,
+        trace: KVCacheTrace = KVCacheTrace.NULL,
+    ) -> None:
+        super().__init__(kv_cache_config, max_model_len, use_eagle, False, hash_block_size, trace)
+        self.num_single_type_manager = len(self.single_type_managers)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_single_type_manager
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in range(self.num_single_type_manager)), 0
+
+
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one KV cache group: every layer shares one block table."""
 
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        use_eagle: bool,
         enable_caching: bool,
+        hash_block_size: int,
         trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
-        super().__init__(kv_cache_config, enable_caching, trace)
+        super().__init__(
+            kv_cache_config, max_model_len, use_eagle, enable_caching, hash_block_size, trace
+        )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size
+        # Request.block_hashes must hold one hash per block: the lookup walks
+        # them block by block.
+        if enable_caching and hash_block_size != self.block_size:
+            raise ValueError(
+                "UnitaryKVCacheCoordinator assumes hash_block_size == block_size, got "
+                f"hash_block_size={hash_block_size}, block_size={self.block_size}"
+            )
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
@@ -121,16 +168,29 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             kv_cache_group_ids=[0],
             block_pool=self.block_pool,
             kv_cache_spec=self.kv_cache_spec,
+            use_eagle=0 in self.eagle_group_ids,
+            alignment_tokens=self.block_size,
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
 
 def get_kv_cache_coordinator(
-    kv_cache_config: KVCacheConfig, enable_caching: bool, trace: KVCacheTrace = KVCacheTrace.NULL
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    hash_block_size: int,
+    trace: KVCacheTrace = KVCacheTrace.NULL,
 ) -> KVCacheCoordinator:
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(
-            f"Glassbox supports exactly one KV cache group, got "
-            f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not implemented)"
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config, max_model_len, use_eagle, hash_block_size, trace
         )
-    return UnitaryKVCacheCoordinator(kv_cache_config, enable_caching, trace)
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(
+            kv_cache_config, max_model_len, use_eagle, enable_caching, hash_block_size, trace
+        )
+    raise ValueError(
+        f"Glassbox supports exactly one KV cache group with prefix caching, got "
+        f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not implemented)"
+    )

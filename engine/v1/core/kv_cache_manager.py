@@ -13,24 +13,25 @@ Read it for the three calls the scheduler makes:
   * ``free(request)`` -- drop the request's references, tail blocks first.
 Sessions: 03 (KV cache), 02 (where the scheduler calls it).
 
-Simpler than vLLM: no lookahead slots for speculative decoding, no external
-(connector) tokens, no encoder tokens, no sliding-window skipping.
+Simpler than vLLM: ``allocate_slots`` takes no external (KV connector) tokens,
+no ``delay_cache_blocks`` and no encoder tokens; no sliding-window skipping
+(``remove_skipped_blocks``), no KV events (``take_events``), no connector-driven
+``evict_blocks``, no metrics collector, no context parallelism, and no
+``take_new_block_ids`` (vLLM zeroes fresh blocks for some model types).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Literal, overload
 
 from engine.tracing.core_trace import KVCacheTrace
 from engine.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from engine.v1.core.kv_cache_utils import KVCacheBlock
 from engine.v1.kv_cache_interface import KVCacheConfig
 from engine.v1.metrics.stats import PrefixCacheStats
-
-if TYPE_CHECKING:
-    from engine.v1.request import Request
+from engine.v1.request import Request
 
 
 @dataclass
@@ -44,6 +45,12 @@ class KVCacheBlocks:
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks)))
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[True]) -> tuple[list[int], ...] | None: ...
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """Block ids per group; with ``allow_none``, None when there are none."""
@@ -60,20 +67,49 @@ class KVCacheBlocks:
 
 
 class KVCacheManager:
+    """The KV cache as the scheduler sees it.
+
+    ``hash_block_size`` is how many tokens each of ``Request.block_hashes``
+    covers. vLLM hashes at a finer granularity than a block only for hybrid
+    models whose groups have different block sizes (every block size is then
+    a multiple of it); Glassbox has one group, so it always equals the block
+    size, and with prefix caching on the coordinator raises ``ValueError`` if
+    it does not.
+    ``max_num_batched_tokens`` (default ``max_model_len``) caps what vLLM
+    reserves per request for sliding-window groups; with full attention only,
+    it changes nothing here. ``use_eagle`` drops the last block of every
+    prefix hit (the EAGLE drafter needs that block's hidden states).
+    """
+
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
+        hash_block_size: int,
+        max_num_batched_tokens: int | None = None,
         enable_caching: bool = True,
+        use_eagle: bool = False,
         log_stats: bool = False,
+        *,
         trace: KVCacheTrace = KVCacheTrace.NULL,
     ) -> None:
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = (
+            max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+        )
         self.trace = trace
         self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.coordinator = get_kv_cache_coordinator(kv_cache_config, enable_caching, trace)
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config=kv_cache_config,
+            max_model_len=max_model_len,
+            use_eagle=use_eagle,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            trace=trace,
+        )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -124,29 +160,51 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
         """Reserve slots for ``num_new_tokens`` more tokens of ``request``.
 
         Token layout of the request after this call::
 
-            | computed | new_computed (prefix hit) | new (this step) |
+            | computed | new_computed (prefix hit) | new (this step) | lookahead |
             |<- already has blocks ->|
-                       |<------ may need new blocks --------------->|
+                       |<------------- may need new blocks ---------------->|
+            |<---------- cached afterwards (full blocks) ----->|
+
+        ``num_lookahead_tokens`` are slots for draft tokens a speculator will
+        write; they are never cached. With ``full_sequence_must_fit`` (an
+        admission gate), the call also fails unless the whole request, not
+        just this chunk, would fit in the free pool now.
 
         Returns the newly allocated blocks, or None (nothing changed) if the
         free pool cannot cover them. Hit blocks that are currently free count
         against the pool too, since adopting them removes them from it.
         """
         if num_new_tokens <= 0:
-            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+            raise ValueError(f"num_new_tokens must be greater than 0, got {num_new_tokens}")
         hit_blocks = (
             new_computed_blocks.blocks
             if new_computed_blocks is not None
             else self.empty_kv_cache_blocks.blocks
         )
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
+        num_computed_tokens = min(
+            request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
+        )
 
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+                request.request_id, full_num_tokens, hit_blocks
+            )
+            if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+                self.trace.allocation_failed(self, request, num_new_tokens, num_blocks_to_allocate)
+                return None
+
+        num_tokens_need_slot = min(
+            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
         num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
             request.request_id, num_tokens_need_slot, hit_blocks
         )
@@ -160,7 +218,7 @@ class KVCacheManager:
 
         if self.enable_caching:
             # Only tokens that exist can be hashed: cap at num_tokens (slots
-            # for not-yet-sampled tokens have nothing to hash yet).
+            # for draft or not-yet-sampled tokens have nothing to hash yet).
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)
         return self.create_kv_cache_blocks(new_blocks)
@@ -170,10 +228,16 @@ class KVCacheManager:
         self.coordinator.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok and self.prefix_cache_stats is not None:
+        """Forget every cached hash (e.g. after new weights are loaded).
+
+        Returns False, and changes nothing, while any request still holds
+        blocks; the scheduler preempts running requests first when asked to.
+        """
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
-        return ok
+        return True
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
@@ -182,9 +246,7 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        block_ids = self.get_blocks(request_id).get_block_ids()
-        assert block_ids is not None
-        return block_ids
+        return self.get_blocks(request_id).get_block_ids()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         if self.enable_caching:

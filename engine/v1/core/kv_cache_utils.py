@@ -11,24 +11,38 @@ Read it for:
   * ``hash_block_tokens`` / ``get_request_block_hasher`` -- block *i*'s hash
     covers block *i*'s tokens **and** block *i-1*'s hash, so equal hashes mean
     equal prefixes, not just equal blocks.
-  * ``get_kv_cache_config`` -- how many blocks fit in the memory left over.
+  * ``get_kv_cache_configs`` -- how many blocks fit in the memory left over,
+    and the check that one ``max_model_len`` sequence fits at all.
 Sessions: 03 (KV cache).
 
-Simpler than vLLM: sha256 over pickle is the only hash; extra keys are only the
-cache salt (no multimodal or LoRA keys); one KV cache group.
+Simpler than vLLM: extra hash keys are only the cache salt (no multimodal,
+LoRA or prompt-embedding keys; ``start_mm_idx`` is passed through untouched);
+one KV cache group of full-attention layers (no hybrid grouping, page-size
+unification or DeepSeek-V4 layouts); no auto-fit of ``max_model_len=-1``, no
+context parallelism, no integer block hashes for KV events.
+
+Differs from vLLM on purpose:
+  * ``NONE_HASH`` is seeded from the fixed string ``"glassbox"`` when
+    PYTHONHASHSEED is unset (vLLM: random bytes), so two runs a learner
+    compares, and two processes, agree on every hash.
+  * The memory check also counts the null block: the pool must hold one
+    ``max_model_len`` sequence *plus* block 0. vLLM's check ignores block 0, so
+    a pool that passes it exactly can never finish such a sequence.
+  * ``KVCacheBlock`` compares by identity (vLLM's dataclass compares fields,
+    which walks the free-list neighbours).
 """
 
 from __future__ import annotations
 
-import hashlib
+import copy
+import logging
 import os
-import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, NewType, overload
 
+from engine.utils.hashing import sha256
 from engine.v1.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -37,7 +51,10 @@ from engine.v1.kv_cache_interface import (
 from engine.v1.utils import cdiv
 
 if TYPE_CHECKING:
+    from engine.config.glassbox import GlassboxConfig
     from engine.v1.request import Request
+
+logger = logging.getLogger(__name__)
 
 # The hash of one full block (and, through chaining, of its whole prefix).
 BlockHash = NewType("BlockHash", bytes)
@@ -58,25 +75,21 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
     return int.from_bytes(key[-4:], "big", signed=False)
 
 
-def sha256(obj: Any) -> bytes:
-    """sha256 over the pickled object: stable across processes and runs."""
-    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-# The "parent hash" of a request's first block. vLLM seeds it from
-# PYTHONHASHSEED (random when unset). We default to a fixed seed instead so that
-# two processes -- and two runs a learner compares -- agree on every hash; set
-# PYTHONHASHSEED to get a different, still reproducible, hash space.
+# The "parent hash" of a request's first block, set by init_none_hash.
 NONE_HASH: BlockHash = BlockHash(b"")
 
 
-def init_none_hash(hash_fn: Callable[[Any], bytes] = sha256) -> None:
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Seed ``NONE_HASH`` with ``hash_fn(PYTHONHASHSEED)``, or of "glassbox"
+    when it is unset (vLLM: random bytes; see the module docstring)."""
     global NONE_HASH
     seed = os.getenv("PYTHONHASHSEED") or "glassbox"
     NONE_HASH = BlockHash(hash_fn(seed))
 
 
-init_none_hash()
+# EngineCore calls it again with the configured hash; this covers code (tests,
+# notebooks) that hashes requests without an engine.
+init_none_hash(sha256)
 
 
 @dataclass(slots=True, eq=False)
@@ -101,7 +114,7 @@ class KVCacheBlock:
     @block_hash.setter
     def block_hash(self, block_hash: BlockHashWithGroupId) -> None:
         if self._block_hash is not None:
-            raise RuntimeError(f"block {self.block_id} is already cached under another hash")
+            raise RuntimeError(f"block {self.block_id} already has a hash (cached twice?)")
         self._block_hash = block_hash
 
     def reset_hash(self) -> None:
@@ -140,34 +153,38 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         block = self.fake_free_list_head.next_free_block
         if block is None or block is self.fake_free_list_tail:
-            raise ValueError("no free KV blocks left")
+            raise ValueError("No free blocks available")
         self._unlink(block)
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} exist")
+            raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} are free")
         return [self.popleft() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue (a prefix-cache hit)."""
         if block.prev_free_block is None or block.next_free_block is None:
-            raise RuntimeError(f"remove() on a block that is not in the free queue: {block}")
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
         self._unlink(block)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        # Check everything before linking anything, so a bad call leaves the
+        if not blocks:
+            return
+        last = self.fake_free_list_tail.prev_free_block
+        if last is None:
+            raise AssertionError("prev_free_block of fake_free_list_tail should always exist")
+        # Glassbox's own guard against a double free (vLLM links blindly):
+        # check everything before linking anything, so a bad call leaves the
         # queue untouched.
         for block in blocks:
             if block.prev_free_block is not None or block.next_free_block is not None:
                 raise RuntimeError(f"block {block.block_id} is already in the free queue")
         if len({id(b) for b in blocks}) != len(blocks):
             raise RuntimeError("the same block appears twice in one append_n call")
-        last = self.fake_free_list_tail.prev_free_block
-        assert last is not None
         for block in blocks:
             last.next_free_block = block
             block.prev_free_block = last
@@ -197,17 +214,19 @@ class FreeKVCacheBlockQueue:
 # Block hashing
 # ---------------------------------------------------------------------------
 def generate_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int
-) -> tuple[Any, ...] | None:
-    """Keys besides the token ids that make a block distinct.
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """Keys besides the token ids that make a block distinct, and the index of
+    the first multimodal input the next block should look at.
 
-    Only the cache salt today (on the first block, which then changes every
-    later hash through the chain). vLLM also mixes in multimodal hashes, LoRA
-    names and prompt embeddings here.
+    Only the cache salt here (on the first block, which then changes every
+    later hash through the chain); with no multimodal inputs, ``start_mm_idx``
+    comes back unchanged. vLLM also mixes in multimodal hashes, LoRA names and
+    prompt-embedding hashes.
     """
     if start_token_idx == 0 and request.cache_salt:
-        return (request.cache_salt,)
-    return None
+        return (request.cache_salt,), start_mm_idx
+    return None, start_mm_idx
 
 
 def hash_block_tokens(
@@ -222,12 +241,14 @@ def hash_block_tokens(
 
 
 def get_request_block_hasher(
-    block_size: int, caching_hash_fn: Callable[[Any], bytes] = sha256
+    block_size: int, caching_hash_fn: Callable[[Any], bytes]
 ) -> Callable[[Request], list[BlockHash]]:
     """Build the function ``Request.update_block_hashes`` calls.
 
     It returns hashes only for the full blocks not hashed yet, so calling it
     after every appended token costs nothing until a block fills up.
+    ``block_size`` here is the *hash* block size (``hash_block_size``), which
+    is the KV block size in Glassbox.
     """
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
@@ -235,9 +256,10 @@ def get_request_block_hasher(
         parent = request.block_hashes[-1] if request.block_hashes else None
         new_hashes: list[BlockHash] = []
         tokens = request.all_token_ids
+        mm_idx = 0
         while start + block_size <= request.num_tokens:
             end = start + block_size
-            extra = generate_block_hash_extra_keys(request, start, end)
+            extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra)
             new_hashes.append(parent)
             start = end
@@ -246,65 +268,313 @@ def get_request_block_hasher(
     return request_block_hasher
 
 
+class BlockHashListWithBlockSize:
+    """A request's block hashes seen at a coarser block size.
+
+    ``block_hashes`` were computed every ``hash_block_size`` tokens; a group
+    whose blocks hold ``target_block_size`` tokens (a multiple) sees one hash
+    per block: the concatenation of the ``target_block_size //
+    hash_block_size`` fine hashes it covers. Built on access, never stored.
+    With fine hashes A B C D (16 tokens each) and 32-token blocks: AB, CD.
+    """
+
+    def __init__(
+        self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int
+    ) -> None:
+        if target_block_size % hash_block_size != 0:
+            raise ValueError(
+                f"block_size {target_block_size} must be a multiple of "
+                f"hash_block_size {hash_block_size}"
+            )
+        self.block_hashes = block_hashes
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    @overload
+    def __getitem__(self, idx: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
+        if isinstance(idx, slice):
+            return [self._get_value_at(i) for i in range(*idx.indices(len(self)))]
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"block index {idx} out of range for {len(self)} blocks")
+        return self._get_value_at(idx)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self._get_value_at(i)
+
+    def _get_value_at(self, idx: int) -> BlockHash:
+        start = idx * self.scale_factor
+        return BlockHash(b"".join(self.block_hashes[start : start + self.scale_factor]))
+
+
+# What the block pool and the managers accept as "a request's block hashes".
+BlockHashList = list[BlockHash] | BlockHashListWithBlockSize
+
+
+def resolve_kv_cache_block_sizes(
+    kv_cache_config: KVCacheConfig, glassbox_config: GlassboxConfig
+) -> tuple[int, int]:
+    """``(scheduler block size, hash block size)``.
+
+    vLLM hashes at a finer granularity than the block size only when hybrid
+    KV cache groups have different block sizes. Glassbox has one group, so
+    both are ``cache_config.block_size``.
+    """
+    if len(kv_cache_config.kv_cache_groups) > 1:
+        raise ValueError(
+            f"Glassbox supports exactly one KV cache group, got "
+            f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not implemented)"
+        )
+    block_size = glassbox_config.cache_config.block_size
+    return block_size, block_size
+
+
 # ---------------------------------------------------------------------------
 # Sizing the pool
 # ---------------------------------------------------------------------------
-def get_num_blocks(available_memory: int, num_layers: int, page_size_bytes: int) -> int:
-    """Blocks that fit when every layer needs one page per block."""
-    return max(int(available_memory // (page_size_bytes * num_layers)), 0)
+def max_memory_usage_bytes(
+    glassbox_config: GlassboxConfig, kv_cache_specs: Iterable[KVCacheSpec]
+) -> int:
+    """Bytes the given layers need for one ``max_model_len`` sequence."""
+    return sum(spec.max_memory_usage_bytes(glassbox_config) for spec in kv_cache_specs)
 
 
-def get_kv_cache_config(
-    kv_cache_specs: dict[str, KVCacheSpec],
+def estimate_max_model_len(
+    glassbox_config: GlassboxConfig,
+    kv_cache_spec: dict[str, KVCacheSpec],
     available_memory: int,
-    max_model_len: int,
-    num_gpu_blocks_override: int | None = None,
-) -> KVCacheConfig:
-    """Turn per-layer specs and a memory budget into a ``KVCacheConfig``.
+) -> int:
+    """The longest ``max_model_len`` (at most the configured one) whose sequence
+    fits in ``available_memory``; 0 if not even one token fits.
 
-    Every layer gets its own tensor of ``num_blocks * page_size`` bytes; all
-    layers share one block table (one group), as for any plain decoder.
-    Raises when the pool cannot hold even one ``max_model_len`` sequence,
-    as vLLM does, because such a request could never finish.
+    Binary search: it sets ``model_config.max_model_len`` for each probe and
+    puts the original value back before returning.
     """
-    if not kv_cache_specs:
+    model_config = glassbox_config.model_config
+    original = model_config.max_model_len
+
+    def fits(model_len: int) -> bool:
+        model_config.max_model_len = model_len
+        return max_memory_usage_bytes(glassbox_config, kv_cache_spec.values()) <= available_memory
+
+    try:
+        lo, hi, best = 1, original, 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return best
+    finally:
+        model_config.max_model_len = original
+
+
+def check_enough_kv_cache_memory(
+    glassbox_config: GlassboxConfig,
+    kv_cache_spec: dict[str, KVCacheSpec],
+    available_memory: int,
+) -> None:
+    """Raise unless ``available_memory`` holds one ``max_model_len`` sequence
+    plus the null block (see the module docstring), in every layer."""
+    if not kv_cache_spec:
+        return
+    if available_memory <= 0:
+        raise ValueError(
+            "No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine (or set "
+            "`num_gpu_blocks_override` / `kv_cache_memory_bytes`)."
+        )
+    null_block_bytes = sum(spec.page_size_bytes for spec in kv_cache_spec.values())
+    needed = max_memory_usage_bytes(glassbox_config, kv_cache_spec.values()) + null_block_bytes
+    if needed <= available_memory:
+        return
+    max_model_len = glassbox_config.model_config.max_model_len
+    estimated = estimate_max_model_len(
+        glassbox_config, kv_cache_spec, available_memory - null_block_bytes
+    )
+    estimated_msg = (
+        f"Based on the available memory, the estimated maximum model length is {estimated}. "
+        if estimated > 0
+        else ""
+    )
+    if glassbox_config.cache_config.num_gpu_blocks_override is not None:
+        advice = "Try increasing `num_gpu_blocks_override`"
+    else:
+        advice = "Try increasing `gpu_memory_utilization`"
+    raise ValueError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"{needed} bytes of KV cache are needed (one sequence plus the null block), which "
+        f"is larger than the available KV cache memory ({available_memory} bytes). "
+        f"{estimated_msg}{advice} or decreasing `max_model_len` when initializing the engine."
+    )
+
+
+def create_kv_cache_group_specs(
+    kv_cache_spec: dict[str, KVCacheSpec], grouped_layer_names: list[list[str]]
+) -> list[KVCacheGroupSpec]:
+    """One ``KVCacheGroupSpec`` per list of layer names; the layers of a group
+    must share one spec (``KVCacheSpec.merge`` checks it)."""
+    groups = []
+    for layer_names in grouped_layer_names:
+        specs = [kv_cache_spec[name] for name in layer_names]
+        groups.append(KVCacheGroupSpec(layer_names, specs[0].merge(specs)))
+    return groups
+
+
+def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
+    """True when every layer has the same spec (no layers counts as uniform)."""
+    if not kv_cache_spec:
+        return True
+    specs = list(kv_cache_spec.values())
+    try:
+        specs[0].merge(specs)
+    except ValueError:
+        return False
+    return True
+
+
+def get_kv_cache_groups(
+    glassbox_config: GlassboxConfig, kv_cache_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec]:
+    """Split the layers into groups that share a block table: one group here."""
+    if not kv_cache_spec:
         raise ValueError("the model reported no attention layers to build a KV cache for")
-    specs = list(kv_cache_specs.values())
-    spec = specs[0]
-    if any(s != spec for s in specs):
+    if not is_kv_cache_spec_uniform(kv_cache_spec):
         raise ValueError(
             "all layers must share one KV cache spec (hybrid models are not supported)"
         )
-    if not isinstance(spec, FullAttentionSpec):
-        raise ValueError(f"unsupported KV cache spec {type(spec).__name__}")
-    num_layers = len(specs)
-    if num_gpu_blocks_override is not None:
-        num_blocks = num_gpu_blocks_override
-    else:
-        if available_memory <= 0:
-            raise ValueError(
-                "no memory is left for the KV cache after loading the model; "
-                "raise gpu_memory_utilization or use a smaller model"
-            )
-        num_blocks = get_num_blocks(available_memory, num_layers, spec.page_size_bytes)
+    return create_kv_cache_group_specs(kv_cache_spec, [list(kv_cache_spec)])
 
-    # One block is the null block; the rest must hold a full-length sequence.
-    needed = cdiv(max_model_len, spec.block_size)
-    if num_blocks - 1 < needed:
-        per_token = spec.page_size_bytes * num_layers / spec.block_size
-        raise ValueError(
-            f"the KV cache has {num_blocks} blocks ({num_blocks - 1} usable after the null "
-            f"block) of {spec.block_size} tokens, but one sequence of max_model_len="
-            f"{max_model_len} needs {needed} blocks. At {per_token:.0f} bytes per token, "
-            f"at most {max(num_blocks - 1, 0) * spec.block_size} tokens fit: lower "
-            "max_model_len, or raise gpu_memory_utilization / num_gpu_blocks_override."
+
+def may_override_num_blocks(glassbox_config: GlassboxConfig, num_blocks: int) -> int:
+    override = glassbox_config.cache_config.num_gpu_blocks_override
+    return num_blocks if override is None else override
+
+
+def get_num_blocks(
+    glassbox_config: GlassboxConfig, num_layers: int, available_memory: int, page_size: int
+) -> int:
+    """Blocks that fit when each of ``num_layers`` layers needs one page per block
+    (``num_gpu_blocks_override`` wins when set)."""
+    num_blocks = max(int(available_memory // page_size // num_layers), 0)
+    return may_override_num_blocks(glassbox_config, num_blocks)
+
+
+def get_uniform_page_size(kv_cache_specs: Iterable[KVCacheSpec]) -> int:
+    page_sizes = {spec.page_size_bytes for spec in kv_cache_specs}
+    if len(page_sizes) != 1:
+        raise ValueError(f"KV cache groups must share one page size, got {sorted(page_sizes)}")
+    return page_sizes.pop()
+
+
+def get_kv_cache_config_from_groups(
+    glassbox_config: GlassboxConfig,
+    kv_cache_groups: list[KVCacheGroupSpec],
+    available_memory: int,
+) -> KVCacheConfig:
+    """Blocks and backing tensors for one worker.
+
+    Tensor *i* is shared by layer *i* of every group (with one group: one
+    tensor per layer), each ``num_blocks * page_size`` bytes.
+    """
+    group_size = max(len(group.layer_names) for group in kv_cache_groups)
+    page_size = get_uniform_page_size(group.kv_cache_spec for group in kv_cache_groups)
+    num_blocks = get_num_blocks(glassbox_config, group_size, available_memory, page_size)
+    kv_cache_tensors = [
+        KVCacheTensor(
+            size=page_size * num_blocks,
+            shared_by=[g.layer_names[i] for g in kv_cache_groups if i < len(g.layer_names)],
         )
-    names = list(kv_cache_specs)
+        for i in range(group_size)
+    ]
     return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[name])
-            for name in names
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+        num_blocks=num_blocks, kv_cache_tensors=kv_cache_tensors, kv_cache_groups=kv_cache_groups
     )
+
+
+def get_max_concurrency_for_kv_cache_config(
+    glassbox_config: GlassboxConfig, kv_cache_config: KVCacheConfig
+) -> float:
+    """How many ``max_model_len`` sequences the pool holds at once."""
+    groups = kv_cache_config.kv_cache_groups
+    num_layers = max(len(group.layer_names) for group in groups)
+    bytes_per_request = num_layers * max_memory_usage_bytes(
+        glassbox_config, (group.kv_cache_spec for group in groups)
+    )
+    bytes_per_block = groups[0].kv_cache_spec.page_size_bytes * num_layers
+    return kv_cache_config.num_blocks / cdiv(bytes_per_request, bytes_per_block)
+
+
+def get_kv_cache_configs(
+    glassbox_config: GlassboxConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: list[int],
+) -> list[KVCacheConfig]:
+    """One ``KVCacheConfig`` per worker (Glassbox runs one).
+
+    1. Merge the workers' layer specs and group the layers (one group).
+    2. With ``num_gpu_blocks_override``, replace each worker's memory by what
+       that many blocks take, so the check below sees the real pool.
+    3. Check that one ``max_model_len`` sequence (plus the null block) fits.
+    4. Size each worker's pool, then cut every worker to the smallest
+       ``num_blocks``: the scheduler hands out one set of block ids for all.
+    """
+    merged: dict[str, KVCacheSpec] = {}
+    for worker_spec in kv_cache_specs:
+        for name, spec in worker_spec.items():
+            if merged.setdefault(name, spec) != spec:
+                raise ValueError(
+                    f"The KV cache specs for layer {name!r} are different across workers."
+                )
+    groups = get_kv_cache_groups(glassbox_config, merged)
+    per_worker_groups = [
+        [
+            KVCacheGroupSpec([n for n in g.layer_names if n in worker_spec], g.kv_cache_spec)
+            for g in groups
+        ]
+        for worker_spec in kv_cache_specs
+    ]
+
+    override = glassbox_config.cache_config.num_gpu_blocks_override
+    if override is not None:
+        available_memory = [
+            override
+            * max(len(g.layer_names) for g in worker_groups)
+            * get_uniform_page_size(g.kv_cache_spec for g in worker_groups)
+            for worker_groups in per_worker_groups
+        ]
+
+    for worker_spec, memory in zip(kv_cache_specs, available_memory):
+        check_enough_kv_cache_memory(glassbox_config, worker_spec, memory)
+
+    configs = [
+        get_kv_cache_config_from_groups(glassbox_config, worker_groups, memory)
+        for worker_groups, memory in zip(per_worker_groups, available_memory)
+    ]
+    min_num_blocks = min(config.num_blocks for config in configs)
+    for config in configs:
+        for tensor in config.kv_cache_tensors:
+            tensor.size = tensor.size // config.num_blocks * min_num_blocks
+        config.num_blocks = min_num_blocks
+    max_model_len = glassbox_config.model_config.max_model_len
+    concurrency = get_max_concurrency_for_kv_cache_config(glassbox_config, configs[0])
+    logger.info("GPU KV cache size: %d tokens", int(concurrency * max_model_len))
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, concurrency)
+    return configs
+
+
+def generate_scheduler_kv_cache_config(kv_cache_configs: list[KVCacheConfig]) -> KVCacheConfig:
+    """The scheduler's copy: every worker has the same blocks, so take the first."""
+    if any(config.num_blocks != kv_cache_configs[0].num_blocks for config in kv_cache_configs):
+        raise ValueError("all workers must have the same num_blocks")
+    return copy.deepcopy(kv_cache_configs[0])

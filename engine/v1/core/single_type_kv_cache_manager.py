@@ -14,18 +14,22 @@ Sessions: 03 (KV cache).
 
 Simpler than vLLM: only the full-attention manager (no sliding window,
 chunked-local, Mamba or cross-attention managers), no context parallelism,
-no KV-connector (external) tokens.
+no KV-connector (external) tokens. So the allocation calls take only what full
+attention uses: no ``total_computed_tokens`` / ``num_tokens_main_model`` (they
+matter for windowed and Mamba layers), no per-request admission cap, no
+``remove_skipped_blocks`` and no ``take_new_block_ids``.
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.v1.core.block_pool import BlockPool
-from engine.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from engine.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
 from engine.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from engine.v1.utils import cdiv
 
@@ -137,36 +141,53 @@ class SingleTypeKVCacheManager(ABC):
     @abstractmethod
     def find_longest_cache_hit(
         cls,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: BlockHashList,
         max_length: int,
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
     ) -> tuple[list[KVCacheBlock], ...]:
         """The longest run of cached leading blocks covering at most
-        ``max_length`` tokens, one list per group."""
+        ``max_length`` tokens, one list per group.
+
+        ``use_eagle`` drops the last hit block, so that block is recomputed and
+        the EAGLE drafter gets the hidden states it needs. The hit length is
+        cut down to a multiple of ``alignment_tokens`` (the block size, unless
+        several groups must agree on one length).
+        """
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     @classmethod
     def find_longest_cache_hit(
         cls,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: BlockHashList,
         max_length: int,
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
     ) -> tuple[list[KVCacheBlock], ...]:
         if not isinstance(kv_cache_spec, FullAttentionSpec):
             raise TypeError("FullAttentionManager serves full-attention groups only")
         hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        max_num_blocks = max_length // kv_cache_spec.block_size
-        for block_hash in block_hashes[:max_num_blocks]:
+        block_size = kv_cache_spec.block_size
+        max_num_blocks = max_length // block_size
+        for block_hash in itertools.islice(block_hashes, max_num_blocks):
             cached = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
             if cached is None:
                 break  # a prefix ends at its first miss
             for group_hits, block in zip(hits, cached):
                 group_hits.append(block)
+        if use_eagle and hits[0]:
+            for group_hits in hits:
+                group_hits.pop()
+        while len(hits[0]) * block_size % alignment_tokens != 0:
+            for group_hits in hits:
+                group_hits.pop()
         return hits
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:

@@ -7,14 +7,15 @@ reused. Plus the null block, BlockHashToBlockMap and reset_prefix_cache.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from engine.tracing.core_trace import KVCacheTrace
+from engine.tracing.events import KVCached
+from engine.utils.hashing import sha256
 from engine.v1.core.block_pool import BlockHashToBlockMap, BlockPool
-from engine.v1.core.kv_cache_utils import (
-    KVCacheBlock,
-    make_block_hash_with_group_id,
-    sha256,
-)
+from engine.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from tests.helpers.core import assert_block_pool_consistent, free_block_ids, make_request
 
 BLOCK_SIZE = 16
@@ -65,7 +66,9 @@ def test_get_new_blocks_never_returns_the_null_block():
     assert [b.block_id for b in blocks] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert pool.get_num_free_blocks() == 0
     assert pool.get_usage() == 1.0
-    with pytest.raises(ValueError, match="cannot get 1 free blocks: only 0 free"):
+    with pytest.raises(
+        ValueError, match=r"Cannot get 1 free blocks from the pool \(only 0 are free\)"
+    ):
         pool.get_new_blocks(1)
 
     pool.free_blocks(blocks)
@@ -123,7 +126,9 @@ def test_get_new_blocks_pops_head_and_sets_ref_cnt_to_one():
 
 def test_get_new_blocks_too_many_takes_nothing():
     pool = make_pool(5)
-    with pytest.raises(ValueError, match="cannot get 5 free blocks: only 4 free"):
+    with pytest.raises(
+        ValueError, match=r"Cannot get 5 free blocks from the pool \(only 4 are free\)"
+    ):
         pool.get_new_blocks(5)
     assert free_block_ids(pool) == [1, 2, 3, 4]
     assert all(b.ref_cnt == 0 for b in pool.blocks)
@@ -208,12 +213,41 @@ def test_cache_full_blocks_needs_a_hash_per_full_block():
         pool.cache_full_blocks(request, blocks, 0, 2, BLOCK_SIZE, 0)
 
 
-def test_cache_full_blocks_rejects_another_block_size():
-    pool = make_pool(8)
-    request = make_request("r", list(range(32)), block_size=8)
-    blocks = pool.get_new_blocks(4)
-    with pytest.raises(ValueError, match="block_size must equal hash_block_size"):
-        pool.cache_full_blocks(request, blocks, 0, 4, 8, 0)
+def test_cache_full_blocks_rejects_a_block_size_that_is_not_a_multiple():
+    pool = make_pool(8)  # hashes every 16 tokens
+    request = make_request("r", list(range(48)))
+    blocks = pool.get_new_blocks(2)
+    with pytest.raises(ValueError, match="block_size 24 must be a multiple of hash_block_size 16"):
+        pool.cache_full_blocks(request, blocks, 0, 2, 24, 0)
+    assert len(pool.cached_block_hash_to_block) == 0
+
+
+def test_cache_full_blocks_joins_fine_hashes_for_a_coarser_block_size():
+    # Hashes every 4 tokens, blocks of 12 tokens: each block's key is its
+    # three 4-token hashes joined, in order.
+    pool = BlockPool(8, enable_caching=True, hash_block_size=4)
+    request = make_request("r", list(range(100, 130)), block_size=4)  # 7 fine hashes
+    fine = request.block_hashes
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(request, blocks, 0, 2, 12, 0)
+    assert blocks[0].block_hash == make_block_hash_with_group_id(b"".join(fine[0:3]), 0)
+    assert blocks[1].block_hash == make_block_hash_with_group_id(b"".join(fine[3:6]), 0)
+    assert blocks[2].block_hash is None  # 30 tokens: only two full 12-token blocks
+    assert pool.get_cached_block(b"".join(fine[3:6]), [0]) == [blocks[1]]
+
+
+def test_cached_trace_event_names_the_hash_the_block_is_cached_under():
+    events: list = []
+    trace = KVCacheTrace(SimpleNamespace(record=events.append, full=False))
+    pool = BlockPool(8, enable_caching=True, hash_block_size=4, trace=trace)
+    request = make_request("r", list(range(24)), block_size=4)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, 8, 0)
+    cached = [e for e in events if isinstance(e, KVCached)]
+    assert [e.block_hash for e in cached] == [
+        (request.block_hashes[0] + request.block_hashes[1]).hex(),
+        (request.block_hashes[2] + request.block_hashes[3]).hex(),
+    ]
 
 
 def test_cache_full_blocks_skips_null_blocks():
@@ -362,6 +396,20 @@ def test_block_hash_to_block_map_duplicate_blocks_under_one_hash():
     assert key("a") not in cache
     assert cache.get_one_block(key("b")) is third
     assert len(cache) == 1
+
+
+def test_block_hash_to_block_map_pop_keeps_a_dict_entry_with_one_block_left():
+    cache = BlockHashToBlockMap()
+    first, second = KVCacheBlock(block_id=4), KVCacheBlock(block_id=9)
+    cache.insert(key("a"), first)
+    assert cache._cache[key("a")] is first  # one copy: stored bare
+    cache.insert(key("a"), second)
+    assert cache._cache[key("a")] == {4: first, 9: second}
+    assert cache.pop(key("a"), block_id=4) is first
+    # Once a dict, always a dict: it is not turned back into a bare block.
+    assert cache._cache[key("a")] == {9: second}
+    assert cache.pop(key("a"), block_id=9) is second
+    assert key("a") not in cache._cache
 
 
 def test_block_hash_to_block_map_three_copies():

@@ -1,7 +1,8 @@
 """Tests for engine/v1/core/kv_cache_utils.py (twin of vllm/v1/core/kv_cache_utils.py).
 
 Covers the free-block queue, block hashing (chaining, determinism, salts,
-the NONE_HASH seed) and how get_kv_cache_config sizes the pool.
+the NONE_HASH seed), the KV cache specs, and how get_kv_cache_configs sizes
+the pool.
 """
 
 from __future__ import annotations
@@ -16,22 +17,30 @@ from pathlib import Path
 import pytest
 
 import engine.v1.core.kv_cache_utils as kv_cache_utils
+from engine.config import CacheConfig, GlassboxConfig
+from engine.utils.hashing import get_hash_fn_by_name, sha256
 from engine.v1.core.kv_cache_utils import (
+    BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
     generate_block_hash_extra_keys,
+    generate_scheduler_kv_cache_config,
     get_block_hash,
     get_group_id,
-    get_kv_cache_config,
+    get_kv_cache_configs,
+    get_max_concurrency_for_kv_cache_config,
     get_num_blocks,
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
+    is_kv_cache_spec_uniform,
     make_block_hash_with_group_id,
-    sha256,
+    resolve_kv_cache_block_sizes,
 )
-from engine.v1.kv_cache_interface import FullAttentionSpec
-from tests.helpers.core import make_kv_cache_spec, make_request
+from engine.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from tests.helpers.core import make_kv_cache_spec, make_model_config, make_request
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -125,7 +134,7 @@ def test_free_queue_empty_at_construction():
     queue = FreeKVCacheBlockQueue([])
     assert_queue_links(queue, [])
     assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
-    with pytest.raises(ValueError, match="no free KV blocks"):
+    with pytest.raises(ValueError, match="^No free blocks available$"):
         queue.popleft()
 
 
@@ -144,7 +153,7 @@ def test_free_queue_popleft_until_empty_then_error():
     queue = FreeKVCacheBlockQueue(make_blocks(3))
     assert [queue.popleft().block_id for _ in range(3)] == [0, 1, 2]
     assert_queue_links(queue, [])
-    with pytest.raises(ValueError, match="no free KV blocks"):
+    with pytest.raises(ValueError, match="^No free blocks available$"):
         queue.popleft()
     assert queue.num_free_blocks == 0
 
@@ -160,7 +169,7 @@ def test_free_queue_popleft_n():
     assert all(b.prev_free_block is None and b.next_free_block is None for b in popped)
     assert_queue_links(queue, [4, 5])
 
-    with pytest.raises(ValueError, match="asked for 3 free blocks, only 2"):
+    with pytest.raises(ValueError, match="Cannot pop 3 blocks: only 2 are free"):
         queue.popleft_n(3)
     # A refused request takes nothing.
     assert_queue_links(queue, [4, 5])
@@ -212,7 +221,7 @@ def test_free_queue_remove_block_not_in_queue_raises():
     blocks = make_blocks(3)
     queue = FreeKVCacheBlockQueue(blocks)
     popped = queue.popleft()
-    with pytest.raises(RuntimeError, match="not in the free queue"):
+    with pytest.raises(RuntimeError, match=r"^remove\(\) called on an invalid block"):
         queue.remove(popped)
     assert_queue_links(queue, [1, 2])
 
@@ -400,7 +409,7 @@ def test_block_hashes_extend_as_output_tokens_arrive():
 
 def test_block_hasher_called_repeatedly_returns_only_new_hashes():
     request = make_request("r", list(range(40)), block_size=16)
-    hasher = get_request_block_hasher(16)
+    hasher = get_request_block_hasher(16, sha256)
     assert hasher(request) == []  # both full blocks were hashed at construction
 
 
@@ -414,9 +423,11 @@ def test_request_without_hasher_has_no_block_hashes():
 def test_cache_salt_is_an_extra_key_of_the_first_block_only():
     salted = make_request("s", list(range(40)), cache_salt="tenant-a")
     plain = make_request("p", list(range(40)))
-    assert generate_block_hash_extra_keys(salted, 0, 16) == ("tenant-a",)
-    assert generate_block_hash_extra_keys(salted, 16, 32) is None
-    assert generate_block_hash_extra_keys(plain, 0, 16) is None
+    # The second value is the next multimodal input to look at: with no
+    # multimodal inputs, whatever was passed in.
+    assert generate_block_hash_extra_keys(salted, 0, 16, 0) == (("tenant-a",), 0)
+    assert generate_block_hash_extra_keys(salted, 16, 32, 0) == (None, 0)
+    assert generate_block_hash_extra_keys(plain, 0, 16, 3) == (None, 3)
 
 
 def test_cache_salt_changes_every_block_hash():
@@ -435,32 +446,33 @@ def test_cache_salt_changes_every_block_hash():
 
 def test_init_none_hash_uses_pythonhashseed(monkeypatch, restore_none_hash):
     monkeypatch.setenv("PYTHONHASHSEED", "1234")
-    init_none_hash()
+    init_none_hash(sha256)
     assert kv_cache_utils.NONE_HASH == sha256("1234")
     seeded = make_request("r", list(range(32))).block_hashes
 
     monkeypatch.setenv("PYTHONHASHSEED", "5678")
-    init_none_hash()
+    init_none_hash(sha256)
     assert kv_cache_utils.NONE_HASH == sha256("5678")
     assert make_request("r", list(range(32))).block_hashes[0] != seeded[0]
 
     # Unset (or empty): a fixed default, not a random one, so runs agree.
     monkeypatch.delenv("PYTHONHASHSEED")
-    init_none_hash()
+    init_none_hash(sha256)
     assert kv_cache_utils.NONE_HASH == sha256("glassbox")
     monkeypatch.setenv("PYTHONHASHSEED", "")
-    init_none_hash()
+    init_none_hash(sha256)
     assert kv_cache_utils.NONE_HASH == sha256("glassbox")
 
     # Same seed -> the same hashes again.
     monkeypatch.setenv("PYTHONHASHSEED", "1234")
-    init_none_hash()
+    init_none_hash(sha256)
     assert make_request("r", list(range(32))).block_hashes == seeded
 
 
 _CHILD_SCRIPT = """
 import json
 from engine.sampling_params import SamplingParams
+from engine.utils.hashing import sha256
 from engine.v1.core.kv_cache_utils import get_request_block_hasher
 from engine.v1.request import Request
 hashes = {}
@@ -470,7 +482,7 @@ for salt in (None, "tenant-a"):
         prompt_token_ids=list(range(1000, 1070)),
         sampling_params=SamplingParams(max_tokens=8),
         cache_salt=salt,
-        block_hasher=get_request_block_hasher(16),
+        block_hasher=get_request_block_hasher(16, sha256),
     )
     request.append_output_token_ids([5, 6])
     hashes[str(salt)] = [h.hex() for h in request.block_hashes]
@@ -510,7 +522,7 @@ def test_block_hashes_are_identical_in_another_process(monkeypatch, restore_none
     per-process randomised hash(). The child runs with PYTHONHASHSEED unset, so
     its str hashes are randomised, yet every block hash must match ours."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    init_none_hash()
+    init_none_hash(sha256)
     here = _hashes_here()
     assert [len(v) for v in here.values()] == [4, 4]  # 72 tokens -> 4 full blocks
 
@@ -520,10 +532,10 @@ def test_block_hashes_are_identical_in_another_process(monkeypatch, restore_none
 
 def test_block_hashes_follow_pythonhashseed_in_another_process(monkeypatch, restore_none_hash):
     monkeypatch.setenv("PYTHONHASHSEED", "42")
-    init_none_hash()
+    init_none_hash(sha256)
     here_42 = _hashes_here()
     monkeypatch.delenv("PYTHONHASHSEED")
-    init_none_hash()
+    init_none_hash(sha256)
     here_default = _hashes_here()
 
     child_42 = _hashes_in_child("42")
@@ -531,9 +543,54 @@ def test_block_hashes_follow_pythonhashseed_in_another_process(monkeypatch, rest
     assert child_42["None"][0] != here_default["None"][0]
 
 
+def test_append_n_checks_the_tail_sentinel_first():
+    # vLLM's order: an empty batch is a no-op, then a queue whose tail
+    # sentinel lost its link is an AssertionError -- before any check of the
+    # blocks themselves (block 0 below is still linked into another queue).
+    elsewhere = make_blocks(2)
+    FreeKVCacheBlockQueue(elsewhere)
+    broken = FreeKVCacheBlockQueue([])
+    broken.fake_free_list_tail.prev_free_block = None
+    broken.append_n([])
+    with pytest.raises(AssertionError, match="fake_free_list_tail should always exist"):
+        broken.append_n([elsewhere[0]])
+    assert broken.num_free_blocks == 0
+    assert broken.fake_free_list_head.next_free_block is broken.fake_free_list_tail
+
+
+def test_get_hash_fn_by_name():
+    assert get_hash_fn_by_name("sha256") is sha256
+    with pytest.raises(ValueError, match="Unsupported hash function: sha256_cbor"):
+        get_hash_fn_by_name("sha256_cbor")
+
+
+def test_block_hash_list_with_block_size_joins_consecutive_hashes():
+    fine = [b"a", b"b", b"c", b"d", b"e"]
+    coarse = BlockHashListWithBlockSize(fine, hash_block_size=4, target_block_size=8)
+    assert len(coarse) == 2  # the fifth fine hash does not fill a coarse block
+    assert (coarse[0], coarse[1], coarse[-1]) == (b"ab", b"cd", b"cd")
+    assert coarse[1:] == [b"cd"]
+    assert list(coarse) == [b"ab", b"cd"]
+    with pytest.raises(IndexError):
+        coarse[2]
+    with pytest.raises(ValueError, match="block_size 6 must be a multiple of hash_block_size 4"):
+        BlockHashListWithBlockSize(fine, hash_block_size=4, target_block_size=6)
+
+
 # ---------------------------------------------------------------------------
 # KV cache specs and pool sizing
 # ---------------------------------------------------------------------------
+def make_config(
+    max_model_len: int, num_gpu_blocks_override: int | None = None, block_size: int = 16
+) -> GlassboxConfig:
+    return GlassboxConfig(
+        model_config=make_model_config(max_model_len),
+        cache_config=CacheConfig(
+            block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override
+        ),
+    )
+
+
 def test_full_attention_page_size_bytes():
     # K and V pages: 2 * block_size * num_kv_heads * head_size * dtype bytes.
     assert make_kv_cache_spec(block_size=16, num_kv_heads=1, head_size=8).page_size_bytes == 1024
@@ -541,29 +598,70 @@ def test_full_attention_page_size_bytes():
     assert bf16.page_size_bytes == 2 * 16 * 8 * 128 * 2
     spec = make_kv_cache_spec()
     # 100 tokens need 7 blocks of 16.
-    assert spec.max_memory_usage_bytes(100) == 7 * 1024
-    assert spec.max_memory_usage_bytes(112) == 7 * 1024
-    assert spec.max_memory_usage_bytes(113) == 8 * 1024
+    assert spec.max_memory_usage_bytes(make_config(100)) == 7 * 1024
+    assert spec.max_memory_usage_bytes(make_config(112)) == 7 * 1024
+    assert spec.max_memory_usage_bytes(make_config(113)) == 8 * 1024
+
+
+def test_full_attention_spec_takes_a_torch_dtype_and_keeps_its_name():
+    import torch
+
+    from_torch = FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=4, dtype=torch.float16)
+    from_name = FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=4, dtype="float16")
+    assert from_torch.dtype == "float16"
+    assert from_torch == from_name and hash(from_torch) == hash(from_name)
+    assert from_torch.page_size_bytes == 2 * 8 * 2 * 4 * 2
 
 
 def test_full_attention_spec_rejects_unknown_dtype():
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    import torch
+
+    with pytest.raises(ValueError, match="dtype must be one of .*'int3'"):
         FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="int3")
+    with pytest.raises(ValueError, match="dtype must be one of .*torch.int8"):
+        FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.int8)
+
+
+def test_attention_spec_fields_after_block_size_are_keyword_only():
+    assert FullAttentionSpec(16, num_kv_heads=1, head_size=8, dtype="float32").block_size == 16
+    with pytest.raises(TypeError):
+        FullAttentionSpec(16, 1, 8, "float32")  # type: ignore[misc]
+
+
+def test_page_size_padded_replaces_the_real_page_size():
+    padded = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32", page_size_padded=1536
+    )
+    assert (padded.real_page_size_bytes, padded.page_size_bytes) == (1024, 1536)
+    too_small = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype="float32", page_size_padded=1000
+    )
+    with pytest.raises(ValueError, match="page_size_padded=1000 is smaller than .* 1024"):
+        _ = too_small.page_size_bytes
+
+
+def test_is_kv_cache_spec_uniform():
+    assert is_kv_cache_spec_uniform({})
+    assert is_kv_cache_spec_uniform({"a": make_kv_cache_spec(), "b": make_kv_cache_spec()})
+    assert not is_kv_cache_spec_uniform(
+        {"a": make_kv_cache_spec(head_size=8), "b": make_kv_cache_spec(head_size=16)}
+    )
 
 
 def test_get_num_blocks():
-    assert get_num_blocks(available_memory=10 * 1024, num_layers=1, page_size_bytes=1024) == 10
-    assert (
-        get_num_blocks(available_memory=10 * 1024 + 1023, num_layers=1, page_size_bytes=1024) == 10
-    )
-    assert get_num_blocks(available_memory=10 * 1024, num_layers=2, page_size_bytes=1024) == 5
-    assert get_num_blocks(available_memory=-1, num_layers=1, page_size_bytes=1024) == 0
+    config = make_config(16)
+    assert get_num_blocks(config, 1, 10 * 1024, 1024) == 10
+    assert get_num_blocks(config, 1, 10 * 1024 + 1023, 1024) == 10
+    assert get_num_blocks(config, 2, 10 * 1024, 1024) == 5
+    assert get_num_blocks(config, 1, -1, 1024) == 0
+    # num_gpu_blocks_override wins over the memory budget.
+    assert get_num_blocks(make_config(16, num_gpu_blocks_override=3), 1, 10 * 1024, 1024) == 3
 
 
-def test_get_kv_cache_config_with_override():
+def test_get_kv_cache_configs_with_override():
     spec = make_kv_cache_spec()
-    config = get_kv_cache_config(
-        {"layer.0": spec}, available_memory=0, max_model_len=160, num_gpu_blocks_override=11
+    (config,) = get_kv_cache_configs(
+        make_config(160, num_gpu_blocks_override=11), [{"layer.0": spec}], [0]
     )
     assert config.num_blocks == 11
     assert len(config.kv_cache_groups) == 1
@@ -572,11 +670,11 @@ def test_get_kv_cache_config_with_override():
     assert [(t.size, t.shared_by) for t in config.kv_cache_tensors] == [(11 * 1024, ["layer.0"])]
 
 
-def test_get_kv_cache_config_block_count_from_memory_budget():
+def test_get_kv_cache_configs_block_count_from_memory_budget():
     spec = make_kv_cache_spec()  # 1024 bytes per block per layer
     layers = {"layer.0": spec, "layer.1": spec}
     # Two layers: one block costs 2048 bytes; 10.99 blocks' worth rounds down to 10.
-    config = get_kv_cache_config(layers, available_memory=10 * 2048 + 2047, max_model_len=64)
+    (config,) = get_kv_cache_configs(make_config(64), [layers], [10 * 2048 + 2047])
     assert config.num_blocks == 10
     assert [(t.size, t.shared_by) for t in config.kv_cache_tensors] == [
         (10 * 1024, ["layer.0"]),
@@ -584,49 +682,117 @@ def test_get_kv_cache_config_block_count_from_memory_budget():
     ]
     assert config.kv_cache_groups[0].layer_names == ["layer.0", "layer.1"]
     # The override wins over the budget.
-    overridden = get_kv_cache_config(
-        layers, available_memory=10 * 2048, max_model_len=64, num_gpu_blocks_override=7
+    (overridden,) = get_kv_cache_configs(
+        make_config(64, num_gpu_blocks_override=7), [layers], [10 * 2048]
     )
     assert overridden.num_blocks == 7
 
 
-def test_get_kv_cache_config_boundary_fits_exactly_one_max_len_sequence():
+def test_get_kv_cache_configs_boundary_fits_exactly_one_max_len_sequence():
     spec = make_kv_cache_spec()
     # 160 tokens = 10 blocks; 11 blocks leave 10 after the null block.
-    config = get_kv_cache_config(
-        {"layer.0": spec}, available_memory=0, max_model_len=160, num_gpu_blocks_override=11
+    (config,) = get_kv_cache_configs(
+        make_config(160, num_gpu_blocks_override=11), [{"layer.0": spec}], [0]
     )
     assert config.num_blocks == 11
-    with pytest.raises(ValueError, match="max_model_len=161") as excinfo:
-        get_kv_cache_config(
-            {"layer.0": spec}, available_memory=0, max_model_len=161, num_gpu_blocks_override=11
-        )
+    with pytest.raises(ValueError) as excinfo:
+        get_kv_cache_configs(make_config(161, num_gpu_blocks_override=11), [{"layer.0": spec}], [0])
     message = str(excinfo.value)
-    assert "needs 11 blocks" in message
-    assert "10 usable" in message
+    assert message.startswith(
+        "To serve at least one request with the model's max seq len (161), 12288 bytes"
+    )
+    assert "available KV cache memory (11264 bytes)" in message
+    assert "the estimated maximum model length is 160." in message
+    assert "Try increasing `num_gpu_blocks_override`" in message
 
 
-def test_get_kv_cache_config_too_little_memory_for_max_model_len():
+def test_get_kv_cache_configs_too_little_memory_for_max_model_len():
     spec = make_kv_cache_spec()
     # 5 blocks of memory, 4 usable (64 tokens); max_model_len 100 needs 7 blocks.
-    with pytest.raises(ValueError, match="max_model_len=100"):
-        get_kv_cache_config({"layer.0": spec}, available_memory=5 * 1024, max_model_len=100)
+    with pytest.raises(ValueError, match="max seq len \\(100\\)") as excinfo:
+        get_kv_cache_configs(make_config(100), [{"layer.0": spec}], [5 * 1024])
+    assert "the estimated maximum model length is 64." in str(excinfo.value)
+    assert "Try increasing `gpu_memory_utilization`" in str(excinfo.value)
 
 
-def test_get_kv_cache_config_without_memory_or_override():
-    with pytest.raises(ValueError, match="no memory is left for the KV cache"):
-        get_kv_cache_config({"layer.0": make_kv_cache_spec()}, available_memory=0, max_model_len=16)
+def test_get_kv_cache_configs_without_memory_or_override():
+    with pytest.raises(ValueError, match="^No available memory for the cache blocks"):
+        get_kv_cache_configs(make_config(16), [{"layer.0": make_kv_cache_spec()}], [0])
 
 
-def test_get_kv_cache_config_rejects_no_layers_and_mixed_specs():
+def test_get_kv_cache_configs_rejects_no_layers_and_mixed_specs():
     with pytest.raises(ValueError, match="no attention layers"):
-        get_kv_cache_config({}, available_memory=1 << 20, max_model_len=16)
+        get_kv_cache_configs(make_config(16), [{}], [1 << 20])
+    mixed = {
+        "layer.0": make_kv_cache_spec(head_size=8),
+        "layer.1": make_kv_cache_spec(head_size=16),
+    }
     with pytest.raises(ValueError, match="share one KV cache spec"):
-        get_kv_cache_config(
-            {
-                "layer.0": make_kv_cache_spec(head_size=8),
-                "layer.1": make_kv_cache_spec(head_size=16),
-            },
-            available_memory=1 << 20,
-            max_model_len=16,
+        get_kv_cache_configs(make_config(16), [mixed], [1 << 20])
+
+
+def test_get_kv_cache_configs_gives_every_worker_the_smallest_block_count():
+    spec = make_kv_cache_spec()
+    configs = get_kv_cache_configs(
+        make_config(32), [{"a": spec}, {"a": spec}], [10 * 1024, 20 * 1024 + 5]
+    )
+    assert [c.num_blocks for c in configs] == [10, 10]
+    # The bigger worker's tensor shrinks with its block count.
+    assert [c.kv_cache_tensors[0].size for c in configs] == [10 * 1024, 10 * 1024]
+    scheduler_config = generate_scheduler_kv_cache_config(configs)
+    assert scheduler_config == configs[0] and scheduler_config is not configs[0]
+
+
+def test_get_kv_cache_configs_rejects_a_layer_that_differs_across_workers():
+    with pytest.raises(ValueError, match="'a' are different across workers"):
+        get_kv_cache_configs(
+            make_config(32),
+            [{"a": make_kv_cache_spec(head_size=8)}, {"a": make_kv_cache_spec(head_size=16)}],
+            [1 << 20, 1 << 20],
         )
+
+
+def test_generate_scheduler_kv_cache_config_needs_equal_block_counts():
+    with pytest.raises(ValueError, match="same num_blocks"):
+        generate_scheduler_kv_cache_config([KVCacheConfig(num_blocks=4), KVCacheConfig(5)])
+
+
+def test_estimate_max_model_len_restores_the_config():
+    config = make_config(1000)
+    layers = {"layer.0": make_kv_cache_spec()}
+    # 10 pages of 16 tokens: 160 tokens.
+    assert estimate_max_model_len(config, layers, 10 * 1024) == 160
+    assert estimate_max_model_len(config, layers, 10 * 1024 - 1) == 144
+    assert estimate_max_model_len(config, layers, 1023) == 0
+    # Never more than the configured max_model_len.
+    assert estimate_max_model_len(make_config(100), layers, 1 << 20) == 100
+    assert config.model_config.max_model_len == 1000
+
+
+def test_check_enough_kv_cache_memory_counts_the_null_block():
+    layers = {"layer.0": make_kv_cache_spec()}
+    check_enough_kv_cache_memory(make_config(64), layers, 5 * 1024)  # 4 blocks + null
+    with pytest.raises(ValueError, match="max seq len \\(64\\)"):
+        check_enough_kv_cache_memory(make_config(64), layers, 5 * 1024 - 1)
+    check_enough_kv_cache_memory(make_config(64), {}, 0)  # no layers: nothing to check
+
+
+def test_get_max_concurrency_for_kv_cache_config():
+    spec = make_kv_cache_spec()
+    kv_cache_config = KVCacheConfig(
+        num_blocks=10, kv_cache_groups=[KVCacheGroupSpec(["a", "b"], spec)]
+    )
+    # 64 tokens = 4 blocks per request; 10 blocks hold 2.5 such requests.
+    assert get_max_concurrency_for_kv_cache_config(make_config(64), kv_cache_config) == 2.5
+
+
+def test_resolve_kv_cache_block_sizes_is_the_block_size_twice():
+    spec = make_kv_cache_spec(block_size=32)
+    one_group = KVCacheConfig(num_blocks=4, kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
+    assert resolve_kv_cache_block_sizes(one_group, make_config(64, block_size=32)) == (32, 32)
+    two_groups = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_groups=[KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)],
+    )
+    with pytest.raises(ValueError, match="exactly one KV cache group, got 2"):
+        resolve_kv_cache_block_sizes(two_groups, make_config(64))

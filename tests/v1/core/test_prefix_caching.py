@@ -8,11 +8,15 @@ block), and freed blocks return to the tail of the free queue, tail block first.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from engine.tracing.core_trace import KVCacheTrace
+from engine.utils.hashing import sha256
 from engine.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from engine.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block_tokens, sha256
+from engine.v1.core.kv_cache_utils import get_block_hash, get_group_id, hash_block_tokens
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from engine.v1.metrics.stats import PrefixCacheStats
 from tests.helpers.core import (
@@ -472,7 +476,7 @@ def test_allocate_slots_without_a_hit_fails_cleanly():
 def test_allocate_slots_rejects_non_positive_token_counts():
     manager = make_kv_cache_manager(num_blocks=4)
     req = make_request("a", list(range(10)))
-    with pytest.raises(ValueError, match="num_new_tokens must be > 0, got 0"):
+    with pytest.raises(ValueError, match="num_new_tokens must be greater than 0, got 0"):
         manager.allocate_slots(req, 0)
 
 
@@ -688,7 +692,7 @@ def test_kv_cache_blocks_helpers():
 
 def test_manager_from_a_real_kv_cache_config():
     config = make_kv_cache_config(num_blocks=9, max_model_len=128)
-    manager = KVCacheManager(config, max_model_len=128)
+    manager = KVCacheManager(config, max_model_len=128, hash_block_size=BLOCK_SIZE)
     assert manager.block_pool.num_gpu_blocks == 9
     assert manager.block_pool.get_num_free_blocks() == 8
     assert manager.num_kv_cache_groups == 1
@@ -701,7 +705,116 @@ def test_more_than_one_kv_cache_group_is_rejected():
         num_blocks=10,
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec), KVCacheGroupSpec(["layer.1"], spec)],
     )
-    with pytest.raises(ValueError, match="exactly one KV cache group, got 2"):
-        get_kv_cache_coordinator(config, enable_caching=True)
-    with pytest.raises(ValueError, match="exactly one KV cache group, got 2"):
-        KVCacheManager(config, max_model_len=64)
+    with pytest.raises(ValueError, match="exactly one KV cache group with prefix caching, got 2"):
+        get_kv_cache_coordinator(
+            config, max_model_len=64, use_eagle=False, enable_caching=True, hash_block_size=16
+        )
+    with pytest.raises(ValueError, match="exactly one KV cache group with prefix caching, got 2"):
+        KVCacheManager(config, max_model_len=64, hash_block_size=BLOCK_SIZE)
+
+
+# ---------------------------------------------------------------------------
+# vLLM's constructor and allocate_slots options
+# ---------------------------------------------------------------------------
+def test_manager_takes_vllms_positional_order_and_a_keyword_only_trace():
+    config = make_kv_cache_config(num_blocks=9, max_model_len=128)
+    manager = KVCacheManager(config, 128, BLOCK_SIZE)
+    assert manager.max_num_batched_tokens == 128  # defaults to max_model_len
+    manager = KVCacheManager(config, 128, BLOCK_SIZE, 64, False, True, True)
+    assert (manager.max_num_batched_tokens, manager.enable_caching) == (64, False)
+    assert (manager.use_eagle, manager.log_stats) == (True, True)
+    with pytest.raises(TypeError):
+        KVCacheManager(config, 128, BLOCK_SIZE, 64, True, False, False, KVCacheTrace.NULL)
+
+
+def test_hash_block_size_must_be_the_block_size_with_prefix_caching():
+    config = make_kv_cache_config(num_blocks=9, max_model_len=128)
+    with pytest.raises(
+        ValueError,
+        match="assumes hash_block_size == block_size, got hash_block_size=8, block_size=16",
+    ):
+        KVCacheManager(config, max_model_len=128, hash_block_size=8)
+    # Without prefix caching no hash is ever read, so any value is accepted.
+    KVCacheManager(config, max_model_len=128, hash_block_size=8, enable_caching=False)
+
+
+@pytest.mark.parametrize(
+    "prompt_len, hit_without_eagle, hit_with_eagle", [(67, 64, 48), (20, 16, 0), (10, 0, 0)]
+)
+def test_use_eagle_drops_the_last_hit_block(prompt_len, hit_without_eagle, hit_with_eagle):
+    tokens = [7000 + i for i in range(prompt_len)]
+    for use_eagle, expected in ((False, hit_without_eagle), (True, hit_with_eagle)):
+        config = make_kv_cache_config(num_blocks=20, max_model_len=256)
+        manager = KVCacheManager(config, 256, BLOCK_SIZE, use_eagle=use_eagle)
+        allocate_prompt(manager, make_request("first", tokens))
+        hit, num_hit_tokens = manager.get_computed_blocks(make_request("again", tokens))
+        assert num_hit_tokens == expected
+        assert len(hit.blocks[0]) == expected // BLOCK_SIZE
+
+
+def test_lookahead_slots_are_allocated_but_never_cached():
+    manager = make_kv_cache_manager(num_blocks=10, max_model_len=144)
+    req = make_request("a", list(range(30)))
+    # 30 tokens + 5 draft slots = 35 slots: 3 blocks, of which 1 is full of real tokens.
+    new_blocks = manager.allocate_slots(req, 30, num_lookahead_tokens=5)
+    assert ids(new_blocks) == [1, 2, 3]
+    assert [manager.block_pool.blocks[i].block_hash is not None for i in (1, 2, 3)] == [
+        True,
+        False,
+        False,
+    ]
+    # The draft slots never push the table past max_model_len (9 blocks).
+    long_req = make_request("b", list(range(140)))
+    manager.free(req)
+    assert len(ids(manager.allocate_slots(long_req, 140, num_lookahead_tokens=10))) == 9
+
+
+def test_full_sequence_must_fit_gates_on_the_whole_prompt():
+    # 7 usable blocks; "holder" keeps 3 of them, so 4 are free.
+    manager = make_kv_cache_manager(num_blocks=8, max_model_len=112)
+    shared = block_token_ids([1, 2])
+    holder = make_request("holder", shared + list(range(10)))
+    allocate_prompt(manager, holder)
+    assert manager.block_pool.get_num_free_blocks() == 4
+
+    # 96 tokens = 6 blocks. Its first 16-token chunk fits, the whole prompt does not.
+    newcomer = make_request("newcomer", list(range(5000, 5096)))
+    assert manager.allocate_slots(newcomer, 16, full_sequence_must_fit=True) is None
+    assert manager.block_pool.get_num_free_blocks() == 4
+    assert get_request_block_ids(manager, "newcomer") == []
+    assert ids(manager.allocate_slots(newcomer, 16)) == [4]
+    manager.free(newcomer)
+
+    # A prefix hit on blocks already in use costs nothing: 2 hit + 4 new = 6 blocks.
+    sharer = make_request("sharer", shared + list(range(9000, 9064)))
+    hit, num_hit_tokens = manager.get_computed_blocks(sharer)
+    assert num_hit_tokens == 32
+    new_blocks = manager.allocate_slots(
+        sharer, 16, num_hit_tokens, hit, full_sequence_must_fit=True
+    )
+    assert new_blocks is not None and len(ids(new_blocks)) == 1
+
+
+def test_without_prefix_caching_no_block_is_a_common_prefix():
+    manager = make_kv_cache_manager(num_blocks=10, enable_caching=False)
+    allocate_prompt(manager, make_request("only", list(range(40))))
+    # One request holding 3 blocks: with caching they would all count.
+    assert manager.get_num_common_prefix_blocks("only") == [0]
+    with_cache = make_kv_cache_manager(num_blocks=10)
+    allocate_prompt(with_cache, make_request("only", list(range(40))))
+    assert with_cache.get_num_common_prefix_blocks("only") == [3]
+
+
+def test_reset_prefix_cache_logs_why_it_failed(caplog):
+    manager = make_kv_cache_manager(num_blocks=10)
+    req = make_request("a", list(range(40)))
+    allocate_prompt(manager, req)
+    with caplog.at_level(logging.INFO, logger="engine.v1.core.block_pool"):
+        assert manager.reset_prefix_cache() is False
+        manager.free(req)
+        assert manager.reset_prefix_cache() is True
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "Failed to reset prefix cache because some blocks (3) are not freed yet",
+        "Successfully reset prefix cache",
+    ]
