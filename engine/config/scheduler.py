@@ -3,7 +3,8 @@
 vLLM twin: ``vllm/config/scheduler.py`` (``SchedulerConfig``).
 Read it for: ``max_num_batched_tokens`` (the per-step token budget, the master
 knob of continuous batching), ``max_num_seqs``, ``enable_chunked_prefill``,
-``long_prefill_token_threshold`` and ``policy``.
+``long_prefill_token_threshold``, ``scheduler_reserve_full_isl`` and
+``policy``.
 Sessions: 02 (scheduler).
 
 Simpler than vLLM: no async scheduling, no encoder budget, no partial-prefill
@@ -30,6 +31,14 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     """When > 0, no request gets more than this many new tokens in one step."""
     policy: SchedulerPolicy = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+    """Admit a waiting request only if the KV cache can hold its whole prompt,
+    not just the first chunk: with chunked prefill, checking only the chunk
+    admits more requests than can finish and they preempt one another."""
+    stream_interval: int = 1
+    """Streamed (DELTA) outputs go to the user every this many tokens (and
+    at a request's first token and its end). 1 sends each token at once;
+    more means fewer, larger chunks and less front-end work per token."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -42,6 +51,10 @@ class SchedulerConfig:
             raise ValueError(
                 "long_prefill_token_threshold must be an integer >= 0, "
                 f"got {self.long_prefill_token_threshold!r}"
+            )
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(
+                f"stream_interval must be an integer >= 1, got {self.stream_interval!r}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")

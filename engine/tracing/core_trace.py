@@ -65,10 +65,12 @@ class KVCacheTrace(SubsystemTrace):
     ) -> None:
         """``blocks[num_cached_blocks:num_full_blocks]`` were just added to the
         prefix-cache map (null blocks are never cached)."""
-        record, hashes, request_id = self.tracer.record, request.block_hashes, request.request_id
+        record, request_id = self.tracer.record, request.request_id
         for i in range(num_cached_blocks, num_full_blocks):
             if not blocks[i].is_null:
-                block_hash = hashes[i].hex()
+                # The block's key minus its 4-byte group id: right even when
+                # the block size is a multiple of the hash block size.
+                block_hash = blocks[i].block_hash[:-4].hex()
                 record(
                     KVCached(
                         block_id=blocks[i].block_id,
@@ -203,6 +205,20 @@ class SchedulerTrace(SubsystemTrace):
                 num_tokens=preempted_req.num_tokens,
                 num_output_tokens=preempted_req.num_output_tokens,
                 num_preemptions=preempted_req.num_preemptions,
+            )
+        )
+
+    def preempted_for_reset(self, request: Any) -> None:
+        """``reset_prefix_cache(reset_running_requests=True)`` preempted
+        ``request``: no other request needed its blocks (``for_request_id``
+        is empty)."""
+        self.tracer.record(
+            SchedPreempted(
+                request_id=request.request_id,
+                for_request_id="",
+                num_tokens=request.num_tokens,
+                num_output_tokens=request.num_output_tokens,
+                num_preemptions=request.num_preemptions,
             )
         )
 

@@ -5,19 +5,36 @@ Read it for: the one rule the V1 scheduler is built on -- a request is just
 ``all_token_ids`` (prompt + generated) and a cursor ``num_computed_tokens``
 saying how many of them already have KV in the cache. Prefill, chunked
 prefill, prefix-cache hits, decode and recompute-after-preemption are all
-"move the cursor toward ``num_tokens``".
+"move the cursor toward ``num_tokens``". The ``WAITING_FOR_*`` statuses mark
+a waiting request that is blocked on something other than space (a grammar
+still compiling, remote KV, more streamed input); the scheduler parks those
+in its ``skipped_waiting`` queue.
 Sessions: 02 (scheduler), 03 (KV cache: ``block_hashes``).
 
-Simpler than vLLM: no multimodal features, LoRA, pooling, structured output,
-streaming sessions, KV transfer, or async-scheduling placeholders.
+The constructor takes vLLM's arguments in vLLM's order. ``pooling_params``,
+``mm_features``, ``prompt_embeds`` and ``prompt_is_token_ids`` are for
+features Glassbox does not have: a value other than None (or an empty
+``mm_features``) raises ValueError naming the field. ``lora_request`` and
+``structured_output_request`` are kept but unused until LoRA and structured
+outputs arrive; ``num_output_placeholders`` stays 0 (no async scheduling).
+
+Simpler than vLLM: no streaming-input sessions (``resumable``), reasoning
+parser state, ``PrefillStats``, NaN counting, or ``FINISHED_ERROR`` /
+``FINISHED_REPETITION`` statuses; ``structured_output_request`` is always
+None when built (``SamplingParams`` has no structured outputs yet), so only
+a test can park a request on a grammar.
+
+Differs from vLLM on purpose: ``pooling_params`` defaults to None (vLLM
+requires it); ``num_cached_tokens`` (prefix-cache hit of the first
+admission, for ``RequestOutput.num_cached_tokens``) is Glassbox's own.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
 from engine.v1.utils import ConstantList
@@ -33,6 +50,10 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED is a finished state."""
 
     WAITING = enum.auto()
+    # Blocked waiting states: the request sits in ``skipped_waiting``.
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -61,68 +82,116 @@ _FINISHED_REASON_MAP = {
 }
 
 
+class StructuredOutputRequest(Protocol):
+    """What the scheduler reads of vLLM's ``StructuredOutputRequest``
+    (``vllm/v1/structured_output/request.py``): ``grammar`` is None until the
+    grammar has been compiled, then the request may be scheduled."""
+
+    @property
+    def grammar(self) -> object | None: ...
+
+
 class Request:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        prompt_token_ids: list[int] | None,
+        sampling_params: SamplingParams | None,
+        pooling_params: object | None = None,
         client_index: int = 0,
         arrival_time: float | None = None,
-        priority: int = 0,
+        prompt_embeds: object | None = None,
+        prompt_is_token_ids: list[bool] | None = None,
+        mm_features: list[Any] | None = None,
+        lora_request: object | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
     ) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
         self.request_id = request_id
         self.client_index = client_index
         self.priority = priority
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        # Kept for the LoRA round; nothing reads it yet.
+        self.lora_request = lora_request
+        # Set (by a test, or later by structured outputs) together with the
+        # WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR status.
+        self.structured_output_request: StructuredOutputRequest | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
-        self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
         self.events: list[EngineCoreEvent] = []
         # Which stop token id / stop string ended the request, if any.
         self.stop_reason: int | str | None = None
+        # Parameters for a KV connector (vLLM's disaggregated prefill); unused here.
+        self.kv_transfer_params: dict[str, Any] | None = None
 
+        if pooling_params is not None:
+            raise ValueError(
+                f"request {request_id!r}: pooling_params is not supported "
+                "(Glassbox serves generative models only)"
+            )
+        if sampling_params is None:
+            raise ValueError("sampling_params and pooling_params can't both be unset")
         if sampling_params.max_tokens is None:
             raise ValueError(
                 f"request {request_id!r}: sampling_params.max_tokens must be resolved "
                 "(the input processor fills it from max_model_len) before scheduling"
             )
         self.max_tokens: int = sampling_params.max_tokens
+        if sampling_params.extra_args is not None:
+            self.kv_transfer_params = sampling_params.extra_args.get("kv_transfer_params")
 
+        if prompt_embeds is not None or prompt_is_token_ids is not None:
+            field = "prompt_embeds" if prompt_embeds is not None else "prompt_is_token_ids"
+            raise ValueError(
+                f"request {request_id!r}: {field} is not supported (Glassbox takes token ids)"
+            )
+        if mm_features:
+            raise ValueError(
+                f"request {request_id!r}: mm_features is not supported "
+                "(Glassbox serves text-only models)"
+            )
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
         self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_embeds = None
+        self.prompt_is_token_ids = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = self.prompt_token_ids.copy()
-        # Read-only views handed to everyone else.
-        self.output_token_ids = ConstantList(self._output_token_ids)
-        self.all_token_ids = ConstantList(self._all_token_ids)
+        # Tokens of steps still in flight (async scheduling); always 0 here.
+        self.num_output_placeholders = 0
 
         # Draft tokens from a speculator (kept for the seam; no speculator yet).
         self.spec_token_ids: list[int] = []
         # The cursor: tokens whose KV is (or will be, after this step) in cache.
         self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.mm_features: list[Any] = []
+
+        # Read-only views handed to everyone else.
+        self.output_token_ids = ConstantList(self._output_token_ids)
+        self.all_token_ids = ConstantList(self._all_token_ids)
+        self.trace_headers = trace_headers
+
+        # True while the tokens scheduled so far stop short of num_tokens.
+        self.is_prefill_chunk = False
+        self.num_preemptions = 0
         # Prompt tokens served from the prefix cache the first time it was
         # scheduled (-1 until then). Reported as RequestOutput.num_cached_tokens.
         self.num_cached_tokens = -1
-        self.num_preemptions = 0
-        # True while the tokens scheduled so far stop short of num_tokens.
-        self.is_prefill_chunk = False
-
-        # Opt-out of prefix-cache *reads* (its blocks are still cached for
-        # others); set when every prompt token must really be computed.
-        self.skip_reading_prefix_cache = bool(
-            getattr(sampling_params, "skip_reading_prefix_cache", None)
-        )
 
         # Chained hashes of every *full* block of all_token_ids.
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()
+
+        # Opt-out of prefix-cache *reads* (its blocks are still cached for
+        # others); set when every prompt token must really be computed.
+        self.skip_reading_prefix_cache = bool(sampling_params.skip_reading_prefix_cache)
 
     @classmethod
     def from_engine_core_request(
@@ -132,12 +201,16 @@ class Request:
     ) -> Request:
         return cls(
             request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params,
             client_index=request.client_index,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_embeds=request.prompt_embeds,
+            mm_features=request.mm_features,
+            sampling_params=request.sampling_params,
+            pooling_params=request.pooling_params,
             arrival_time=request.arrival_time,
-            priority=request.priority,
+            lora_request=request.lora_request,
             cache_salt=request.cache_salt,
+            priority=request.priority,
             block_hasher=block_hasher,
         )
 
@@ -165,6 +238,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     # -- status --------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -10,9 +10,9 @@ Import from a test file with::
 
 Conventions:
   * Every request built here hashes its full blocks with the real
-    ``get_request_block_hasher(block_size)`` (sha256), exactly as EngineCore
+    ``get_request_block_hasher(block_size, sha256)``, exactly as EngineCore
     does, so prefix-cache hits in tests are genuine hash matches.
-  * Pools are built through ``get_kv_cache_config`` with
+  * Pools are built through ``get_kv_cache_configs`` with
     ``num_gpu_blocks_override``, so ``num_blocks`` *includes* the null block:
     a pool of ``N`` blocks has ``N - 1`` usable ones (ids ``1 .. N-1``).
   * Nothing here mutates global state.
@@ -25,16 +25,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.config.cache import CacheConfig
-from engine.config.scheduler import SchedulerConfig
+from engine.config import CacheConfig, GlassboxConfig, ModelConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.utils.hashing import sha256
 from engine.v1.core.block_pool import BlockPool
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from engine.v1.core.kv_cache_utils import get_kv_cache_config, get_request_block_hasher
+from engine.v1.core.kv_cache_utils import get_kv_cache_configs, get_request_block_hasher
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.core.sched.scheduler import Scheduler
-from engine.v1.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from engine.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from engine.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.v1.metrics.stats import SchedulerStats
 from engine.v1.outputs import LogprobsLists, ModelRunnerOutput
 from engine.v1.request import Request
 
@@ -125,7 +126,7 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         cache_salt=cache_salt,
-        block_hasher=get_request_block_hasher(block_size) if hash_blocks else None,
+        block_hasher=get_request_block_hasher(block_size, sha256) if hash_blocks else None,
     )
 
 
@@ -150,17 +151,21 @@ def make_kv_cache_config(
 
     ``max_model_len`` defaults to the longest sequence the pool can hold,
     ``(num_blocks - 1) * block_size``. A larger value raises ValueError from
-    ``get_kv_cache_config``, just as EngineCore would at start-up.
+    ``get_kv_cache_configs``, just as EngineCore would at start-up.
     """
     if max_model_len is None:
         max_model_len = max(num_blocks - 1, 1) * block_size
     spec = make_kv_cache_spec(block_size)
-    return get_kv_cache_config(
-        {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)},
-        available_memory=0,
-        max_model_len=max_model_len,
-        num_gpu_blocks_override=num_blocks,
+    glassbox_config = GlassboxConfig(
+        model_config=make_model_config(max_model_len),
+        cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
     )
+    (kv_cache_config,) = get_kv_cache_configs(
+        glassbox_config,
+        [{f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}],
+        [0],
+    )
+    return kv_cache_config
 
 
 def make_kv_cache_manager(
@@ -179,7 +184,11 @@ def make_kv_cache_manager(
     if max_model_len is None:
         max_model_len = (num_blocks - 1) * block_size
     return KVCacheManager(
-        config, max_model_len=max_model_len, enable_caching=enable_caching, log_stats=log_stats
+        config,
+        max_model_len=max_model_len,
+        hash_block_size=block_size,
+        enable_caching=enable_caching,
+        log_stats=log_stats,
     )
 
 
@@ -294,6 +303,17 @@ def assert_block_pool_consistent(block_pool: BlockPool) -> None:
 DEFAULT_SAMPLED_TOKEN_ID = 100
 
 
+def make_model_config(max_model_len: int = 1024) -> ModelConfig:
+    """A ``ModelConfig`` that reads no checkpoint: its HF config is a dict
+    whose context length is ``max_model_len``."""
+    return ModelConfig(
+        model="glassbox-test-model",
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        hf_config={"max_position_embeddings": max_model_len},
+    )
+
+
 def make_scheduler(
     *,
     num_blocks: int = 1000,
@@ -305,13 +325,17 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
+    scheduler_reserve_full_isl: bool = True,
     log_stats: bool = True,
+    include_finished_set: bool = False,
+    structured_output_manager: object | None = None,
 ) -> Scheduler:
     """A ``Scheduler`` over a pool of exactly ``num_blocks`` blocks (null block included).
 
-    Built the way EngineCore builds it: ``SchedulerConfig`` + ``CacheConfig``
-    (with ``num_gpu_blocks_override``) + a ``KVCacheConfig`` from
-    ``get_kv_cache_config``. ``max_model_len`` must fit in the pool
+    Built the way EngineCore builds it: a ``GlassboxConfig`` (model config
+    from ``make_model_config``, ``SchedulerConfig``, ``CacheConfig`` with
+    ``num_gpu_blocks_override``) + a ``KVCacheConfig`` from
+    ``get_kv_cache_configs``. ``max_model_len`` must fit in the pool
     (``(num_blocks - 1) * block_size`` tokens) and, with chunked prefill off,
     in ``max_num_batched_tokens`` -- the configs raise ValueError otherwise.
     """
@@ -322,14 +346,28 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold,
         policy=policy,  # type: ignore[arg-type]
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
     )
     cache_config = CacheConfig(
         block_size=block_size,
         enable_prefix_caching=enable_prefix_caching,
         num_gpu_blocks_override=num_blocks,
     )
+    glassbox_config = GlassboxConfig(
+        model_config=make_model_config(max_model_len),
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+    )
     kv_cache_config = make_kv_cache_config(num_blocks, block_size, max_model_len)
-    return Scheduler(scheduler_config, cache_config, kv_cache_config, log_stats=log_stats)
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return Scheduler(
+        glassbox_config,
+        kv_cache_config,
+        structured_output_manager,
+        block_size,
+        include_finished_set=include_finished_set,
+        log_stats=log_stats,
+    )
 
 
 def make_model_runner_output(

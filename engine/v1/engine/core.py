@@ -42,7 +42,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -52,7 +52,15 @@ from engine.config import GlassboxConfig
 from engine.tracing import Tracer, part_path
 from engine.tracing.core_trace import SchedulerTrace
 from engine.tracing.engine_trace import EngineCoreTrace
-from engine.v1.core.kv_cache_utils import get_kv_cache_config, get_request_block_hasher
+from engine.utils.hashing import get_hash_fn_by_name
+from engine.v1.core.kv_cache_utils import (
+    BlockHash,
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_configs,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import (
@@ -98,11 +106,15 @@ class EngineCore:
         try:
             kv_cache_config = self._initialize_kv_caches(glassbox_config)
             self.kv_cache_config = kv_cache_config
+            # No structured outputs yet (no manager); one engine per front
+            # end, so no per-client finished sets.
             self.scheduler = Scheduler(
-                scheduler_config=glassbox_config.scheduler_config,
-                cache_config=glassbox_config.cache_config,
+                glassbox_config=glassbox_config,
                 kv_cache_config=kv_cache_config,
+                structured_output_manager=None,
+                include_finished_set=False,
                 log_stats=log_stats,
+                block_size=glassbox_config.cache_config.block_size,
                 trace=SchedulerTrace.create(tracer),
             )
         except BaseException:
@@ -110,11 +122,12 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         cache_config = glassbox_config.cache_config
-        self.request_block_hasher = (
-            get_request_block_hasher(cache_config.block_size)
-            if cache_config.enable_prefix_caching
-            else None
-        )
+        self.request_block_hasher: Callable[[Request], list[BlockHash]] | None = None
+        if cache_config.enable_prefix_caching:
+            caching_hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+            init_none_hash(caching_hash_fn)
+            _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, glassbox_config)
+            self.request_block_hasher = get_request_block_hasher(hash_block_size, caching_hash_fn)
 
     def _initialize_kv_caches(self, config: GlassboxConfig) -> KVCacheConfig:
         """Profile, size and allocate the KV cache (vLLM's order of calls)."""
@@ -124,14 +137,11 @@ class EngineCore:
         available_memory = (
             0 if override is not None else self.model_executor.determine_available_memory()
         )
-        kv_cache_config = get_kv_cache_config(
-            kv_cache_specs,
-            available_memory,
-            max_model_len=config.model_config.max_model_len,
-            num_gpu_blocks_override=override,
-        )
+        # One worker: vLLM's per-worker lists have one entry each.
+        kv_cache_configs = get_kv_cache_configs(config, [kv_cache_specs], [available_memory])
+        kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
         config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        self.model_executor.initialize_from_config(kv_cache_config)
+        self.model_executor.initialize_from_config(kv_cache_configs[0])
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2fs)",
             kv_cache_config.num_blocks,
@@ -185,8 +195,10 @@ class EngineCore:
         self.trace.step_done(self.scheduler)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_num_unfinished_requests(self) -> int:
         """Glassbox's own utility call (tests and the front end ask it)."""

@@ -5,7 +5,8 @@ metric names with the ``vllm:`` prefix). Read it for what each metric
 measures:
 
   glassbox:num_requests_running   gauge   requests in the running list
-  glassbox:num_requests_waiting   gauge   requests in the waiting queue
+  glassbox:num_requests_waiting   gauge   requests in both waiting queues
+                                          (waiting + skipped_waiting)
   glassbox:kv_cache_usage_perc    gauge   used / usable KV blocks, 0..1
   glassbox:num_preemptions        counter preemptions since start
   glassbox:prefix_cache_queries   counter prompt tokens looked up in the prefix cache
@@ -29,8 +30,9 @@ Sessions: 01, 03.
 
 Simpler than vLLM: no prometheus_client registry or multiprocess mode (the
 front end is one process and renders its own numbers), no per-engine labels,
-and the per-request timing state lives here (keyed by request id) instead of
-in the output processor's ``RequestState``.
+no ``num_requests_waiting_by_reason`` split (the two waiting queues are
+summed), and the per-request timing state lives here (keyed by request id)
+instead of in the output processor's ``RequestState``.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.v1.engine import EngineCoreOutputs, SchedulerStats
+from engine.v1.engine import EngineCoreOutputs
 from engine.v1.metrics.reader import Counter, Gauge, Histogram, Metric
+from engine.v1.metrics.stats import SchedulerStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -137,8 +140,8 @@ class StatLogger:
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.last_scheduler_stats = stats
         self.num_preemptions += stats.num_preemptions
-        self.prefix_cache_queries += stats.prefix_cache_queries
-        self.prefix_cache_hits += stats.prefix_cache_hits
+        self.prefix_cache_queries += stats.prefix_cache_stats.queries
+        self.prefix_cache_hits += stats.prefix_cache_stats.hits
 
     def record_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -191,7 +194,11 @@ class StatLogger:
         labels = dict(self.labels)
         return [
             Gauge("glassbox:num_requests_running", dict(labels), float(s.num_running_reqs)),
-            Gauge("glassbox:num_requests_waiting", dict(labels), float(s.num_waiting_reqs)),
+            Gauge(
+                "glassbox:num_requests_waiting",
+                dict(labels),
+                float(s.num_waiting_reqs + s.num_skipped_waiting_reqs),
+            ),
             Gauge("glassbox:kv_cache_usage_perc", dict(labels), s.kv_cache_usage),
             Counter("glassbox:num_preemptions", dict(labels), self.num_preemptions),
             Counter("glassbox:prefix_cache_queries", dict(labels), self.prefix_cache_queries),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config.scheduler import SchedulerConfig
+from engine.utils.hashing import sha256
 from engine.v1.core.kv_cache_utils import get_request_block_hasher
 from engine.v1.core.sched.request_queue import SchedulingPolicy
 from engine.v1.engine import EngineCoreEventType, FinishReason
@@ -75,6 +76,39 @@ def test_add_request_queues_as_waiting():
     assert all(r.status == RequestStatus.WAITING for r in sched.waiting)
     # QUEUED is recorded on arrival (log_stats defaults to True).
     assert [e.type for e in sched.requests["r0"].events] == [EngineCoreEventType.QUEUED]
+
+
+def test_constructor_takes_the_whole_config_like_vllm():
+    import inspect
+
+    from engine.config import CacheConfig, GlassboxConfig
+    from engine.v1.core.sched.scheduler import Scheduler
+    from tests.helpers.core import make_kv_cache_config, make_model_config
+
+    assert list(inspect.signature(Scheduler).parameters) == [
+        "glassbox_config",
+        "kv_cache_config",
+        "structured_output_manager",
+        "block_size",
+        "hash_block_size",
+        "include_finished_set",
+        "log_stats",
+        "trace",
+    ]
+    config = GlassboxConfig(
+        model_config=make_model_config(max_model_len=64),
+        cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=10),
+        scheduler_config=SchedulerConfig(max_model_len=128, max_num_seqs=3),
+    )
+    manager = object()
+    sched = Scheduler(config, make_kv_cache_config(10, max_model_len=64), manager, 16)
+    # max_model_len comes from the model config, as in vLLM.
+    assert sched.max_model_len == 64
+    assert sched.max_num_running_reqs == 3
+    assert sched.block_size == 16
+    assert sched.structured_output_manager is manager
+    assert sched.log_stats is False and sched.make_stats() is None
+    assert sched.finished_req_ids_dict is None
 
 
 def test_duplicate_request_id_is_rejected():
@@ -401,8 +435,8 @@ def test_fcfs_preempts_last_running_request_and_resumes_it(enable_prefix_caching
     assert req_b.output_token_ids == [TOK, TOK, TOK]
     # Re-lookups of a preempted request are kept out of the hit-rate counters:
     # only C's 4-token lookup counts.
-    assert step.stats.prefix_cache_queries == (4 if enable_prefix_caching else 0)
-    assert step.stats.prefix_cache_hits == 0
+    assert step.stats.prefix_cache_stats.queries == (4 if enable_prefix_caching else 0)
+    assert step.stats.prefix_cache_stats.hits == 0
     assert req_a.is_finished()
 
 
@@ -426,9 +460,14 @@ def test_fcfs_request_preempts_itself_when_it_is_last():
 
 def test_resumed_request_recomputes_in_chunks():
     # Budget 16 and no prefix caching: B is preempted in the middle of its
-    # prompt and then recomputed chunk by chunk.
+    # prompt and then recomputed chunk by chunk. Admission checks only the
+    # next chunk (scheduler_reserve_full_isl off), so B resumes in 1 free block.
     sched = make_scheduler(
-        num_blocks=5, max_model_len=64, max_num_batched_tokens=16, enable_prefix_caching=False
+        num_blocks=5,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        scheduler_reserve_full_isl=False,
     )
     sched.add_request(make_request("A", prompt(31, 1000), max_tokens=4))
     sched.add_request(make_request("B", prompt(20, 2000), max_tokens=10))
@@ -507,7 +546,7 @@ def test_priority_preempts_worst_priority_then_latest_arrival():
 
 
 @pytest.mark.parametrize("first, second", [("a", "b"), ("b", "a")])
-def test_priority_tie_preempts_the_last_tied_request_in_the_running_list(first, second):
+def test_priority_tie_preempts_the_first_tied_request_in_the_running_list(first, second):
     # 5 blocks -> 4 usable. Both requests share (priority, arrival_time), as the
     # n > 1 children of one request do; the running list is in admission order.
     sched = make_scheduler(num_blocks=5, max_model_len=64, policy="priority")
@@ -520,32 +559,34 @@ def test_priority_tie_preempts_the_last_tied_request_in_the_running_list(first, 
     assert num_free(sched) == 0
 
     # first decodes inside its 2nd block; second's decode needs a 3rd block.
-    # On a tie Glassbox preempts the last admitted: second, whatever the ids
-    # (vLLM would preempt first; see the next test for why Glassbox does not).
+    # max() over the running list keeps the first of the tied: first, whatever
+    # the ids, although it was already scheduled in this step (its token goes
+    # back to the budget). Its blocks go to the free queue's tail last block
+    # first ([2, 1]); second takes block 2.
     step = run_step(sched)
     out = step.scheduler_output
-    assert out.preempted_req_ids == {second}
-    assert out.num_scheduled_tokens == {first: 1}
-    assert sched.requests[second].status == RequestStatus.PREEMPTED
-    assert sched.requests[second].num_computed_tokens == 0
-    assert running_ids(sched) == [first] and waiting_ids(sched) == [second]
-    assert block_ids(sched, first) == [1, 2]
-    assert num_free(sched) == 2
+    assert out.preempted_req_ids == {first}
+    assert out.num_scheduled_tokens == {second: 1}
+    assert sched.requests[first].status == RequestStatus.PREEMPTED
+    assert sched.requests[first].num_computed_tokens == 0
+    assert running_ids(sched) == [second] and waiting_ids(sched) == [first]
+    assert block_ids(sched, second) == [3, 4, 2]
+    assert num_free(sched) == 1
     assert step.stats.num_preemptions == 1
 
 
-def test_two_tied_requests_with_chunked_prefill_both_finish():
-    """vLLM's tie-break (preempt the FIRST tied request) livelocks here: the
-    request readmitted after a preemption runs a 16-token chunk in the freed
-    blocks, then takes the other's blocks for its next chunk, which preempts
-    that one in turn, for ever. Glassbox preempts the last tied request, so
-    the earlier one keeps its blocks and finishes, then the other."""
+def _run_two_tied_chunked_requests(
+    enable_prefix_caching: bool, max_steps: int, scheduler_reserve_full_isl: bool = True
+):
+    """Two 17-token prompts tied on (priority, arrival_time), 16-token chunks,
+    4 usable blocks of 16. Returns (finished ids, preempted ids step by step)."""
     sched = make_scheduler(
-        num_blocks=5,  # 4 usable blocks of 16 tokens
+        num_blocks=5,
         max_model_len=64,
         long_prefill_token_threshold=16,
         policy="priority",
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
     )
     for rid, start in (("x", 1000), ("y", 2000)):
         request = make_request(
@@ -553,20 +594,57 @@ def test_two_tied_requests_with_chunked_prefill_both_finish():
         )
         sched.add_request(request)
     finished: set[str] = set()
-    for _ in range(400):
+    preempted: list[str] = []
+    for _ in range(max_steps):
         step = run_step(sched)
+        preempted += sorted(step.scheduler_output.preempted_req_ids)
         for outputs in step.engine_core_outputs.values():
             finished |= {o.request_id for o in outputs.outputs if o.finish_reason is not None}
         if finished == {"x", "y"}:
+            assert sched.get_num_unfinished_requests() == 0 and num_free(sched) == 4
             break
+    return finished, preempted
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_two_tied_requests_with_chunked_prefill_both_finish(enable_prefix_caching):
+    # vLLM's defaults: a preempted request is readmitted only when its whole
+    # sequence fits, so it cannot take the blocks the other needs next.
+    finished, _ = _run_two_tied_chunked_requests(enable_prefix_caching, max_steps=400)
     assert finished == {"x", "y"}
-    assert sched.get_num_unfinished_requests() == 0 and num_free(sched) == 4
+
+
+def test_two_tied_requests_with_chunked_prefill_both_finish_with_prefix_caching_only():
+    # Admission by first chunk only: x is preempted once; on readmission it
+    # gets its computed block back from the prefix cache instead of
+    # recomputing it, and the pair never falls into the loop of the next test.
+    finished, _ = _run_two_tied_chunked_requests(
+        enable_prefix_caching=True, max_steps=400, scheduler_reserve_full_isl=False
+    )
+    assert finished == {"x", "y"}
+
+
+def test_two_tied_requests_admitted_by_first_chunk_preempt_each_other_in_turn():
+    # vLLM's tie-break, kept as is: with admission by first chunk and no prefix
+    # cache, a readmitted request recomputes from 0 and, on its next chunk,
+    # takes the blocks the other one needs; they preempt each other for ever.
+    finished, preempted = _run_two_tied_chunked_requests(
+        enable_prefix_caching=False, max_steps=200, scheduler_reserve_full_isl=False
+    )
+    assert finished == set()
+    assert len(preempted) > 20
+    assert all(a != b for a, b in zip(preempted, preempted[1:]))
 
 
 def test_priority_victim_scheduled_earlier_in_step_gets_its_budget_refunded():
     # 5 blocks -> 4 usable; budget 24.
+    # R's 40-token prompt needs 3 blocks: admitted by its first chunk only.
     sched = make_scheduler(
-        num_blocks=5, max_model_len=64, max_num_batched_tokens=24, policy="priority"
+        num_blocks=5,
+        max_model_len=64,
+        max_num_batched_tokens=24,
+        policy="priority",
+        scheduler_reserve_full_isl=False,
     )
     sched.add_request(make_request("L", prompt(30, 1000), priority=9, arrival_time=1.0))
     step = run_step(sched)  # L: 24 of 30 -> 2 blocks
@@ -930,8 +1008,8 @@ def test_prefix_cache_hit_shows_in_new_request_data(enable_prefix_caching):
     sched.add_request(make_request("A", shared + prompt(8, 1000), max_tokens=1))
     step = run_step(sched)  # A: blocks [1, 2, 3]; finishes and frees them
     assert step.outputs["A"].num_cached_tokens == 0
-    assert step.stats.prefix_cache_queries == (40 if enable_prefix_caching else 0)
-    assert step.stats.prefix_cache_hits == 0
+    assert step.stats.prefix_cache_stats.queries == (40 if enable_prefix_caching else 0)
+    assert step.stats.prefix_cache_stats.hits == 0
 
     sched.add_request(make_request("B", shared + prompt(10, 2000), max_tokens=1))
     step = run_step(sched)
@@ -943,14 +1021,14 @@ def test_prefix_cache_hit_shows_in_new_request_data(enable_prefix_caching):
         assert new.num_computed_tokens == 32
         assert step.scheduler_output.num_scheduled_tokens == {"B": 10}
         assert step.outputs["B"].num_cached_tokens == 32
-        assert step.stats.prefix_cache_queries == 42
-        assert step.stats.prefix_cache_hits == 32
+        assert step.stats.prefix_cache_stats.queries == 42
+        assert step.stats.prefix_cache_stats.hits == 32
     else:
         assert new.block_ids == ([4, 5, 6],)
         assert new.num_computed_tokens == 0
         assert step.scheduler_output.num_scheduled_tokens == {"B": 42}
         assert step.outputs["B"].num_cached_tokens == 0
-        assert step.stats.prefix_cache_queries == 0
+        assert step.stats.prefix_cache_stats.queries == 0
 
 
 def test_identical_prompt_hit_is_capped_below_full_length():
@@ -1013,7 +1091,7 @@ def _request_for_client(req_id, tokens, client_index, **params):
         make_sampling_params(**params),
         client_index=client_index,
         arrival_time=0.0,
-        block_hasher=get_request_block_hasher(16),
+        block_hasher=get_request_block_hasher(16, sha256),
     )
 
 
@@ -1037,6 +1115,31 @@ def test_outputs_are_grouped_by_client_index():
         EngineCoreEventType.SCHEDULED,
     ]
     assert run_step(sched).outputs["a0"].events is None
+
+
+def test_include_finished_set_tells_each_client_its_finished_ids():
+    sched = make_scheduler(include_finished_set=True)
+    sched.add_request(_request_for_client("a0", prompt(10, 1000), 0, max_tokens=1))
+    sched.add_request(_request_for_client("b1", prompt(10, 2000), 1, max_tokens=3))
+    sched.add_request(_request_for_client("c1", prompt(10, 3000), 1, max_tokens=3))
+    eco = run_step(sched).engine_core_outputs
+    assert eco[0].finished_requests == {"a0"}
+    assert eco[1].finished_requests is None
+    # An abort between steps is reported with the next batch of that client,
+    # even one without outputs of its own.
+    sched.finish_requests("c1", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests("b1", RequestStatus.FINISHED_ABORTED)
+    eco = run_step(sched).engine_core_outputs
+    assert eco[1].outputs == [] and eco[1].finished_requests == {"b1", "c1"}
+    assert eco[0].finished_requests is None
+    # Reported once.
+    assert 1 not in run_step(sched).engine_core_outputs
+
+
+def test_without_include_finished_set_no_finished_sets():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", prompt(10, 1000), max_tokens=1))
+    assert run_step(sched).engine_core_outputs[0].finished_requests is None
 
 
 def test_stats_go_to_client_zero_even_without_its_outputs():
@@ -1068,11 +1171,11 @@ def test_scheduler_stats_counters():
     assert stats.num_running_reqs == 2  # max_num_seqs
     assert stats.num_waiting_reqs == 1
     assert stats.kv_cache_usage == pytest.approx(0.5)  # 3 + 2 blocks
-    assert stats.prefix_cache_queries == 60 and stats.prefix_cache_hits == 0
+    assert stats.prefix_cache_stats.queries == 60 and stats.prefix_cache_stats.hits == 0
     assert stats.num_preemptions == 0
     # The counters are per step: the next step does no lookups.
     stats = run_step(sched).stats
-    assert stats.prefix_cache_queries == 0 and stats.prefix_cache_hits == 0
+    assert stats.prefix_cache_stats.queries == 0 and stats.prefix_cache_stats.hits == 0
     assert stats.kv_cache_usage == pytest.approx(0.5)
 
 
@@ -1139,3 +1242,69 @@ def test_reset_prefix_cache_only_when_idle():
     sched.add_request(make_request("B", prompt(40), max_tokens=1))
     out = sched.schedule()
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # nothing to hit anymore
+
+
+def test_reset_prefix_cache_with_running_requests_preempts_them_first():
+    sched = make_scheduler(num_blocks=20, max_model_len=128)
+    for rid, start in (("A", 1000), ("B", 2000), ("C", 3000)):
+        sched.add_request(make_request(rid, prompt(20, start), max_tokens=5))
+    run_step(sched)
+    assert running_ids(sched) == ["A", "B", "C"]
+    assert sched.reset_prefix_cache() is False  # refused: blocks in use, nothing moved
+    assert running_ids(sched) == ["A", "B", "C"]
+
+    assert sched.reset_prefix_cache(reset_running_requests=True) is True
+    assert running_ids(sched) == []
+    assert waiting_ids(sched) == ["A", "B", "C"]  # their running order
+    assert all(sched.requests[r].status == RequestStatus.PREEMPTED for r in "ABC")
+    assert all(sched.requests[r].num_computed_tokens == 0 for r in "ABC")
+    assert num_free(sched) == 19
+    assert sched.kv_cache_manager.block_pool.cached_block_hash_to_block._cache == {}
+
+    # They come back as resumed, recompute everything (no cache hit is left)
+    # and the worker gets their whole token lists again.
+    step = run_step(sched)
+    cached = step.scheduler_output.scheduled_cached_reqs
+    assert cached.resumed_req_ids == {"A", "B", "C"}
+    assert cached.all_token_ids["A"] == prompt(20, 1000) + [TOK]
+    assert step.scheduler_output.num_scheduled_tokens == {"A": 21, "B": 21, "C": 21}
+    assert step.stats.num_preemptions == 3
+    assert step.stats.prefix_cache_stats.reset is True
+
+
+def test_reset_prefix_cache_reset_running_requests_with_nothing_running():
+    sched = make_scheduler()
+    assert sched.reset_prefix_cache(reset_running_requests=True) is True
+    assert sched.reset_prefix_cache(reset_connector=True) is True  # no connector: a no-op
+
+
+def test_reset_prefix_cache_keeps_priority_order_of_preempted_requests():
+    sched = make_scheduler(num_blocks=20, max_model_len=128, policy="priority")
+    sched.add_request(make_request("low", prompt(10, 1000), priority=5, arrival_time=1.0))
+    sched.add_request(make_request("high", prompt(10, 2000), priority=0, arrival_time=2.0))
+    run_step(sched)
+    assert sched.reset_prefix_cache(reset_running_requests=True) is True
+    assert waiting_ids(sched) == ["high", "low"]
+
+
+@pytest.mark.parametrize("reserve_full_isl, admitted", [(True, False), (False, True)])
+def test_admission_checks_the_whole_prompt_by_default(reserve_full_isl, admitted):
+    # 4 usable blocks of 16. A holds 2; B's 40-token prompt needs 3, its first
+    # 16-token chunk only 1. vLLM's default admits B only when all 3 fit.
+    sched = make_scheduler(
+        num_blocks=5,
+        max_model_len=64,
+        long_prefill_token_threshold=16,
+        scheduler_reserve_full_isl=reserve_full_isl,
+    )
+    sched.add_request(make_request("A", prompt(17, 1000), max_tokens=8))
+    run_step(sched)
+    run_step(sched)  # A: 17 computed -> 2 blocks
+    assert num_free(sched) == 2
+    sched.add_request(make_request("B", prompt(40, 2000), max_tokens=4))
+    out = run_step(sched).scheduler_output
+    assert ("B" in out.num_scheduled_tokens) is admitted
+    if admitted:
+        assert out.num_scheduled_tokens["B"] == 16
+    else:
+        assert [r.request_id for r in sched.waiting] == ["B"]

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
-from engine.v1.engine import EngineCoreOutputs, FinishReason, SchedulerStats
+from engine.v1.engine import EngineCoreOutputs, FinishReason
 from engine.v1.engine.core import EngineCore
 from engine.v1.engine.core_client import EngineCoreClient, InprocClient
 from engine.v1.kv_cache_interface import FullAttentionSpec
+from engine.v1.metrics.stats import SchedulerStats
 from tests.helpers.counting_executor import CountingExecutor, non_blocking
 from tests.helpers.engine_fixtures import ids, make_config, make_engine_core_request
 from tests.helpers.tiny_model import make_tiny_model_dir
@@ -242,6 +243,21 @@ def test_reset_prefix_cache(model_dir):
     assert cached_tokens_of(core, "c") == 0
 
 
+def test_reset_prefix_cache_with_running_requests(model_dir):
+    core = make_core(model_dir)
+    core.add_request(req("a", "w0 w1 w2 w3 w4 w5", max_tokens=4))
+    core.step()
+    assert core.reset_prefix_cache() is False  # "a" holds blocks
+    assert core.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    assert free_blocks(core) == core.kv_cache_config.num_blocks - 1  # all but the null block
+    # "a" recomputes from scratch and still produces the same tokens.
+    tokens = []
+    while core.scheduler.has_unfinished_requests():
+        outputs, _ = core.step()
+        tokens += [t for o in outputs[0].outputs for t in o.new_token_ids]
+    assert tokens == ids("w7 w8 w9")
+
+
 # ---------------------------------------------------------------------------
 # KV cache sizing (_initialize_kv_caches)
 # ---------------------------------------------------------------------------
@@ -253,8 +269,8 @@ def test_num_gpu_blocks_override_sets_cache_config(model_dir):
     core = make_core(model_dir, executor=NoProfiling, num_gpu_blocks_override=70)
     assert core.glassbox_config.cache_config.num_gpu_blocks == 70
     assert core.kv_cache_config.num_blocks == 70
-    # The executor was handed the same config the scheduler uses.
-    assert core.model_executor.kv_cache_config is core.kv_cache_config
+    # The executor was handed an equal config (the scheduler's is a copy, as in vLLM).
+    assert core.model_executor.kv_cache_config == core.kv_cache_config
     assert core.scheduler.kv_cache_config is core.kv_cache_config
     pool = core.scheduler.kv_cache_manager.block_pool
     assert pool.num_gpu_blocks == 70
@@ -284,7 +300,7 @@ def test_block_count_from_available_memory(model_dir, block_size, num_layers):
     (group,) = config.kv_cache_groups
     assert group.layer_names == layer_names
     assert group.kv_cache_spec == FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype="float32"
     )
     assert group.kv_cache_spec.page_size_bytes == page_size
 
@@ -310,7 +326,7 @@ def test_too_small_kv_cache_raises_and_shuts_executor_down(model_dir):
         instances: list[CountingExecutor] = []
         available_memory = 10 * 256 * 2  # 10 blocks of 4 tokens; 64 are needed
 
-    with pytest.raises(ValueError, match="max_model_len=256"):
+    with pytest.raises(ValueError, match=r"max seq len \(256\)"):
         make_core(model_dir, executor=TinyMemory)
     (executor,) = TinyMemory.instances
     assert executor.is_shutdown

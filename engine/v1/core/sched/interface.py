@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.v1.core.sched.output import SchedulerOutput
-    from engine.v1.engine import EngineCoreOutputs, SchedulerStats
+    from engine.v1.engine import EngineCoreOutputs
+    from engine.v1.metrics.stats import SchedulerStats
     from engine.v1.outputs import ModelRunnerOutput
     from engine.v1.request import Request, RequestStatus
 
@@ -33,7 +34,8 @@ class SchedulerInterface(ABC):
 
     @abstractmethod
     def add_request(self, request: Request) -> None:
-        """Queue a new request as WAITING."""
+        """Queue a new request: in ``waiting``, or in ``skipped_waiting`` if
+        its status says it is blocked (``WAITING_FOR_*``)."""
 
     @abstractmethod
     def finish_requests(
@@ -64,7 +66,11 @@ class SchedulerInterface(ABC):
     def make_stats(self) -> SchedulerStats | None: ...
 
     @abstractmethod
-    def reset_prefix_cache(self) -> bool: ...
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget the prefix cache; with ``reset_running_requests`` preempt
+        every running request first so that it cannot fail."""
 
     def shutdown(self) -> None:
         pass

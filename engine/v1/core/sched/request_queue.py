@@ -4,7 +4,9 @@ vLLM twin: ``vllm/v1/core/sched/request_queue.py``.
 Read it for: FCFS is a deque -- ``prepend_request`` puts a preempted request
 back at the *front*, so it resumes before anyone who arrived later. PRIORITY is
 a heap ordered by ``Request.__lt__`` (priority, then arrival time); there
-"prepend" is just a push, because the heap decides the order anyway.
+"prepend" is just a push, because the heap decides the order anyway. The
+scheduler keeps two queues of the same kind: ``waiting`` and
+``skipped_waiting`` (requests blocked on something other than space).
 Sessions: 02 (scheduler).
 """
 
@@ -73,8 +75,10 @@ class FCFSRequestQueue(deque, RequestQueue):
         self.appendleft(request)
 
     def prepend_requests(self, requests: RequestQueue) -> None:
-        # extendleft reverses; reverse first so the given order is kept.
-        self.extendleft(reversed(list(requests)))
+        """Put ``requests`` at the front in *reverse* order (``extendleft``),
+        as vLLM does: the scheduler fills ``requests`` with
+        ``prepend_request``, which reversed them once already."""
+        self.extendleft(requests)
 
     def remove_request(self, request: Request) -> None:
         self.remove(request)
@@ -116,6 +120,7 @@ class PriorityRequestQueue(RequestQueue):
         self.add_request(request)
 
     def prepend_requests(self, requests: RequestQueue) -> None:
+        # No front in a heap: each request goes to its place by priority.
         for request in requests:
             self.add_request(request)
 

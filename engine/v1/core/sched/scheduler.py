@@ -12,38 +12,47 @@ Read it for the decision order of ``schedule()``:
    ``long_prefill_token_threshold``, the remaining ``token_budget`` and
    ``max_model_len``. If ``allocate_slots`` finds no free blocks, a running
    request is preempted (``preempted_req``; FCFS: the last running request;
-   PRIORITY: the worst ``(priority, arrival_time)``, the last admitted of
-   those tied), its blocks are freed, it goes back to the *front* of the
-   waiting queue with ``num_computed_tokens = 0``, and the allocation is
+   PRIORITY: the worst ``(priority, arrival_time)``, the first in the running
+   list of those tied), its blocks are freed, it goes back to the *front* of
+   the waiting queue with ``num_computed_tokens = 0``, and the allocation is
    retried. If ``preempted_req`` is the request itself, the loop stops.
 3. WAITING requests are admitted only if nothing was preempted this step.
-   Each gets a prefix-cache lookup (``get_computed_blocks``), then as many of
-   its remaining tokens as the budget allows (unless chunked prefill is off,
-   in which case the whole rest must fit). The first request that does not
-   fit stops admission: nobody is preempted for a waiting request.
+   They come from two queues: ``waiting`` and ``skipped_waiting``, where a
+   request blocked on something other than space waits (a grammar still
+   compiling, remote KV, more streamed input: the ``WAITING_FOR_*``
+   statuses). FCFS takes ``skipped_waiting`` first, PRIORITY the better of
+   the two heads. A blocked request is promoted back to WAITING once what it
+   waits for is ready; otherwise it is set aside for this step and the next
+   request is tried. Each admitted request gets a prefix-cache lookup
+   (``get_computed_blocks``), then as many of its remaining tokens as the
+   budget allows (unless chunked prefill is off, in which case the whole rest
+   must fit). With ``scheduler_reserve_full_isl`` (on by default) it is
+   admitted only if the free blocks could hold its whole sequence, not just
+   this chunk. The first request that does not fit stops admission: nobody is
+   preempted for a waiting request.
 4. ``_update_after_schedule`` advances each scheduled request's
    ``num_computed_tokens`` *now*, before the model runs -- the scheduler
    plans as if the step already happened.
 
 Then ``update_from_output`` appends the sampled tokens, runs the stop checks,
 frees finished requests and builds the per-client ``EngineCoreOutputs``.
+``reset_prefix_cache(reset_running_requests=True)`` preempts every running
+request first, so the reset cannot be refused.
+
+A property of vLLM's PRIORITY rule that Glassbox keeps: with admission by
+first chunk only (``scheduler_reserve_full_isl=False``) and prefix caching
+off, two requests tied on ``(priority, arrival_time)`` whose prompts are
+chunked can preempt each other in turn for ever, each readmission taking the
+blocks the other needs next.
 Sessions: 02 (scheduler), 03 (where it calls the KV cache manager).
 
 Simpler than vLLM: no async scheduling, speculative decoding, encoder inputs,
-structured output, LoRA, KV connectors or pause states, and no
-``skipped_waiting`` queue: vLLM parks there the waiting requests it passes
-over for a reason other than space -- blocked on a grammar, on remote KV or
-on more streamed input, over the ``max_loras`` limit, or with a KV connector
-that cannot yet say how much of the prompt it holds.
-
-Differs from vLLM on purpose: on a PRIORITY tie (equal priority and arrival
-time, e.g. the ``n > 1`` children of one request) vLLM preempts the first
-tied request in the running list, Glassbox the last. With chunked prefills
-vLLM's choice can livelock: the request just readmitted after a preemption
-takes the blocks of the other, which is preempted in turn, forever (two
-17-token prompts, ``long_prefill_token_threshold=16``, 4 usable blocks of 16;
-``tests/v1/core/test_scheduler.py``). Taking the last tied request, as FCFS's
-``pop()`` does, lets the earlier one finish.
+LoRA limits, KV connectors, streaming input or pause states. Nothing in
+Glassbox parks a request yet: ``structured_output_manager`` is None until
+structured outputs arrive, so only a test sets a ``WAITING_FOR_*`` status
+(with a ``structured_output_request`` whose ``grammar`` says when it is
+ready). Requests waiting for remote KV or streamed input are never promoted,
+as no KV connector or streaming session exists to release them.
 
 Tracing (Glassbox's own): the scheduler receives a ``SchedulerTrace``
 (``engine/tracing/core_trace.py``) and calls it at each decision; its
@@ -56,21 +65,20 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from engine.config.cache import CacheConfig
-from engine.config.scheduler import SchedulerConfig
+from engine.config import GlassboxConfig
 from engine.tracing.core_trace import SchedulerTrace
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.v1.core.sched.interface import SchedulerInterface
 from engine.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
-from engine.v1.core.sched.utils import check_stop, remove_all
-from engine.v1.engine import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    SchedulerStats,
+from engine.v1.core.sched.request_queue import (
+    RequestQueue,
+    SchedulingPolicy,
+    create_request_queue,
 )
+from engine.v1.core.sched.utils import check_stop, remove_all
+from engine.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from engine.v1.kv_cache_interface import KVCacheConfig
+from engine.v1.metrics.stats import SchedulerStats
 from engine.v1.outputs import ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
 
@@ -78,43 +86,70 @@ from engine.v1.request import Request, RequestStatus
 class Scheduler(SchedulerInterface):
     def __init__(
         self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
+        glassbox_config: GlassboxConfig,
         kv_cache_config: KVCacheConfig,
-        log_stats: bool = True,
+        structured_output_manager: object | None,
+        block_size: int,
+        hash_block_size: int | None = None,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
         trace: SchedulerTrace = SchedulerTrace.NULL,
     ) -> None:
-        self.scheduler_config = scheduler_config
-        self.trace = trace
-        self.cache_config = cache_config
+        self.glassbox_config = glassbox_config
+        self.scheduler_config = glassbox_config.scheduler_config
+        self.cache_config = glassbox_config.cache_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
+        self.trace = trace
+        # Compiles grammars for structured outputs; None until Glassbox has them.
+        self.structured_output_manager = structured_output_manager
+        # vLLM's KV connector (disaggregated prefill, KV offloading): none here.
+        self.connector = None
 
-        self.max_num_running_reqs = scheduler_config.max_num_seqs
-        self.max_num_scheduled_tokens = scheduler_config.max_num_scheduled_tokens
-        self.max_model_len = scheduler_config.max_model_len
-        self.block_size = cache_config.block_size
+        # With include_finished_set, each client's EngineCoreOutputs also lists
+        # the ids that finished since its last batch (vLLM uses it when one
+        # front end talks to several engines).
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None
+        )
+        # Requests that were scheduled in the previous step (for CachedRequestData).
+        self.prev_step_scheduled_req_ids: set[str] = set()
+
+        self.max_num_running_reqs = self.scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = self.scheduler_config.max_num_scheduled_tokens
+        self.max_model_len = glassbox_config.model_config.max_model_len
+        self.block_size = block_size
 
         # Every live request, by id. Removed once finished *and* freed.
         self.requests: dict[str, Request] = {}
-        self.policy = SchedulingPolicy(scheduler_config.policy)
+        try:
+            self.policy = SchedulingPolicy(self.scheduler_config.policy)
+        except ValueError as e:
+            raise ValueError(f"Unknown scheduling policy: {self.scheduler_config.policy}") from e
         self.waiting = create_request_queue(self.policy)
+        # Waiting requests blocked on something other than space (WAITING_FOR_*).
+        self.skipped_waiting = create_request_queue(self.policy)
         # A plain list in admission order: FCFS preemption pops its tail.
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker must drop their state.
         self.finished_req_ids: set[str] = set()
-        # Requests that were scheduled in the previous step (for CachedRequestData).
-        self.prev_step_scheduled_req_ids: set[str] = set()
         self.trace.created(self)
+
+        # The prefix-cache hash granularity; always the block size in Glassbox.
+        if hash_block_size is None:
+            hash_block_size = block_size
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
-            enable_caching=cache_config.enable_prefix_caching,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            enable_caching=self.cache_config.enable_prefix_caching,
             log_stats=log_stats,
+            hash_block_size=hash_block_size,
             trace=trace.kv_cache,
         )
         # Glassbox's own counters: the step number (``SchedulerOutput.step``,
-        # for traces) and preemptions (vLLM counts them in its stats only).
+        # for traces) and preemptions (vLLM counts them in the front end);
+        # the per-step count goes out with the next stats.
         self.step_counter = 0
         self.num_preemptions_total = 0
         self._num_preemptions_this_step = 0
@@ -161,12 +196,9 @@ class Scheduler(SchedulerInterface):
                     break
                 # Out of blocks: preempt someone and retry.
                 if self.policy == SchedulingPolicy.PRIORITY:
-                    # The worst (priority, arrival_time); on a tie the last admitted
-                    # (max() keeps the first it sees), like FCFS's pop(). vLLM keeps
-                    # the first admitted, which can livelock two tied requests.
-                    preempted_req = max(
-                        reversed(self.running), key=lambda r: (r.priority, r.arrival_time)
-                    )
+                    # The worst (priority, arrival_time); on a tie max() keeps
+                    # the first it meets, the earliest admitted.
+                    preempted_req = max(self.running, key=lambda r: (r.priority, r.arrival_time))
                     self.running.remove(preempted_req)
                     if preempted_req in scheduled_running_reqs:
                         # Already scheduled earlier in this loop: refund it.
@@ -194,10 +226,23 @@ class Scheduler(SchedulerInterface):
 
         # -- 2. WAITING requests (only if nobody was preempted) -------------
         if not preempted_reqs:
-            while self.waiting and token_budget > 0:
+            # Requests set aside in this step; they go back in front of
+            # skipped_waiting once admission stops.
+            step_skipped_waiting = create_request_queue(self.policy)
+            while (self.waiting or self.skipped_waiting) and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break
-                request = self.waiting.peek_request()
+                request_queue = self._select_waiting_queue_for_scheduling()
+                assert request_queue is not None
+                request = request_queue.peek_request()
+
+                if self._is_blocked_waiting_status(
+                    request.status
+                ) and not self._try_promote_blocked_waiting_request(request):
+                    # Still blocked: try the next one (it is not a space problem).
+                    request_queue.pop_request()
+                    step_skipped_waiting.prepend_request(request)
+                    continue
 
                 if request.num_computed_tokens == 0:
                     # Fresh or preempted: look the prompt up in the prefix cache.
@@ -227,12 +272,13 @@ class Scheduler(SchedulerInterface):
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
+                    full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
                     # Does not fit: stop admitting (never preempt for a waiter).
                     break
 
-                request = self.waiting.pop_request()
+                request = request_queue.pop_request()
                 self.running.append(request)
                 if self.log_stats:
                     request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
@@ -241,7 +287,7 @@ class Scheduler(SchedulerInterface):
                 elif request.status == RequestStatus.PREEMPTED:
                     scheduled_resumed_reqs.append(request)
                 else:
-                    raise RuntimeError(f"invalid status for a waiting request: {request.status}")
+                    raise RuntimeError(f"Invalid request status: {request.status}")
 
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
@@ -253,6 +299,10 @@ class Scheduler(SchedulerInterface):
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
                 self.trace.admitted(request, num_new_tokens)
+
+            # prepend_request reversed them; prepend_requests restores their order.
+            if step_skipped_waiting:
+                self.skipped_waiting.prepend_requests(step_skipped_waiting)
 
         # -- 3. Build the output ------------------------------------------------
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -274,7 +324,6 @@ class Scheduler(SchedulerInterface):
             scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks
         )
         self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
-        self._num_preemptions_this_step = len(preempted_reqs)
 
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
@@ -301,6 +350,7 @@ class Scheduler(SchedulerInterface):
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        self._num_preemptions_this_step += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         self.waiting.prepend_request(request)
@@ -334,6 +384,54 @@ class Scheduler(SchedulerInterface):
             data.num_computed_tokens.append(req.num_computed_tokens)
             data.num_output_tokens.append(req.num_output_tokens)
         return data
+
+    # ------------------------------------------------------------------
+    # The two waiting queues
+    # ------------------------------------------------------------------
+    @staticmethod
+    def _is_blocked_waiting_status(status: RequestStatus) -> bool:
+        return status in (
+            RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+            RequestStatus.WAITING_FOR_REMOTE_KVS,
+            RequestStatus.WAITING_FOR_STREAMING_REQ,
+        )
+
+    def _enqueue_waiting_request(self, request: Request) -> None:
+        if self._is_blocked_waiting_status(request.status):
+            self.skipped_waiting.add_request(request)
+        else:
+            self.waiting.add_request(request)
+
+    def _select_waiting_queue_for_scheduling(self) -> RequestQueue | None:
+        """The queue whose head is admitted next, None when both are empty."""
+        if self.policy == SchedulingPolicy.FCFS:
+            # Skipped requests came first: they go first once unblocked.
+            return self.skipped_waiting or self.waiting or None
+        if self.waiting and self.skipped_waiting:
+            waiting_req = self.waiting.peek_request()
+            skipped_req = self.skipped_waiting.peek_request()
+            return self.waiting if waiting_req < skipped_req else self.skipped_waiting
+        return self.waiting or self.skipped_waiting or None
+
+    def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
+        """Set a blocked request back to WAITING if what it waits for is ready."""
+        if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            structured_output_req = request.structured_output_request
+            if not (structured_output_req and structured_output_req.grammar):
+                return False
+            request.status = RequestStatus.WAITING
+            return True
+        if request.status in (
+            RequestStatus.WAITING_FOR_REMOTE_KVS,
+            RequestStatus.WAITING_FOR_STREAMING_REQ,
+        ):
+            # A KV connector or the next streamed chunk releases these;
+            # Glassbox has neither, so they wait until aborted.
+            return False
+        raise AssertionError(
+            "Unexpected blocked waiting status in promotion: "
+            f"{request.status.name} for request {request.request_id}"
+        )
 
     # ------------------------------------------------------------------
     # update_from_output()
@@ -411,6 +509,17 @@ class Scheduler(SchedulerInterface):
         engine_core_outputs = {
             client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
         }
+        finished_req_ids = self.finished_req_ids_dict
+        if finished_req_ids:
+            # Every client hears which of its requests finished since its last batch.
+            for client_index, finished_set in finished_req_ids.items():
+                if (eco := engine_core_outputs.get(client_index)) is not None:
+                    eco.finished_requests = finished_set
+                else:
+                    engine_core_outputs[client_index] = EngineCoreOutputs(
+                        finished_requests=finished_set
+                    )
+            finished_req_ids.clear()
         stats = self.make_stats()
         if stats is not None:
             eco = engine_core_outputs.get(0)
@@ -425,7 +534,7 @@ class Scheduler(SchedulerInterface):
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
-        self.waiting.add_request(request)
+        self._enqueue_waiting_request(request)
         self.requests[request.request_id] = request
         self.trace.queued(request)
         if self.log_stats:
@@ -456,7 +565,10 @@ class Scheduler(SchedulerInterface):
         if running:
             self.running = remove_all(self.running, running)
         if waiting:
+            # A waiting request is in one of the two queues; removal from the
+            # other is a no-op.
             self.waiting.remove_requests(waiting)
+            self.skipped_waiting.remove_requests(waiting)
         for request in valid:
             request.status = finished_status
             self._free_request(request)
@@ -466,6 +578,8 @@ class Scheduler(SchedulerInterface):
         assert request.is_finished()
         self.trace.finished(request)
         self.finished_req_ids.add(request.request_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
@@ -473,28 +587,70 @@ class Scheduler(SchedulerInterface):
     # Counters
     # ------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
 
     def has_finished_requests(self) -> bool:
         return len(self.finished_req_ids) > 0
 
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        """(num_running_reqs, num_waiting_reqs), both waiting queues counted."""
+        return len(self.running), len(self.waiting) + len(self.skipped_waiting)
 
     def make_stats(self) -> SchedulerStats | None:
         if not self.log_stats:
             return None
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
-        assert prefix is not None
+        prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        assert prefix_cache_stats is not None
         num_preemptions, self._num_preemptions_this_step = self._num_preemptions_this_step, 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_skipped_waiting_reqs=len(self.skipped_waiting),
+            step_counter=self.step_counter,
             kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=prefix_cache_stats,
             num_preemptions=num_preemptions,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
         )
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+    # ------------------------------------------------------------------
+    # Cache resets
+    # ------------------------------------------------------------------
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget every cached block hash.
+
+        The block pool refuses while any block is in use, so without
+        ``reset_running_requests`` this fails (False) whenever a request is
+        running. With it, every running request is preempted first (its KV
+        freed, back to waiting to recompute), so the reset succeeds.
+        """
+        if reset_running_requests:
+            self._reset_running_requests()
+        reset_successful = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset_successful:
+            raise RuntimeError(
+                "Failed to reset KV cache even when all the running requests are "
+                "preempted and moved to the waiting queue."
+            )
+        if reset_connector:
+            reset_successful = self.reset_connector_cache() and reset_successful
+        return reset_successful
+
+    def _reset_running_requests(self) -> None:
+        """Preempt every running request (for ``reset_prefix_cache``)."""
+        timestamp = time.monotonic()
+        # From the tail: each goes to the front of waiting, so they come back
+        # in their running order.
+        while self.running:
+            request = self.running.pop()
+            self._preempt_request(request, timestamp)
+            self.trace.preempted_for_reset(request)
+        # Their next schedule must send the worker everything again.
+        self.prev_step_scheduled_req_ids.clear()
+
+    def reset_connector_cache(self) -> bool:
+        # No KV connector: nothing to reset, which counts as success (so that
+        # reset_prefix_cache(reset_connector=True) reports the local reset).
+        assert self.connector is None
+        return True
