@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 # HF config keys that bound the context length, in vLLM's order of preference.
 _MAX_LEN_KEYS = (
@@ -26,6 +26,11 @@ _MAX_LEN_KEYS = (
     "max_sequence_length",
     "model_max_length",
 )
+
+# Which logprobs the sampler returns: of the model's raw output, or of the
+# distribution actually sampled from (after penalties, temperature, top-k/p);
+# as logprobs or as logits.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
@@ -61,10 +66,18 @@ class ModelConfig:
     hf_overrides: dict[str, Any] | None = None
     enforce_eager: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict)
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    logits_processors: list[str | type] | None = None
+    """Custom logits processors (classes, or ``"module:Class"`` / dotted
+    names), built once with the built-in ones when the worker starts."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.logprobs_mode not in get_args(LogprobsMode):
+            raise ValueError(
+                f"logprobs_mode must be one of {get_args(LogprobsMode)}, got {self.logprobs_mode!r}"
+            )
         if self.tokenizer is None:
             self.tokenizer = self.model
         if not self.hf_config:

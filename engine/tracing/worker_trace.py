@@ -119,8 +119,8 @@ class SamplerTrace(SubsystemTrace):
             self._snapshot("temperature", logits)
 
     def min_p(self, logits: torch.Tensor, sampling_metadata: Any) -> None:
-        """Only when an argmax-invariant processor (min-p) ran."""
-        if self.full and self._rows and sampling_metadata.logitsprocs.argmax_invariant:
+        """Only when an argmax-invariant processor (min-p) acts on some row."""
+        if self.full and self._rows and _any_active(sampling_metadata.logitsprocs.argmax_invariant):
             self._snapshot("min_p", logits)
 
     def top_k_top_p(self, logits: torch.Tensor, sampling_metadata: Any) -> None:
@@ -218,9 +218,15 @@ def _edits_logits(md: Any) -> bool:
     return (
         md.allowed_token_ids_mask is not None
         or bool(md.bad_words_token_ids)
-        or bool(md.logitsprocs.non_argmax_invariant)
+        or _any_active(md.logitsprocs.non_argmax_invariant)
         or not md.no_penalties
     )
+
+
+def _any_active(processors: Sequence[Any]) -> bool:
+    """Whether any of these logits processors changes the logits this step
+    (the engine keeps every processor; most steps most of them do nothing)."""
+    return any(p.is_active() for p in processors)
 
 
 @dataclass

@@ -1,20 +1,40 @@
-"""What the worker hands back to the scheduler after one step.
+"""What the sampler and the worker hand back after one step.
 
-vLLM twin: ``vllm/v1/outputs.py`` (``ModelRunnerOutput``, ``LogprobsLists``).
-Read it for: the worker's answer is per *request*, indexed by
-``req_id_to_index``; ``sampled_token_ids[i]`` is empty for a request whose
-prefill chunk did not reach the end of its prompt (nothing to sample yet).
-Sessions: 01, 04.
+vLLM twin: ``vllm/v1/outputs.py`` (``SamplerOutput``, ``LogprobsTensors``,
+``LogprobsLists``, ``ModelRunnerOutput``).
+Read it for:
 
-Torch-free on purpose: the scheduler side only sees Python lists. The
-tensor-shaped twins (``SamplerOutput``, ``LogprobsTensors``) live with the
-sampler.
+- the Sampler's answer (``SamplerOutput``): one sampled id per request row
+  (``[N, 1]``) and, if any row asked, ``LogprobsTensors`` -- per row the
+  sampled token's logprob followed by the top-k logprobs (``[N, k + 1]``)
+  plus the sampled token's rank;
+- the worker's answer to the scheduler (``ModelRunnerOutput``): per
+  *request*, indexed by ``req_id_to_index``; ``sampled_token_ids[i]`` is empty
+  for a request whose prefill chunk did not reach the end of its prompt
+  (nothing to sample yet). ``LogprobsTensors.tolists()`` makes the
+  ``LogprobsLists`` it carries.
+Sessions: 01, 04, 05.
+
+Importable without torch: the scheduler imports this module and must stay
+torch-free, so torch appears here only in annotations (the tensor-holding
+types never need torch to be defined).
+
+Simpler than vLLM: one sampled token per request per step (no speculative
+decoding), so there is no ``cu_num_generated_tokens`` bookkeeping;
+``LogprobsLists`` holds Python lists where vLLM holds numpy arrays.
+
+Differs from vLLM on purpose: ``LogprobsTensors.logprob_token_ids`` stay
+int64 (vLLM narrows them to int32 to halve the copy) so they can index a
+tensor directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LogprobsLists(NamedTuple):
@@ -35,6 +55,40 @@ class LogprobsLists(NamedTuple):
             self.logprobs[start:end],
             self.sampled_token_ranks[start:end],
         )
+
+
+class LogprobsTensors(NamedTuple):
+    """Logprobs for one sampled token per row, on the sampler's device.
+
+    Column 0 is the sampled token; columns 1..k are the k most likely tokens
+    in descending order (the sampled token may appear there again). Every row
+    has the batch's largest k; the engine cuts each request's row to what it
+    asked for (``LogprobsProcessor``).
+    """
+
+    # [N, k + 1] int64: sampled id, then the top-k ids.
+    logprob_token_ids: torch.Tensor
+    # [N, k + 1] float32: the matching log-probabilities.
+    logprobs: torch.Tensor
+    # [N] int64: rank of the sampled token in the whole vocabulary; 1 = most
+    # likely. Tokens tied with it count as ahead of it.
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self) -> LogprobsLists:
+        """Copy to the CPU as plain Python lists (for the scheduler side)."""
+        return LogprobsLists(
+            logprob_token_ids=self.logprob_token_ids.cpu().tolist(),
+            logprobs=self.logprobs.cpu().tolist(),
+            sampled_token_ranks=self.selected_token_ranks.cpu().tolist(),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    # [N, 1] int32: the token sampled for each request row.
+    sampled_token_ids: torch.Tensor
+    # None unless at least one request in the batch asked for logprobs.
+    logprobs_tensors: LogprobsTensors | None
 
 
 @dataclass

@@ -218,9 +218,22 @@ def test_ops_never_sync_and_replay_in_a_cuda_graph():
 
 def test_sampling_metadata_refresh_does_not_sync():
     from engine.sampling_params import SamplingParams
+    from engine.v1.sample.logits_processor import build_logitsprocs
     from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from tests.v1.sample.utils import make_glassbox_config
 
-    batch = InputBatch(8, 64, 4, torch.device("cuda"), vocab_size=128)
+    device = torch.device("cuda")
+    batch = InputBatch(
+        max_num_reqs=8,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        device=device,
+        pin_memory=True,
+        vocab_size=128,
+        block_sizes=[4],
+        kernel_block_sizes=[4],
+        logitsprocs=build_logitsprocs(make_glassbox_config(8), device, True),
+    )
     params = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=1),
@@ -228,12 +241,25 @@ def test_sampling_metadata_refresh_does_not_sync():
     ]
     for i, sp in enumerate(params):
         gen = torch.Generator(device="cuda").manual_seed(sp.seed) if sp.seed is not None else None
-        batch.add_request(CachedRequestState(f"r{i}", [1, 2, 3 + i], sp, gen, [1], 0))
+        batch.add_request(
+            CachedRequestState(
+                req_id=f"r{i}",
+                prompt_token_ids=[1, 2, 3 + i],
+                mm_features=[],
+                sampling_params=sp,
+                generator=gen,
+                block_ids=([1],),
+                num_computed_tokens=0,
+                output_token_ids=[],
+            )
+        )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        md = batch.refresh_metadata()
-        assert batch.refresh_metadata() is md
+        batch.refresh_metadata()
+        md = batch.sampling_metadata
+        batch.refresh_metadata()
+        assert batch.sampling_metadata is md
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert md.temperature.is_cuda and md.top_k.tolist() == [128, 5, 128]

@@ -11,9 +11,12 @@ Read it for: the layout of the sampling code.
   top-k/top-p -> random draw -> gathered logprobs).
 - ``ops/``: the tensor operations it calls (penalties, bad words,
   top-k/top-p + random sampling).
-- ``logits_processor/``: min-p, logit bias and min-tokens as logits
-  processors.
-- ``outputs.py``: ``SamplerOutput`` and ``LogprobsTensors``.
+- ``logits_processor/``: min-p, logit bias and min-tokens as persistent
+  logits processors, built once and kept in step with the batch through
+  ``BatchUpdate``; custom processors plug in the same way.
+
+What the sampler returns (``SamplerOutput``, ``LogprobsTensors``) lives in
+``engine/v1/outputs.py``, as in vLLM.
 
 Sessions: 05 (attention + sampling).
 """

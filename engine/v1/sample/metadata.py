@@ -3,31 +3,33 @@
 vLLM twin: ``vllm/v1/sample/metadata.py`` (``SamplingMetadata``).
 Read it for: how per-request settings become per-row tensors the Sampler can
 apply to all rows at once, and the flags that let it skip work
-(``all_greedy``, ``all_random``, ``no_penalties``, ``top_k``/``top_p`` left
-as None when no row uses them).
+(``all_greedy``, ``all_random``, ``no_penalties``; ``temperature``, ``top_k``,
+``top_p`` left as None when no row needs them).
 Sessions: 04 (the runner builds it), 05 (the sampler reads it).
 
 Two ways to build one:
-- The runner's: ``InputBatch.refresh_metadata`` (``engine/v1/worker/
-  gpu_input_batch.py``, vLLM's ``InputBatch._make_sampling_metadata``) keeps
-  per-row values in CPU arrays as requests join and leave, and rebuilds the
-  metadata only when the batch changed, copying into persistent device tensors
-  without waiting for the GPU. A steady decode batch reuses last step's object.
-- ``build_sampling_metadata`` below: from scratch, from a list of
-  ``SamplingParams``. The readable reference (and what the sampler tests use);
-  each ``torch.tensor(..., device=cuda)`` in it is a blocking host-to-device
-  copy, which is why the runner does not call it every step.
+- The runner's: the persistent ``InputBatch`` (``engine/v1/worker/
+  gpu_input_batch.py``, ``_make_sampling_metadata``) keeps per-row values in
+  CPU arrays as requests join and leave, and rebuilds the metadata only when
+  the batch changed, copying into persistent device tensors without waiting
+  for the GPU. A steady decode batch reuses last step's object.
+- ``build_sampling_metadata`` below (Glassbox's own): from scratch, from a
+  list of ``SamplingParams``, with fresh logits processors that are told
+  every row was just added. The readable reference, and what the sampler
+  tests use; each ``torch.tensor(..., device=cuda)`` in it is a blocking
+  host-to-device copy, which is why the runner does not call it.
 ``validate_request_token_ids`` is the per-request check both share.
 
-Simpler than vLLM:
-- ``temperature`` is always a tensor (greedy rows hold 0.0); vLLM leaves it
-  None when every row is greedy.
-- No speculative decoding (``spec_token_ids``), thinking budgets,
-  ``logprob_token_ids`` or custom logits processors.
-- min-p, logit bias and min-tokens live in ``logitsprocs`` exactly as in
-  vLLM: ``MinPLogitsProcessor.min_p`` [N, 1], ``LogitBiasLogitsProcessor.biases``
-  {row: {token: bias}}, ``MinTokensLogitsProcessor.min_toks``
-  {row: (min_tokens, output ids, stop ids)}.
+min-p, logit bias and min-tokens are not fields: they are logits processors
+(``logitsprocs``), long-lived objects that keep their own per-row state
+(``MinPLogitsProcessor.min_p``, ``LogitBiasLogitsProcessor.biases``,
+``MinTokensLogitsProcessor.min_toks``).
+
+Simpler than vLLM: no ``logprob_token_ids`` (the scoring API) and no
+thinking-token budget (``thinking_budget_state_holder``).
+
+Glassbox addition: ``temperature_cpu``, the host copy of ``temperature``,
+read only by the sampler trace.
 """
 
 from __future__ import annotations
@@ -38,21 +40,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config import GlassboxConfig, ModelConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams, SamplingType
-from engine.v1.sample.logits_processor import LogitsProcessors, build_logitsprocs
+from engine.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, build_logitsprocs
 from engine.v1.sample.ops.penalties import make_padded_token_tensor
 
 
 @dataclass
 class SamplingMetadata:
-    # [N] float32. 0.0 on greedy rows.
-    temperature: torch.Tensor
+    # [N] float32, 0.0 on greedy rows; None when every row is greedy.
+    temperature: torch.Tensor | None
     all_greedy: bool  # every row is greedy: argmax and return early
     all_random: bool  # no row is greedy: skip the argmax
 
     # [N] float32 in (0, 1], or None when every row has top_p == 1.
     top_p: torch.Tensor | None
-    # [N] int64 in [1, V] (V = off), or None when no row uses top-k.
+    # [N] int32 in [1, V] (V = off), or None when no row uses top-k.
     top_k: torch.Tensor | None
 
     # row -> that request's own RNG (seeded requests only).
@@ -66,12 +69,12 @@ class SamplingMetadata:
     # [N, max_prompt_len] int64 padded with V; None when no_penalties.
     prompt_token_ids: torch.Tensor | None
     # [N] float32 each. Read only when not no_penalties (the persistent batch
-    # does not refresh them otherwise, as in vLLM).
+    # does not refresh them otherwise).
     frequency_penalties: torch.Tensor
     presence_penalties: torch.Tensor
     repetition_penalties: torch.Tensor
 
-    # Generated ids so far, one list per row (the runner's lists, not copies).
+    # Generated ids so far, one list per row (the requests' own lists, not copies).
     output_token_ids: list[list[int]]
 
     # [N, V] bool, True = this token is NOT allowed for this row. None when no
@@ -81,12 +84,17 @@ class SamplingMetadata:
     # row -> the row's bad words as token id sequences.
     bad_words_token_ids: dict[int, list[list[int]]]
 
-    # The min-tokens, logit-bias and min-p processors this batch needs.
+    # The engine's logits processors (min-tokens, logit bias, min-p, custom).
     logitsprocs: LogitsProcessors
 
+    # Draft tokens proposed for each row this step ([] per row without
+    # speculative decoding); penalties and bad words see them when the
+    # sampler predicts the bonus token.
+    spec_token_ids: list[list[int]] | None = None
+
     # The host values ``temperature`` was copied from ([N] float32 numpy), where
-    # the builder has them (the persistent batch does). Read only by tracing:
-    # ``sampler.sampled``'s greedy flags come from here without a device read.
+    # the builder has them. Read only by tracing: ``sampler.sampled``'s greedy
+    # flags come from here without a device read.
     temperature_cpu: np.ndarray | None = None
 
 
@@ -171,12 +179,10 @@ def build_sampling_metadata(
     def per_row(values: Sequence[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
-    temperature = per_row(
-        [
-            0.0 if t == SamplingType.GREEDY else sp.temperature
-            for sp, t in zip(params, sampling_types)
-        ]
-    )
+    temperature_values = [
+        0.0 if t == SamplingType.GREEDY else sp.temperature for sp, t in zip(params, sampling_types)
+    ]
+    temperature = None if all_greedy else per_row(temperature_values)
 
     top_p = None
     if any(sp.top_p < 1.0 for sp in params):
@@ -185,7 +191,7 @@ def build_sampling_metadata(
     top_k_values = [sp.top_k if 0 < sp.top_k < vocab_size else vocab_size for sp in params]
     top_k = None
     if any(k < vocab_size for k in top_k_values):
-        top_k = torch.tensor(top_k_values, dtype=torch.int64, device=device)
+        top_k = torch.tensor(top_k_values, dtype=torch.int32, device=device)
 
     # Logprobs: -1 asks for the whole vocabulary; more than V is the same thing.
     num_logprobs = [
@@ -236,5 +242,29 @@ def build_sampling_metadata(
         output_token_ids=output_token_ids,
         allowed_token_ids_mask=allowed_token_ids_mask,
         bad_words_token_ids=bad_words_token_ids,
-        logitsprocs=build_logitsprocs(params, output_token_ids, device),
+        logitsprocs=_fresh_logitsprocs(params, prompt_token_ids, output_token_ids, device),
+        spec_token_ids=[[] for _ in range(num_reqs)],
     )
+
+
+def _fresh_logitsprocs(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    device: torch.device | str,
+) -> LogitsProcessors:
+    """The built-in processors, sized for this batch and told that every row
+    was just added (what the persistent batch's first step tells them)."""
+    # Processors size their per-row buffers from the engine config.
+    config = GlassboxConfig(
+        model_config=ModelConfig(model="build_sampling_metadata", hf_config={"vocab_size": 1}),
+        scheduler_config=SchedulerConfig(max_num_seqs=max(len(params), 1)),
+    )
+    logitsprocs = build_logitsprocs(config, torch.device(device), is_pin_memory=False)
+    added = [
+        (row, sp, prompt_token_ids[row], output_token_ids[row]) for row, sp in enumerate(params)
+    ]
+    update = BatchUpdate(batch_size=len(params), removed=[], added=added, moved=[])
+    for proc in logitsprocs.all:
+        proc.update_state(update)
+    return logitsprocs

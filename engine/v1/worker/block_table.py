@@ -5,7 +5,8 @@ Read it for: block ids arrive from the scheduler as deltas; the worker keeps
 them in a dense ``[max_num_reqs, max_num_blocks_per_req]`` array (one row per
 batch slot) that is copied to the device each step, and turns token positions
 into cache slots: ``slot = block_table[row, pos // block_size] * block_size
-+ pos % block_size``.
++ pos % block_size``. A row follows its request when the batch moves it
+(``move_row`` for ``condense``, ``swap_row`` for ``swap_states``).
 Sessions: 04 (worker), 03 (where the block ids come from).
 """
 
@@ -47,6 +48,11 @@ class BlockTable:
         n = int(self.num_blocks_per_row[src])
         self.block_table_np[tgt, :n] = self.block_table_np[src, :n]
         self.num_blocks_per_row[tgt] = n
+
+    def swap_row(self, src: int, tgt: int) -> None:
+        pair, swapped = [src, tgt], [tgt, src]
+        self.num_blocks_per_row[pair] = self.num_blocks_per_row[swapped]
+        self.block_table_np[pair] = self.block_table_np[swapped]
 
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Flat cache slot of each token (row req_indices[t], position positions[t])."""

@@ -1,13 +1,14 @@
 """The persistent batch's sampling metadata (engine/v1/worker/gpu_input_batch.py,
-``InputBatch.refresh_metadata``) against ``build_sampling_metadata``.
+``InputBatch.refresh_metadata`` / ``sampling_metadata``) against
+``build_sampling_metadata``.
 
 * Over several steps of a mixed batch -- greedy, seeded random with top-k /
   top-p / min-p, penalties, logprobs, allowed ids, bad words, logit bias,
   min-tokens -- with requests joining, leaving and rows being condensed, the
   Sampler draws the same tokens (and logprobs) from either metadata.
 * The flags come from the per-feature request sets: an all-greedy batch
-  copies nothing to the device, and an unchanged batch reuses last step's
-  metadata object.
+  copies nothing to the device (no temperature at all), and an unchanged
+  batch reuses last step's metadata object.
 * Per-row values follow their request through ``condense()``; removed rows
   leave no trace (allowed-ids mask, generators, bad words).
 * A request with an out-of-vocab id is refused before the batch changes.
@@ -22,26 +23,14 @@ from engine.sampling_params import SamplingParams
 from engine.v1.sample.metadata import build_sampling_metadata
 from engine.v1.sample.sampler import Sampler
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from tests.v1.sample.utils import make_input_batch
+from tests.v1.sample.utils import make_request_state as make_state
 
 VOCAB = 32
 
 
 def make_batch(max_num_reqs: int = 8) -> InputBatch:
-    return InputBatch(max_num_reqs, 64, 4, torch.device("cpu"), vocab_size=VOCAB)
-
-
-def make_state(req_id: str, params: SamplingParams, prompt: list[int]) -> CachedRequestState:
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator().manual_seed(params.seed)
-    return CachedRequestState(
-        req_id=req_id,
-        prompt_token_ids=list(prompt),
-        sampling_params=params,
-        generator=generator,
-        block_ids=[1],
-        num_computed_tokens=0,
-    )
+    return make_input_batch(max_num_reqs, vocab_size=VOCAB)
 
 
 MIXED = {
@@ -66,9 +55,13 @@ MIXED = {
 MIXED["bad_words"]._bad_words_token_ids = [[4], [8, 12]]
 
 
-def reference_metadata(batch: InputBatch, ref_generators: dict[str, torch.Generator]):
+def reference_metadata(
+    batch: InputBatch,
+    states: dict[str, CachedRequestState],
+    ref_generators: dict[str, torch.Generator],
+):
     """build_sampling_metadata for the batch's current rows (its own generators)."""
-    reqs = [batch.requests[row] for row in range(batch.num_reqs)]
+    reqs = [states[req_id] for req_id in batch.req_ids]
     generators = {
         row: ref_generators[r.req_id] for row, r in enumerate(reqs) if r.req_id in ref_generators
     }
@@ -84,6 +77,7 @@ def reference_metadata(batch: InputBatch, ref_generators: dict[str, torch.Genera
 
 def test_mixed_batch_samples_the_same_tokens_across_joins_and_leaves():
     batch = make_batch()
+    states: dict[str, CachedRequestState] = {}
     ref_generators: dict[str, torch.Generator] = {}
     sampler = Sampler()
     g = torch.Generator().manual_seed(0)
@@ -91,7 +85,8 @@ def test_mixed_batch_samples_the_same_tokens_across_joins_and_leaves():
     def add(req_id: str) -> None:
         params = MIXED[req_id]
         prompt = torch.randint(0, VOCAB, (5,), generator=g).tolist()
-        batch.add_request(make_state(req_id, params, prompt))
+        states[req_id] = make_state(req_id, params, prompt)
+        batch.add_request(states[req_id])
         if params.seed is not None:
             ref_generators[req_id] = torch.Generator().manual_seed(params.seed)
 
@@ -113,8 +108,9 @@ def test_mixed_batch_samples_the_same_tokens_across_joins_and_leaves():
             add(req_id)
         batch.condense()
         logits = torch.randn(batch.num_reqs, VOCAB, generator=g) * 3
-        ref = reference_metadata(batch, ref_generators)
-        ours = batch.refresh_metadata()
+        ref = reference_metadata(batch, states, ref_generators)
+        batch.refresh_metadata()
+        ours = batch.sampling_metadata
 
         assert (ours.all_greedy, ours.all_random, ours.no_penalties, ours.max_num_logprobs) == (
             ref.all_greedy,
@@ -130,11 +126,10 @@ def test_mixed_batch_samples_the_same_tokens_across_joins_and_leaves():
         if ref.max_num_logprobs is not None:
             assert torch.equal(out.logprobs_tensors.logprobs, out_ref.logprobs_tensors.logprobs)
         for row, token in enumerate(out.sampled_token_ids[:, 0].tolist()):
-            batch.requests[row].output_token_ids.append(token)
+            states[batch.req_ids[row]].output_token_ids.append(token)
             batch.append_token(row, token)
 
-    rows = {r.req_id: row for row, r in enumerate(batch.requests)}
-    assert set(rows) == {"topp", "minp", "bad_words", "bias", "min_tokens", "topk"}
+    assert set(batch.req_ids) == {"topp", "minp", "bad_words", "bias", "min_tokens", "topk"}
 
 
 def test_all_greedy_batch_copies_nothing_and_reuses_its_metadata():
@@ -159,19 +154,23 @@ def test_all_greedy_batch_copies_nothing_and_reuses_its_metadata():
     def untouched() -> bool:
         return all(torch.equal(device_buffers[name], marked[name]) for name in marked)
 
-    for i in range(3):
-        batch.add_request(make_state(f"r{i}", SamplingParams(temperature=0.0), [1, 2, 3]))
-    md = batch.refresh_metadata()
+    states = [make_state(f"r{i}", SamplingParams(temperature=0.0), [1, 2, 3]) for i in range(3)]
+    for state in states:
+        batch.add_request(state)
+    batch.refresh_metadata()
+    md = batch.sampling_metadata
     assert md.all_greedy and not md.all_random and md.no_penalties
     assert md.top_p is None and md.top_k is None and md.allowed_token_ids_mask is None
-    assert md.prompt_token_ids is None and not list(md.logitsprocs.all)
-    assert torch.equal(md.temperature, torch.zeros(3))
+    assert md.prompt_token_ids is None and not any(p.is_active() for p in md.logitsprocs.all)
+    assert md.temperature is None
     assert untouched()  # nothing crossed to the device
-    # Nothing changed: the same object comes back, no new work.
-    assert batch.refresh_metadata() is md and untouched()
+    # Nothing changed: the same object stays, no new work.
+    batch.refresh_metadata()
+    assert batch.sampling_metadata is md and untouched()
     # A token appended to a request is seen through the same object.
-    batch.requests[0].output_token_ids.append(7)
-    assert batch.refresh_metadata().output_token_ids[0] == [7]
+    states[0].output_token_ids.append(7)
+    batch.refresh_metadata()
+    assert batch.sampling_metadata.output_token_ids[0] == [7]
 
 
 def test_params_follow_requests_when_they_join_leave_and_move():
@@ -185,7 +184,8 @@ def test_params_follow_requests_when_they_join_leave_and_move():
             [3],
         )
     )
-    md = batch.refresh_metadata()
+    batch.refresh_metadata()
+    md = batch.sampling_metadata
     assert not md.all_greedy and not md.all_random
     torch.testing.assert_close(md.temperature, torch.tensor([0.3, 0.0, 0.9]))
     assert md.top_k.tolist() == [2, VOCAB, 5]  # off is stored as V
@@ -197,7 +197,8 @@ def test_params_follow_requests_when_they_join_leave_and_move():
     # "a" leaves: "c" moves from row 2 into row 0 and takes its values along.
     batch.remove_request("a")
     batch.condense()
-    md2 = batch.refresh_metadata()
+    batch.refresh_metadata()
+    md2 = batch.sampling_metadata
     assert md2 is not md
     assert batch.req_ids == ["c", "b"]
     assert not md2.all_greedy and not md2.all_random
@@ -211,13 +212,15 @@ def test_params_follow_requests_when_they_join_leave_and_move():
     # "b", the only greedy request, leaves: every row is random now.
     batch.remove_request("b")
     batch.condense()
-    md3 = batch.refresh_metadata()
+    batch.refresh_metadata()
+    md3 = batch.sampling_metadata
     assert md3.all_random and md3.top_k.tolist() == [5]
     # "c" leaves: no row of the mask stays set for the next request in row 0.
     batch.remove_request("c")
     batch.condense()
     batch.add_request(make_state("d", SamplingParams(temperature=0.0), [1]))
-    md4 = batch.refresh_metadata()
+    batch.refresh_metadata()
+    md4 = batch.sampling_metadata
     assert md4.all_greedy and md4.allowed_token_ids_mask is None and md4.top_p is None
     assert md4.top_k is None and md4.generators == {}
     assert not batch.allowed_token_ids_mask_cpu_tensor.any()
@@ -226,19 +229,20 @@ def test_params_follow_requests_when_they_join_leave_and_move():
 def test_penalties_prompt_tensor_and_min_tokens_processor():
     batch = make_batch()
     batch.add_request(make_state("p", SamplingParams(presence_penalty=1.0, seed=1), [3, 4, 5]))
-    batch.add_request(
-        make_state("m", SamplingParams(min_tokens=1, stop_token_ids=[2], temperature=0.0), [6])
-    )
-    md = batch.refresh_metadata()
+    m = make_state("m", SamplingParams(min_tokens=1, stop_token_ids=[2], temperature=0.0), [6])
+    batch.add_request(m)
+    batch.refresh_metadata()
+    md = batch.sampling_metadata
     assert not md.no_penalties
     assert md.prompt_token_ids.tolist() == [[3, 4, 5], [6, VOCAB, VOCAB]]  # padded with V
     torch.testing.assert_close(md.presence_penalties, torch.tensor([1.0, 0.0]))
-    assert [type(p).__name__ for p in md.logitsprocs.non_argmax_invariant] == [
-        "MinTokensLogitsProcessor"
-    ]
+    active = [type(p).__name__ for p in md.logitsprocs.non_argmax_invariant if p.is_active()]
+    assert active == ["MinTokensLogitsProcessor"]
     # "m" has its one token: min-tokens stops masking on the next step.
-    batch.requests[1].output_token_ids.append(0)
-    assert batch.refresh_metadata() is md and not md.logitsprocs.non_argmax_invariant
+    m.output_token_ids.append(0)
+    batch.refresh_metadata()
+    assert batch.sampling_metadata is md
+    assert not any(p.is_active() for p in md.logitsprocs.non_argmax_invariant)
 
 
 def test_bad_requests_are_refused_before_the_batch_changes():
@@ -256,4 +260,4 @@ def test_bad_requests_are_refused_before_the_batch_changes():
     with pytest.raises(ValueError, match=r"prompt_token_ids of request row 1 .*\[35\]"):
         batch.refresh_metadata()
     with pytest.raises(ValueError, match="vocab_size must be a positive int"):
-        InputBatch(2, 8, 4, torch.device("cpu"), vocab_size=0)
+        make_input_batch(2, vocab_size=0)

@@ -3,7 +3,10 @@
 engine/v1/sample/ops/bad_words.py and the allowed_token_ids mask.
 
 Each is checked against a per-row Python reference, and through the Sampler
-with greedy rows where the point is "this token can / cannot win".
+with greedy rows where the point is "this token can / cannot win". The
+processors' persistent state is checked as it follows ``BatchUpdate``s (rows
+removed, added, swapped, moved) and output lists growing; custom processors
+load by class or by ``"module:Class"`` name.
 """
 
 from __future__ import annotations
@@ -16,14 +19,25 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.v1.sample.logits_processor import (
+    STR_POOLING_REJECTS_LOGITSPROCS,
+    BatchUpdate,
+    BatchUpdateBuilder,
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
+    MoveDirectionality,
     build_logitsprocs,
+    process_dict_updates,
+    validate_logits_processors_parameters,
 )
 from engine.v1.sample.metadata import build_sampling_metadata
 from engine.v1.sample.ops.bad_words import apply_bad_words
 from engine.v1.sample.sampler import Sampler
+from tests.v1.sample.utils import (
+    BanTokenLogitsProcessor,
+    fresh_logitsproc,
+    make_glassbox_config,
+)
 
 NEG_INF = float("-inf")
 
@@ -56,14 +70,14 @@ def test_min_p_matches_reference():
     gen = torch.Generator().manual_seed(0)
     min_ps = [0.0, 0.01, 0.05, 0.1, 0.3, 0.5, 0.9, 1.0]
     logits = torch.randn(len(min_ps), 30, generator=gen) * 2
-    proc = MinPLogitsProcessor([SamplingParams(min_p=m) for m in min_ps], [[]] * len(min_ps), "cpu")
+    proc = fresh_logitsproc(MinPLogitsProcessor, [SamplingParams(min_p=m) for m in min_ps])
     out = proc.apply(logits.clone())
     for r, m in enumerate(min_ps):
         assert out[r].tolist() == pytest.approx(ref_min_p(logits[r].tolist(), m)), f"min_p={m}"
 
 
 def test_min_p_is_argmax_invariant_and_inactive_when_unused():
-    proc = MinPLogitsProcessor([SamplingParams()], [[]], "cpu")
+    proc = fresh_logitsproc(MinPLogitsProcessor, [SamplingParams()])
     assert proc.is_argmax_invariant()
     assert not proc.is_active()
     logits = torch.randn(1, 5)
@@ -93,7 +107,7 @@ def test_logit_bias_matches_reference():
     biases = [None, {0: 5.0}, {3: -2.5, 7: 1.25, 11: 100.0}, {}, {5: -100.0}]
     params = [SamplingParams(logit_bias=b) for b in biases]
     logits = torch.tensor([[rng.uniform(-3, 3) for _ in range(vocab)] for _ in biases])
-    proc = LogitBiasLogitsProcessor(params, [[]] * len(params), "cpu")
+    proc = fresh_logitsproc(LogitBiasLogitsProcessor, params)
     assert not proc.is_argmax_invariant()
     out = proc.apply(logits.clone())
     for r, bias in enumerate(biases):
@@ -147,7 +161,7 @@ def test_min_tokens_processor_state_and_masking():
         SamplingParams(stop_token_ids=[0]),  # no min_tokens
     ]
     outputs = [[5], [5, 6], []]
-    proc = MinTokensLogitsProcessor(rows, outputs, "cpu")
+    proc = fresh_logitsproc(MinTokensLogitsProcessor, rows, outputs)
     assert not proc.is_argmax_invariant()
     assert set(proc.min_toks) == {0}
     logits = torch.zeros(3, 6)
@@ -265,16 +279,119 @@ def test_bad_words_through_the_sampler():
     assert next_token([2, 0], prompt=[0]) == 3  # "bad" not the most recent token
 
 
-def test_build_logitsprocs_keeps_only_used_processors_in_the_right_group():
-    procs = build_logitsprocs([SamplingParams()], [[]], "cpu")
-    assert list(procs.all) == []
-    procs = build_logitsprocs(
-        [SamplingParams(min_p=0.1), SamplingParams(logit_bias={0: 1.0}, min_tokens=1)],
-        [[], []],
-        "cpu",
-    )
+def test_build_logitsprocs_builds_every_builtin_once_in_its_group():
+    procs = build_logitsprocs(make_glassbox_config(), torch.device("cpu"), is_pin_memory=False)
     assert [type(p) for p in procs.non_argmax_invariant] == [
         MinTokensLogitsProcessor,
         LogitBiasLogitsProcessor,
     ]
     assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor]
+    # Built before any request: nothing to do until rows arrive.
+    assert not any(p.is_active() for p in procs.all)
+
+
+# --------------------------------------------------------------------------
+# Persistent state: BatchUpdate, BatchUpdateBuilder, custom processors
+# --------------------------------------------------------------------------
+
+
+def test_process_dict_updates_applies_removed_added_moved():
+    entries = {0: "a", 2: "c", 3: "d"}
+    params = SamplingParams(logit_bias={1: 1.0})
+    update = BatchUpdate(
+        batch_size=3,
+        removed=[3],
+        added=[(1, params, [0], []), (2, SamplingParams(), [0], [])],
+        moved=[(0, 1, MoveDirectionality.SWAP), (1, 4, MoveDirectionality.UNIDIRECTIONAL)],
+    )
+    changed = process_dict_updates(entries, update, lambda p, _, __: p.logit_bias or None)
+    # removed 3; added 1 (state) and 2 (no state: "c" dropped); swap 0<->1; move 1 -> 4.
+    assert changed and entries == {0: {1: 1.0}, 4: "a"}
+    assert not process_dict_updates(entries, None, lambda p, _, __: None)
+
+
+def test_min_p_follows_a_swap_and_a_condense_move():
+    proc = fresh_logitsproc(
+        MinPLogitsProcessor,
+        [SamplingParams(min_p=0.5), SamplingParams(), SamplingParams(min_p=0.25)],
+    )
+    proc.update_state(
+        BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)])
+    )
+    assert proc.min_p.view(-1).tolist() == [0.0, 0.5, 0.25]
+    # Row 0 leaves; condense moves row 2 into it.
+    proc.update_state(
+        BatchUpdate(
+            batch_size=2,
+            removed=[0],
+            added=[],
+            moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)],
+        )
+    )
+    assert proc.min_p.view(-1).tolist() == [0.25, 0.5] and proc.min_p_count == 2
+    assert proc.get_min_p_by_index(2) == 0.0
+
+
+def test_min_tokens_drops_a_row_once_its_output_list_is_long_enough():
+    output: list[int] = []
+    proc = fresh_logitsproc(
+        MinTokensLogitsProcessor, [SamplingParams(min_tokens=2, stop_token_ids=[1])], [output]
+    )
+    for _ in range(2):
+        assert set(proc.min_toks) == {0}
+        output.append(5)  # the request's own list, as the runner appends to it
+        proc.update_state(None)
+    assert proc.min_toks == {} and not proc.is_active()
+    logits = torch.zeros(1, 3)
+    assert torch.equal(proc.apply(logits.clone()), logits)
+
+
+def test_batch_update_builder_hands_out_the_lowest_freed_row_first():
+    builder = BatchUpdateBuilder()
+    assert builder.get_and_reset(0) is None  # nothing happened
+    for row in (4, 1, 3):
+        builder.removed_append(row)
+    assert builder.peek_removed() == 1 and builder.pop_removed() == 1
+    assert builder.removed == [4, 3]
+    update = builder.get_and_reset(batch_size=3)
+    assert update is not None and list(update.removed) == [4, 3]
+    assert builder.get_and_reset(3) is None and not builder.has_removed()
+    builder.removed_append(0)  # a new step may remove again
+    assert builder.reset() and not builder.has_removed()
+
+
+def test_custom_processors_by_class_or_name_run_after_the_builtins():
+    config = make_glassbox_config()
+    cpu = torch.device("cpu")
+    for custom in (BanTokenLogitsProcessor, "tests.v1.sample.utils:BanTokenLogitsProcessor"):
+        procs = build_logitsprocs(config, cpu, False, custom_logitsprocs=[custom])
+        assert [type(p) for p in procs.non_argmax_invariant] == [
+            MinTokensLogitsProcessor,
+            LogitBiasLogitsProcessor,
+            BanTokenLogitsProcessor,
+        ]
+    banned = greedy(extra_args={"ban_token": 2})
+    md = metadata([banned, greedy()], 3)
+    md.logitsprocs = procs
+    added = [(0, banned, [0], []), (1, greedy(), [0], [])]
+    for proc in procs.all:
+        proc.update_state(BatchUpdate(batch_size=2, removed=[], added=added, moved=[]))
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
+    assert Sampler()(logits, md).sampled_token_ids.view(-1).tolist() == [1, 2]
+
+    validate_logits_processors_parameters([BanTokenLogitsProcessor], banned)
+    with pytest.raises(ValueError, match="ban_token must be an int"):
+        validate_logits_processors_parameters(
+            [BanTokenLogitsProcessor], SamplingParams(extra_args={"ban_token": "x"})
+        )
+
+
+def test_bad_custom_processors_are_clear_errors():
+    config, cpu = make_glassbox_config(), torch.device("cpu")
+    with pytest.raises(ValueError, match="is not a subclass of LogitsProcessor"):
+        build_logitsprocs(config, cpu, False, custom_logitsprocs=[dict])
+    with pytest.raises(RuntimeError, match="Failed to load 0th LogitsProcessor plugin"):
+        build_logitsprocs(config, cpu, False, custom_logitsprocs=["no_such_module:Proc"])
+    with pytest.raises(ValueError, match=STR_POOLING_REJECTS_LOGITSPROCS):
+        build_logitsprocs(config, cpu, False, True, [BanTokenLogitsProcessor])
+    assert list(build_logitsprocs(config, cpu, False, is_pooling_model=True).all) == []

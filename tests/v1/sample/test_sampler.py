@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.v1.outputs import LogprobsLists
+from engine.v1.outputs import LogprobsLists, LogprobsTensors, SamplerOutput
 from engine.v1.sample.metadata import build_sampling_metadata
-from engine.v1.sample.outputs import LogprobsTensors, SamplerOutput
 from engine.v1.sample.sampler import Sampler
 
 VOCAB = 16
@@ -368,3 +367,71 @@ def test_apply_temperature_leaves_greedy_rows_finite():
     out = Sampler.apply_temperature(logits.clone(), torch.tensor([0.0, 0.5]), all_random=False)
     # Greedy rows are divided by 1 (not 0), so no inf/NaN reaches the random path.
     assert out.tolist() == [[1.0, -2.0], [2.0, -4.0]]
+
+
+# --------------------------------------------------------------------------
+# vLLM's call signatures: logprobs modes, bonus tokens, sample()'s pair
+# --------------------------------------------------------------------------
+
+
+def test_logprobs_modes():
+    logits = random_logits(2, seed=12)
+    params = [SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=2.0)] * 2
+    md = make_metadata(params, prompts=[[int(logits[0].argmax())], [0]])
+    raw = Sampler()(logits.clone(), md).logprobs_tensors
+    assert torch.allclose(raw.logprobs[:, 1:], logits.log_softmax(-1).topk(2).values)
+    raw_logits = Sampler("raw_logits")(logits.clone(), md).logprobs_tensors
+    assert torch.allclose(raw_logits.logprobs[:, 1:], logits.topk(2).values)
+    # Processed: after the penalty, which demotes row 0's raw argmax.
+    processed = Sampler()(logits.clone(), md, logprobs_mode_override="processed_logprobs")
+    tokens = processed.sampled_token_ids.view(-1).tolist()
+    lp = processed.logprobs_tensors
+    assert lp.logprob_token_ids[:, 1].tolist() == tokens  # greedy: the processed top-1
+    assert tokens[0] != int(logits[0].argmax())
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        Sampler()(logits.clone(), md, logprobs_mode_override="softmax")
+
+
+def test_processed_logits_of_a_random_batch_are_the_filtered_ones():
+    logits = random_logits(2, seed=13)
+    params = [SamplingParams(temperature=0.5, top_k=2, logprobs=3, seed=s) for s in (1, 2)]
+    gens = {i: torch.Generator().manual_seed(i + 1) for i in range(2)}
+    md = make_metadata(params, generators=gens)
+    lp = Sampler("processed_logits")(logits.clone(), md).logprobs_tensors
+    # Temperature-scaled, top-2 kept, the rest -inf.
+    assert torch.allclose(lp.logprobs[:, 1:3], logits.topk(2).values / 0.5)
+    assert torch.isinf(lp.logprobs[:, 3]).all()
+
+
+def test_bonus_token_penalties_see_the_draft_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 1.0  # the best token, unless it was generated or drafted
+    md = make_metadata([SamplingParams(temperature=0.0, presence_penalty=2.0)])
+    md.spec_token_ids = [[3]]
+    sampler = Sampler()
+    assert sampler(logits, md).sampled_token_ids.item() == 3
+    assert sampler(logits, md, predict_bonus_token=True).sampled_token_ids.item() != 3
+    edited = sampler.apply_logits_processors(logits.clone(), md, predict_bonus_token=True)
+    assert edited[0, 3].item() == pytest.approx(-1.0)
+    # apply_penalties takes the output ids explicitly, as vLLM's does.
+    penalised = Sampler.apply_penalties(logits.clone(), md, [[3, 3]])
+    assert penalised[0, 3].item() == pytest.approx(-1.0)
+
+
+def test_sample_returns_tokens_and_processed_logprobs():
+    logits = random_logits(3, seed=14)
+    md = make_metadata([SamplingParams(temperature=0.0)] * 3)
+    tokens, processed = Sampler().sample(logits.clone(), md)
+    assert tokens.tolist() == logits.argmax(-1).tolist() and processed is None
+    md = make_metadata([SamplingParams(temperature=0.0, logprobs=1)] * 3)
+    _, processed = Sampler().sample(logits.clone(), md, "processed_logprobs")
+    assert torch.allclose(processed, logits.log_softmax(-1))
+
+
+def test_minus_one_logprobs_return_the_whole_distribution_unsorted():
+    logits = random_logits(2, seed=15)
+    md = make_metadata([SamplingParams(temperature=0.0)] * 2)
+    md.max_num_logprobs = -1  # a caller's own metadata (the batch stores -1 as V)
+    lp = Sampler()(logits.clone(), md).logprobs_tensors
+    assert lp.logprob_token_ids.numel() == 0 and lp.selected_token_ranks.numel() == 0
+    assert torch.allclose(lp.logprobs, logits.log_softmax(-1))

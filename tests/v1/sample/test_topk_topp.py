@@ -16,6 +16,7 @@ import torch
 from engine.v1.sample.ops.topk_topp_sampler import (
     TopKTopPSampler,
     apply_top_k_top_p,
+    apply_top_k_top_p_pytorch,
     random_sample,
 )
 
@@ -242,3 +243,15 @@ def test_topk_topp_sampler_draws_from_the_renormalised_kept_set():
     freq = empirical(samples, 6)
     assert (freq - target).abs().max() < 0.015
     assert set(samples.unique().tolist()) <= kept
+
+
+def test_pytorch_filter_under_vllms_name_takes_int32_k_and_a_shared_p():
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(6, 40, generator=gen)
+    k = torch.tensor([1, 3, 40, 7, 2, 40], dtype=torch.int32)  # as the batch stores it
+    top_k_only = apply_top_k_top_p_pytorch(logits.clone(), k, None)
+    # p = 1 (one value for every row) keeps everything top-k kept.
+    with_p = apply_top_k_top_p_pytorch(logits.clone(), k, torch.tensor([1.0]))
+    assert torch.equal(top_k_only, with_p)
+    assert (top_k_only > float("-inf")).sum(-1).tolist() == [1, 3, 40, 7, 2, 40]
+    assert torch.equal(apply_top_k_top_p(logits.clone(), k, None), top_k_only)

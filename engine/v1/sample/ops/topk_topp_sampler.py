@@ -32,11 +32,16 @@ do batches with neither filter (the exponential race needs no sort anyway).
 the ``full`` trace, which reads the filtered logits back (FlashInfer filters
 inside its kernel and leaves ``logits`` untouched).
 
+``logprobs_mode``: in ``processed_logits`` / ``processed_logprobs`` the
+sampler returns the logits it sampled from (after top-k / top-p), so those
+modes always take the torch path (FlashInfer does not hand them back).
+
 Simpler than vLLM: torch everywhere else. vLLM also has a Triton
-top-k/top-p kernel for larger batches, aiter on ROCm, an XPU kernel and a
-``torch.compile``-d draw on CPU; all compute the same distribution.
-No ``logprobs_mode`` (Glassbox always returns raw logprobs, so this never
-hands back processed logits).
+top-k/top-p kernel for larger batches (``apply_top_k_top_p`` picks it),
+aiter on ROCm, an XPU kernel and a ``torch.compile``-d draw on CPU; all
+compute the same distribution. Here ``apply_top_k_top_p`` always calls
+``apply_top_k_top_p_pytorch``, which never needs a host sync (vLLM's takes
+``allow_cpu_sync`` for a faster top-k-only path on the CPU).
 
 Ties: both filters here are thresholds on the logit value, so tokens tied
 with the last kept token are kept too. vLLM's top-k does the same; its top-p
@@ -53,6 +58,8 @@ import os
 import torch
 from torch import nn
 
+from engine.config.model import LogprobsMode
+
 
 class TopKTopPSampler(nn.Module):
     """Filter logits with top-k and/or top-p, then draw one token per row.
@@ -61,8 +68,13 @@ class TopKTopPSampler(nn.Module):
     (the ``full`` trace reads the filtered distribution from it afterwards).
     """
 
-    def __init__(self, keep_filtered_logits: bool = False) -> None:
+    def __init__(
+        self, logprobs_mode: LogprobsMode = "raw_logprobs", keep_filtered_logits: bool = False
+    ) -> None:
         super().__init__()
+        self.logprobs_mode = logprobs_mode
+        # Processed modes return the filtered logits: only the torch path has them.
+        keep_filtered_logits |= logprobs_mode in ("processed_logits", "processed_logprobs")
         self.use_flashinfer = (
             not keep_filtered_logits and os.environ.get(USE_FLASHINFER_SAMPLER_ENV, "1") != "0"
         )
@@ -73,12 +85,12 @@ class TopKTopPSampler(nn.Module):
         generators: dict[int, torch.Generator],
         k: torch.Tensor | None,
         p: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, None]:
-        """logits [N, V] float32 (already temperature-scaled); k int64 [N] or
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [N, V] float32 (already temperature-scaled); k int [N] or
         None; p float32 [N] or None; generators maps row -> its generator.
 
-        Returns (sampled ids int64 [N], None). The second item mirrors vLLM's
-        "processed logprobs" slot, which Glassbox never fills.
+        Returns (sampled ids int64 [N], the filtered logits or their logprobs
+        in a ``processed_*`` logprobs mode, else None).
         """
         if logits.is_cuda and self.use_flashinfer:
             return self.forward_cuda(logits, generators, k, p)
@@ -90,11 +102,16 @@ class TopKTopPSampler(nn.Module):
         generators: dict[int, torch.Generator],
         k: torch.Tensor | None,
         p: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plain torch, any device: threshold filter, softmax, exponential race."""
         logits = apply_top_k_top_p(logits, k, p)
+        processed = None
+        if self.logprobs_mode == "processed_logits":
+            processed = logits
+        elif self.logprobs_mode == "processed_logprobs":
+            processed = logits.log_softmax(dim=-1, dtype=torch.float32)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
-        return random_sample(probs, generators), None
+        return random_sample(probs, generators), processed
 
     def forward_cuda(
         self,
@@ -102,7 +119,7 @@ class TopKTopPSampler(nn.Module):
         generators: dict[int, torch.Generator],
         k: torch.Tensor | None,
         p: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FlashInfer's samplers when they apply (see the module docstring),
         else the torch path."""
         if (k is None and p is None) or generators or not flashinfer_sampling_available():
@@ -149,7 +166,16 @@ def flashinfer_sample(
 def apply_top_k_top_p(
     logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Set filtered-out logits to -inf, in place. logits [N, V]; k in [1, V]; p in (0, 1]."""
+    """The filter the sampler calls (vLLM picks a Triton kernel here for
+    large GPU batches; Glassbox always uses the torch one)."""
+    return apply_top_k_top_p_pytorch(logits, k, p)
+
+
+def apply_top_k_top_p_pytorch(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set filtered-out logits to -inf, in place. logits [N, V]; k in [1, V]
+    ([N], any int dtype); p in (0, 1] ([N] or [1])."""
     if k is None and p is None:
         return logits
     vocab_size = logits.shape[-1]
