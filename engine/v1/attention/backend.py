@@ -7,10 +7,19 @@ Read it for the three roles:
     shape it wants, and which builder / impl classes go with it;
   * ``AttentionMetadataBuilder.build`` -- once per step, turns the runner's
     backend-neutral ``CommonAttentionMetadata`` into whatever the kernel needs;
+    its ``reorder_batch_threshold`` (None: any order) asks the runner to put
+    requests with at most that many query tokens (decodes) first
+    (``engine/v1/attention/backends/utils.py``);
   * ``AttentionImpl.forward`` -- per layer: write this step's K/V into the
     paged cache through ``slot_mapping``, then attend over each request's
     blocks through its row of ``block_table_tensor``.
 Sessions: 05 (attention backends).
+
+Simpler than vLLM: builders are made from the block size and the device
+(vLLM's take the KV cache spec, the layer names and the whole config);
+``_init_reorder_batch_threshold`` takes vLLM's arguments, but with no
+speculative decoding and no decode context parallelism in Glassbox its two
+flags change nothing: the threshold is the one given.
 """
 
 from __future__ import annotations
@@ -72,9 +81,28 @@ class AttentionImpl(ABC):
 
 
 class AttentionMetadataBuilder(ABC):
+    # The longest query (in tokens) the runner moves to the front of the
+    # batch as a decode; None: the builder takes requests in any order.
+    reorder_batch_threshold: int | None = None
+
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+
+    def _init_reorder_batch_threshold(
+        self,
+        reorder_batch_threshold: int | None = 1,
+        supports_spec_as_decode: bool = False,
+        supports_dcp_with_varlen: bool = False,
+    ) -> None:
+        """Set ``reorder_batch_threshold``. In vLLM the flags raise it to cover
+        a speculative-decoding step's drafts or lower it to 1 under decode
+        context parallelism; Glassbox has neither, so they are accepted unused."""
+        if reorder_batch_threshold is not None and reorder_batch_threshold < 1:
+            raise ValueError(
+                f"reorder_batch_threshold must be None or >= 1, got {reorder_batch_threshold}"
+            )
+        self.reorder_batch_threshold = reorder_batch_threshold
 
     @abstractmethod
     def build(self, common_attn_metadata: CommonAttentionMetadata) -> Any: ...

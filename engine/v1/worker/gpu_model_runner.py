@@ -7,8 +7,12 @@ runner which subclasses it.
 
 Read it for one step of the worker:
   1. ``_update_states`` -- apply the scheduler's deltas to the persistent
-     batch: drop finished / preempted requests, add new ones, append new
-     block ids (or replace them for a request resumed after preemption);
+     batch: drop finished and unscheduled (e.g. preempted) requests, append
+     new block ids (or replace them for a request resumed after preemption),
+     add new and returning requests into the freed rows, condense, let the
+     attention backend reorder the rows (``_may_reorder_batch``: decodes
+     first when its builder sets ``reorder_batch_threshold``), and hand the
+     step's row changes to the logits processors (``refresh_metadata``);
   2. ``_prepare_inputs`` -- with numpy, flatten every scheduled token of every
      request into one batch: ``input_ids``, ``positions``, ``query_start_loc``,
      ``seq_lens``, ``slot_mapping``, then one copy each to the device;
@@ -31,8 +35,15 @@ at the next capture size (FULL_DECODE_ONLY); the inputs and the attention
 metadata live in persistent buffers whose *contents* change each step, and
 padding rows get slot -1 and zero-length requests. Mixed batches run eagerly.
 
+The logits processors (``build_logitsprocs``) are built once here and live
+in the ``InputBatch``.
+
 Simpler than vLLM: no piecewise graphs (they need torch.compile), speculative
-decoding, LoRA, multimodal, pipeline parallelism or async output copies.
+decoding, LoRA, multimodal, pipeline parallelism or async output copies; no
+custom logits processors from the config (``build_logitsprocs`` accepts them,
+``ModelConfig`` has no ``logits_processors`` yet); one attention builder, so
+``reorder_batch_threshold`` is its threshold (vLLM takes the smallest over
+its attention groups).
 """
 
 from __future__ import annotations
@@ -52,10 +63,12 @@ from engine.model_executor.model_loader import get_model
 from engine.tracing.worker_trace import RunnerTrace
 from engine.utils.torch_utils import resolve_dtype
 from engine.v1.attention.backend import CommonAttentionMetadata
+from engine.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from engine.v1.sample.logits_processor import build_logitsprocs
 from engine.v1.sample.sampler import Sampler
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
@@ -112,19 +125,33 @@ class GPUModelRunner:
         self.max_num_reqs = self.scheduler_config.max_num_seqs
         self.max_num_tokens = self.scheduler_config.max_num_batched_tokens
 
+        # Pinned host staging makes the host->device copies asynchronous.
+        self.pin_memory = device.type == "cuda"
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
-            self.max_num_reqs,
-            self.max_model_len,
-            self.block_size,
-            device,
-            self.model_config.vocab_size,
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=device,
+            pin_memory=self.pin_memory,
+            vocab_size=self.model_config.vocab_size,
+            block_sizes=[self.block_size],
+            kernel_block_sizes=[self.block_size],
+            # Built once; the batch keeps them in step with its rows.
+            logitsprocs=build_logitsprocs(
+                glassbox_config,
+                device,
+                self.pin_memory,
+                custom_logitsprocs=tuple(self.model_config.logits_processors or ()),
+            ),
         )
-        self.sampler = Sampler(trace=trace.sampler)
+        self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode, trace=trace.sampler)
         self.execute_model_state: ExecuteModelState | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.attn_metadata_builder = None
+        # Set from the builder by initialize_kv_cache; None: never reorder.
+        self.reorder_batch_threshold: int | None = None
         self.model: torch.nn.Module | None = None
 
         # Host staging buffers, reused every step (vLLM keeps pinned CPU
@@ -138,8 +165,6 @@ class GPUModelRunner:
         self.query_start_loc = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
-        # Pinned host staging makes the host->device copies asynchronous.
-        self.pin_memory = device.type == "cuda"
         self._pinned: dict[int, torch.Tensor] = {}
 
         compilation_config = glassbox_config.compilation_config
@@ -187,6 +212,7 @@ class GPUModelRunner:
         backend = next(iter(self.attn_layers.values())).attn_backend
         self.attn_backend = backend
         self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
+        self.calculate_reorder_batch_threshold()
         if self.device.type != "cuda" or not backend.supports_cudagraph:
             # Graphs need CUDA and a backend that never syncs with the host.
             self.cudagraph_dispatcher.mode = CUDAGraphMode.NONE
@@ -200,6 +226,12 @@ class GPUModelRunner:
             )
         self.trace.initialized(self, kv_cache_config)
 
+    def calculate_reorder_batch_threshold(self) -> None:
+        """Take the builder's ``reorder_batch_threshold`` (with one builder,
+        the smallest of all that vLLM takes)."""
+        assert self.attn_metadata_builder is not None
+        self.reorder_batch_threshold = self.attn_metadata_builder.reorder_batch_threshold
+
     # ------------------------------------------------------------------
     # 1. Apply the scheduler's deltas
     # ------------------------------------------------------------------
@@ -208,11 +240,17 @@ class GPUModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
-        # Preempted requests lose their KV but keep their state (and seeded
-        # generator); they come back as "resumed" with a fresh block table.
-        for req_id in scheduler_output.preempted_req_ids:
+        # Requests not scheduled this step (preempted ones included) leave the
+        # batch but keep their state (and seeded generator) in self.requests,
+        # so rows 0..n-1 are exactly this step's requests. A request resumed
+        # from preemption is re-added below with a fresh block table.
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled = scheduler_output.num_scheduled_tokens.keys() - cached.resumed_req_ids
+        for req_id in batch.req_id_to_index.keys() - scheduled:
             batch.remove_request(req_id)
 
+        # Every removal comes before the first add: adds refill the freed rows.
+        reqs_to_add: list[CachedRequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -222,42 +260,49 @@ class GPUModelRunner:
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
+                mm_features=[],
                 sampling_params=params,
                 generator=generator,
-                block_ids=list(new.block_ids[0]),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
             )
             self.requests[new.req_id] = state
-            batch.add_request(state)
+            reqs_to_add.append(state)
 
-        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Recompute from scratch: the old blocks are gone.
-                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
-                batch.remove_request(req_id)
-                batch.add_request(state)
-                continue
-            if new_block_ids:
-                state.block_ids.extend(new_block_ids[0])
+                state.block_ids = tuple(list(ids) for ids in new_block_ids or ([],))
+            elif new_block_ids:
+                for block_ids, new_ids in zip(state.block_ids, new_block_ids):
+                    block_ids.extend(new_ids)
             row = batch.req_id_to_index.get(req_id)
             if row is None:
-                batch.add_request(state)
-            else:
-                if new_block_ids:
-                    batch.block_table.append_row(new_block_ids[0], row)
-                batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+                # Resumed, or not scheduled last step: back into the batch.
+                reqs_to_add.append(state)
+                continue
+            if new_block_ids:
+                batch.block_table.append_row(new_block_ids[0], row)
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
 
-        # Requests not scheduled this step stay in self.requests but leave the
-        # batch, so rows 0..n-1 are exactly this step's requests.
-        scheduled = scheduler_output.num_scheduled_tokens
-        for req_id in list(batch.req_id_to_index):
-            if req_id not in scheduled:
-                batch.remove_request(req_id)
+        for state in reqs_to_add:
+            batch.add_request(state)
         batch.condense()
+        self._may_reorder_batch(scheduler_output)
+        # The logits processors follow the rows (swaps included); the sampling
+        # metadata is rebuilt (asynchronously) only if the batch changed.
+        batch.refresh_metadata()
+
+    def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:
+        """Put decodes before prefills if the attention builder asks for it."""
+        if self.reorder_batch_threshold is not None:
+            reorder_batch_to_split_decodes_and_prefills(
+                self.input_batch, scheduler_output, decode_threshold=self.reorder_batch_threshold
+            )
 
     # ------------------------------------------------------------------
     # 2. Flatten the step into device tensors
@@ -326,7 +371,7 @@ class GPUModelRunner:
         logits_indices = torch.from_numpy(logits_indices_np).to(self.device, non_blocking=True)
         # A request whose context still stops short of its known tokens is in
         # the middle of its prompt: whatever it samples is discarded.
-        discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens[i]]
+        discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens_no_spec[i]]
         return PreparedInputs(
             common_attn_metadata=common,
             num_tokens=total,
@@ -404,10 +449,8 @@ class GPUModelRunner:
         self.execute_model_state = None
         batch = self.input_batch
         reqs = [self.requests[r] for r in state.req_ids]
-        # Persistent: rebuilt (asynchronously) only when the batch changed.
-        metadata = batch.refresh_metadata()
         self.trace.sampling(state.req_ids, state.discard_rows)
-        sampler_output = self.sampler(state.logits, metadata)
+        sampler_output = self.sampler(state.logits, batch.sampling_metadata)
         sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()  # waits for the device
         self.trace.sampled(sampled)
         logprobs = (

@@ -4,6 +4,10 @@ Each case scatters a batch of requests over random, non-contiguous KV blocks
 (some context already cached from "earlier steps", some written now through
 the slot mapping) and checks the output equals attention computed densely over
 each request's full token sequence.
+
+The builder's batch-order wish (``reorder_batch_threshold``) follows vLLM's
+choice by CPU architecture, and with decodes first their query rows are one
+slice.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import pytest
 import torch
 
 from engine.v1.attention.backend import CommonAttentionMetadata
+from engine.v1.attention.backends import cpu_attn
 from engine.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
+    get_cpu_architecture,
 )
 
 H, H_KV, D, BS = 4, 2, 8, 4
@@ -132,3 +138,62 @@ def test_profile_run_returns_zeros_without_metadata():
 def test_heads_must_divide():
     with pytest.raises(ValueError, match="num_kv_heads"):
         CPUAttentionBackendImpl(6, D, 0.5, 4)
+
+
+@pytest.mark.parametrize(
+    "machine, family, threshold",
+    [
+        ("x86_64", "x86", None),
+        ("AMD64", "x86", None),
+        ("aarch64", "arm", None),
+        ("armv7l", "arm", None),
+        ("ppc64le", "powerpc", None),
+        ("s390x", "s390x", None),
+        ("riscv64", "riscv", None),
+        ("sparc64", "other", 1),
+        ("", "unknown", 1),
+    ],
+)
+def test_reorder_threshold_follows_the_cpu_architecture(monkeypatch, machine, family, threshold):
+    """As vLLM's CPU backend: mixed batches as they come on the five common
+    families, decodes first (threshold 1) anywhere else."""
+    monkeypatch.setattr(cpu_attn.platform, "machine", lambda: machine)
+    assert get_cpu_architecture() == family
+    assert CPUAttentionMetadataBuilder(BS, torch.device("cpu")).reorder_batch_threshold == threshold
+
+
+def test_reorder_threshold_must_be_positive():
+    builder = CPUAttentionMetadataBuilder(BS, torch.device("cpu"))
+    with pytest.raises(ValueError, match="reorder_batch_threshold must be None or >= 1, got 0"):
+        builder._init_reorder_batch_threshold(0)
+    builder._init_reorder_batch_threshold(3, supports_spec_as_decode=True)
+    assert builder.reorder_batch_threshold == 3
+
+
+def _metadata(query_lens: list[int]) -> cpu_attn.CPUAttentionMetadata:
+    """Build metadata for requests with these query lengths (8 tokens cached each)."""
+    n = len(query_lens)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([8 + q for q in query_lens], dtype=torch.int32)
+    total = int(qsl[-1])
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens,
+        num_reqs=n,
+        num_actual_tokens=total,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=torch.arange(n * 8, dtype=torch.int32).view(n, 8),
+        slot_mapping=torch.zeros(total, dtype=torch.int64),
+    )
+    return CPUAttentionMetadataBuilder(BS, torch.device("cpu")).build(common)
+
+
+def test_decodes_first_make_one_slice_of_query_rows():
+    ordered = _metadata([1, 1, 6])
+    assert ordered.decode is not None and ordered.decode.query_rows == slice(0, 2)
+    scattered = _metadata([1, 6, 1])
+    assert scattered.decode is not None
+    assert scattered.decode.query_rows.tolist() == [0, 7]

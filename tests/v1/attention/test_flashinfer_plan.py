@@ -165,6 +165,18 @@ def test_mixed_batch_plans_the_prefill_wrapper(fi):
     assert md.slot_mapping.tolist() == [12, 13, 14, 15, 36, 7, 25, 26, 27]
 
 
+def test_decodes_come_first_but_the_mixed_batch_is_planned_whole(fi):
+    """The builder asks for decodes first (threshold 1, as vLLM's); the runner's
+    reordered batch still goes to the prefill wrapper in one plan."""
+    builder = _builder(fi)
+    assert builder.reorder_batch_threshold == 1
+    contexts = [(6, 1), (3, 1), (0, 5)]  # two decodes, then a prefill
+    md = builder.build(_common(contexts, [[4, 2], [7], [1, 3]]))
+    assert md.decode_wrapper is None and (md.num_decodes, md.num_prefills) == (2, 1)
+    args, _ = _plan_tensors(md.prefill_wrapper)
+    assert args[0].tolist() == [0, 1, 2, 7]  # qo_indptr: every request in one plan
+
+
 def test_pure_decode_plans_the_decode_wrapper(fi):
     contexts = [(4, 1), (0, 1), (10, 1)]
     tables = [[8, 2], [5], [1, 3, 4]]

@@ -379,6 +379,8 @@ def test_backend_interface():
     assert TritonAttentionBackend.get_impl_cls() is TritonAttentionImpl
     assert TritonAttentionBackend.get_builder_cls() is TritonAttentionMetadataBuilder
     assert TritonAttentionBackend.supports_cudagraph is True
+    # Mixed batches in any order, as vLLM's: the runner never reorders for it.
+    assert TritonAttentionMetadataBuilder(16, SMALL_DEVICE).reorder_batch_threshold is None
     assert TritonAttentionBackend.get_kv_cache_shape(10, 16, 8, 128) == (2, 10, 16, 8, 128)
 
 

@@ -27,6 +27,13 @@ all the same loop. Three shortcuts, none changing the maths:
     call per layer reads each request's K/V blocks where they lie (the gather
     plus SDPA read the context three times; on one core a decode step is bound
     by that memory traffic). ``GLASSBOX_CPU_KERNELS=0`` keeps the torch path.
+
+Batch order (``reorder_batch_threshold``): as in vLLM, the builder asks the
+runner to put decodes first only on CPU architectures outside x86, Arm,
+PowerPC, s390x and RISC-V; on those five vLLM's C++ kernel takes a mixed
+batch as it comes, and the threshold stays None. Elsewhere vLLM splits the
+batch (SDPA for the prefills); here the same loops run either way, and with
+decodes first their query rows are one slice instead of an index list.
 Sessions: 05 (attention backends).
 
 Simpler than vLLM: vLLM's CPU backend calls C++ kernels for everything (and
@@ -39,6 +46,7 @@ are tested against.
 from __future__ import annotations
 
 import math
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +59,28 @@ from engine.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+
+# CPU families whose attention kernel in vLLM prefers mixed batches
+# (vLLM: ``_CPU_ARCH_PREFER_MIXED_BATCH``): no reordering there.
+_CPU_ARCH_PREFER_MIXED_BATCH = ("x86", "arm", "powerpc", "s390x", "riscv")
+
+
+def get_cpu_architecture() -> str:
+    """This machine's CPU family, named as in ``_CPU_ARCH_PREFER_MIXED_BATCH``,
+    or "other" / "unknown". Glassbox's own here: vLLM asks its platform
+    (``Platform.get_cpu_architecture``, an enum); Glassbox has no platform layer."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        return "x86"
+    if machine.startswith(("arm", "aarch")):
+        return "arm"
+    if machine.startswith("ppc"):
+        return "powerpc"
+    if machine == "s390x":
+        return "s390x"
+    if machine.startswith("riscv"):
+        return "riscv"
+    return "other" if machine else "unknown"
 
 
 class GatherBuffer:
@@ -132,6 +162,8 @@ class CPUAttentionMetadata:
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, block_size: int, device: torch.device, use_cpu_kernels: bool = True) -> None:
         super().__init__(block_size, device)
+        threshold = None if get_cpu_architecture() in _CPU_ARCH_PREFER_MIXED_BATCH else 1
+        self._init_reorder_batch_threshold(threshold)
         self.gather_buffer = GatherBuffer()
         # False: decodes always take the gather + SDPA torch path (the plain-torch
         # reference the tests hold the other backends to).

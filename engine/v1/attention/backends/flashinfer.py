@@ -47,10 +47,14 @@ Supported: fp16 and bf16 (FlashInfer has no fp32 kernels; the selector picks
 TRITON_ATTN for fp32), head sizes 64, 128 and 256, and the same head counts
 and scale in every layer (one plan serves all layers).
 
+Batch order: the builder sets ``reorder_batch_threshold = 1`` as vLLM's
+does, so the runner puts a mixed batch's decodes (one query token) first.
+
 Simpler than vLLM: no cascade attention, TRT-LLM kernels, FP8/NVFP4 KV cache,
-sliding window, sinks, soft-cap, DCP or speculative decoding; no reordering of
-decodes before prefills -- a mixed batch goes to the prefill wrapper whole,
-where vLLM splits it between both wrappers.
+sliding window, sinks, soft-cap, DCP or speculative decoding; the reordered
+mixed batch is not split -- it goes to the prefill wrapper whole, where vLLM
+plans its leading decodes on the decode wrapper and the rest on the prefill
+wrapper.
 Sessions: 05 (attention backends), 06 (CUDA graphs).
 """
 
@@ -160,8 +164,12 @@ class FlashInferMetadata:
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    reorder_batch_threshold: int = 1
+
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)
+        # Decodes first (vLLM raises it for drafts when TRT-LLM decodes them).
+        self._init_reorder_batch_threshold(1)
         self.params: FlashInferLayerParams | None = None
         self.cudagraph_batch_sizes: frozenset[int] = frozenset()
         self._workspace_buffer: torch.Tensor | None = None

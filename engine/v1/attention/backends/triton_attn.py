@@ -12,6 +12,10 @@ the device:
     write the new K/V, then either ``unified_attention`` (any batch) or, for a
     small batch of pure decodes, the split-KV ``decode_attention_fwd``.
 
+Batch order: as vLLM's, the builder leaves ``reorder_batch_threshold`` None --
+the unified kernel takes decodes and prefills mixed in any order, so the
+runner does not reorder the batch for it.
+
 Sessions: 05 (attention backends), 06 (CUDA graphs).
 
 CUDA graphs (``supports_cudagraph = True``). ``forward`` makes no host
