@@ -78,8 +78,12 @@ def append_logprobs_for_next_position(
     index 0 is the sampled (or actual prompt) token, whose vocabulary rank is
     ``rank``; indices 1..num_logprobs are the top-k tokens, ranks 1..k.
     ``num_logprobs == -1`` means "all of them" (full vocabulary).
+    Only the first ``num_logprobs + 1`` entries are read: the sampler gathers
+    as many top-k columns as the *batch* needs, so a row may be wider than
+    this request asked for.
     If the sampled token is also in the top-k, its dict key appears twice and
-    the top-k entry (same logprob, same rank) simply overwrites it.
+    the top-k entry (same logprob, same rank) simply overwrites it, so the
+    position then holds ``num_logprobs`` entries instead of ``num_logprobs + 1``.
     """
     if len(token_ids) != len(logprobs):
         raise ValueError(
@@ -87,7 +91,7 @@ def append_logprobs_for_next_position(
             f"{len(token_ids)} and {len(logprobs)}"
         )
     if num_logprobs == -1:
-        num_logprobs = len(logprobs) - 1
+        num_logprobs = len(logprobs)
     ranks = [rank, *range(1, num_logprobs + 1)]
     position: LogprobsOnePosition = {}
     for token_id, logprob, token_rank, text in zip(token_ids, logprobs, ranks, decoded_tokens):

@@ -7,20 +7,36 @@ request, holding one ``CompletionOutput`` per sample (``n`` of them) -- and
 read them (concatenate for DELTA streaming, replace for CUMULATIVE).
 Sessions: 01 (engine loop: the output processor builds these).
 
+``RequestOutput.request_id`` is the id the *user* gave (vLLM's
+``external_req_id``); the engine core knows the request by an internal id
+with a random suffix (see ``InputProcessor.assign_request_id``).
+
 Simpler than vLLM: generation only. The pooling/embedding/classification/score
-outputs, LoRA, encoder-decoder prompts, routed-expert capture and KV-transfer
-params are left out because Glassbox serves decoder-only text generation. An
-unknown keyword to ``RequestOutput`` is an error here (vLLM logs and ignores
-it), so a typo cannot go unnoticed.
+outputs are left out because Glassbox serves decoder-only text generation; the
+fields of features Glassbox does not have (``lora_request``,
+``encoder_prompt``, ``routed_experts``, ``kv_transfer_params``) exist with
+vLLM's names so vLLM's calls run, and are always None. As in vLLM, an unknown
+keyword to ``RequestOutput`` is logged once and ignored (forward
+compatibility), not an error.
+
+Differs from vLLM on purpose: ``RequestOutput.add`` refuses to merge outputs
+of two different requests (vLLM merges silently), and ``RequestOutput``
+compares by value, so tests can compare whole outputs.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engine.logprobs import PromptLogprobs, SampleLogprobs
+
+logger = logging.getLogger(__name__)
+
+# Unknown RequestOutput keywords already warned about (vLLM: warning_once).
+_warned_extra_kwargs: set[str] = set()
 
 
 @dataclass
@@ -32,6 +48,8 @@ class CompletionOutput:
     max_tokens or max_model_len) or "abort" (cancelled); vLLM also reports
     "error" and "repetition". ``stop_reason`` is the stop string or stop token
     id that ended it, or None (including when the model's own EOS ended it).
+    ``routed_experts`` and ``lora_request`` are always None in Glassbox (no
+    MoE expert capture, no LoRA).
     """
 
     index: int
@@ -39,8 +57,10 @@ class CompletionOutput:
     token_ids: Sequence[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
+    routed_experts: Any | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: Any | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -61,9 +81,10 @@ class RequestOutput:
     ``outputs`` holds one ``CompletionOutput`` per sample that has produced
     something so far (for ``n > 1`` they arrive independently and are matched
     by ``index``). ``finished`` is True once the whole request is done.
-    ``metrics`` is the request's ``RequestStateStats`` (timings) when stats
-    are on, else None. ``num_cached_tokens`` is how many prompt tokens were
-    served from the prefix cache.
+    ``request_id`` is the id the caller passed to ``generate`` /
+    ``add_request``. ``metrics`` is the request's timing stats when the
+    engine keeps them, else None. ``num_cached_tokens`` is how many prompt
+    tokens were served from the prefix cache.
     """
 
     def __init__(
@@ -75,8 +96,20 @@ class RequestOutput:
         outputs: list[CompletionOutput],
         finished: bool,
         metrics: Any | None = None,
+        lora_request: Any | None = None,
+        encoder_prompt: str | None = None,
+        encoder_prompt_token_ids: list[int] | None = None,
         num_cached_tokens: int | None = None,
+        *,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
+        if kwargs:
+            # Code written for a newer engine may pass fields this one lacks.
+            key = str(sorted(kwargs))
+            if key not in _warned_extra_kwargs:
+                _warned_extra_kwargs.add(key)
+                logger.warning("RequestOutput: Ignoring extra arguments: %s", kwargs)
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -84,7 +117,11 @@ class RequestOutput:
         self.outputs = outputs
         self.finished = finished
         self.metrics = metrics
+        self.lora_request = lora_request
+        self.encoder_prompt = encoder_prompt
+        self.encoder_prompt_token_ids = encoder_prompt_token_ids
         self.num_cached_tokens = num_cached_tokens
+        self.kv_transfer_params = kv_transfer_params
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Fold a newer output for the same request into this one.
@@ -102,6 +139,7 @@ class RequestOutput:
                 f"{next_output.request_id!r} into {self.request_id!r}"
             )
         self.finished = self.finished or next_output.finished
+        self.kv_transfer_params = next_output.kv_transfer_params
 
         position_of_index = {c.index: pos for pos, c in enumerate(self.outputs)}
         for newer in next_output.outputs:

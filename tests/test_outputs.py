@@ -76,8 +76,19 @@ def test_request_output_fields_and_defaults():
     assert out.prompt == "Hi" and out.prompt_token_ids == [1, 2]
     assert out.metrics is None and out.num_cached_tokens is None
     assert out.finished is False
-    with pytest.raises(TypeError):
-        RequestOutput("r", None, None, None, [], False, lora_request=None)  # not a Glassbox field
+    # vLLM's fields for features Glassbox lacks exist, and stay None.
+    assert (out.lora_request, out.encoder_prompt, out.kv_transfer_params) == (None, None, None)
+    assert _completion().routed_experts is None and _completion().lora_request is None
+
+
+def test_request_output_ignores_unknown_keywords_with_a_warning(caplog):
+    """As vLLM's: code written for a newer engine still runs (vLLM warns once)."""
+    with caplog.at_level("WARNING", logger="engine.outputs"):
+        out = RequestOutput("r", None, None, None, [], False, some_future_field=3)
+        RequestOutput("r", None, None, None, [], False, some_future_field=4)
+    assert not hasattr(out, "some_future_field")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["RequestOutput: Ignoring extra arguments: {'some_future_field': 3}"]
 
 
 def test_request_output_repr():

@@ -44,6 +44,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+    stream_interval: int = 1
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None
     enforce_eager: bool = False
@@ -55,6 +57,8 @@ class EngineArgs:
     # {"cudagraph_mode": "FULL_DECODE_ONLY" | "NONE", "cudagraph_capture_sizes": [...]}
     compilation_config: dict[str, Any] | None = None
     trace_level: str = "off"
+    logprobs_mode: str = "raw_logprobs"
+    logits_processors: list[str | type] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -75,6 +79,8 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             hf_overrides=self.hf_overrides,
             enforce_eager=self.enforce_eager,
+            logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
+            logits_processors=self.logits_processors,
         )
         max_model_len = model_config.max_model_len
         assert max_model_len is not None
@@ -113,6 +119,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
+                scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
+                stream_interval=self.stream_interval,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             parallel_config=ParallelConfig(

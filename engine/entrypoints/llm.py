@@ -75,8 +75,10 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     # -- generate ----------------------------------------------------------------
     def generate(
@@ -184,13 +186,13 @@ class LLM:
                 # LLM returns each request once, when it is complete.
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(
+                internal_id = self.llm_engine.add_request(
                     request_id, prompt, sp, priority=priority[i] if priority else 0
                 )
-                added.append(request_id)
+                added.append(internal_id)
         except Exception:
             # One bad prompt rejects the whole batch; leave nothing queued.
-            self.llm_engine.abort_request(added)
+            self.llm_engine.abort_request(added, internal=True)
             raise
 
     def _run_engine(self, total: int, use_tqdm: bool) -> list[RequestOutput]:
@@ -206,8 +208,7 @@ class LLM:
             # Interrupted (Ctrl-C, engine error): abort what is left so no
             # request keeps its KV blocks.
             remaining = list(self.llm_engine.output_processor.request_states)
-            remaining += list(self.llm_engine.output_processor.parent_requests)
-            self.llm_engine.abort_request(remaining)
+            self.llm_engine.abort_request(remaining, internal=True)
             raise
         finally:
             pbar.close()

@@ -83,6 +83,9 @@ TIGHT_ARGS = {
     "max_model_len": 320,
     "max_num_batched_tokens": 48,
     "num_gpu_blocks_override": 24,
+    # Admit by first chunk (vLLM's default checks the whole prompt), so more
+    # requests start than can finish together and decoding must preempt.
+    "scheduler_reserve_full_isl": False,
 }
 
 

@@ -36,6 +36,16 @@ from tests.helpers.engine_fixtures import (
 from tests.helpers.tiny_model import make_tiny_model_dir
 
 
+def user_ids(internal_ids: list[str]) -> list[str]:
+    """The user's ids back from internal ones ("{user id}-{8 hex}")."""
+    return [r.rsplit("-", 1)[0] for r in internal_ids]
+
+
+def only_value(d: dict):
+    (value,) = d.values()
+    return value
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("llm") / "tiny")
@@ -211,7 +221,7 @@ def test_priority_orders_admission(model_dir):
         ["w1", "w2", "w3"], greedy(max_tokens=2), use_tqdm=False, priority=[2, 0, 1]
     )
     # One request runs at a time; the lowest priority value goes first.
-    assert scheduled_new_req_order(get_executor(llm)) == ["1", "2", "0"]
+    assert user_ids(scheduled_new_req_order(get_executor(llm))) == ["1", "2", "0"]
     assert [o.request_id for o in outputs] == ["0", "1", "2"]
     assert [o.outputs[0].text for o in outputs] == [" w2 w3", " w3 w4", " w4 w5"]
     assert_engine_idle(llm)
@@ -220,7 +230,7 @@ def test_priority_orders_admission(model_dir):
 def test_fcfs_admission_order(model_dir):
     llm = make_llm(model_dir, max_num_seqs=1)
     llm.generate(["w1", "w2", "w3"], greedy(max_tokens=2), use_tqdm=False, priority=[0, 0, 0])
-    assert scheduled_new_req_order(get_executor(llm)) == ["0", "1", "2"]
+    assert user_ids(scheduled_new_req_order(get_executor(llm))) == ["0", "1", "2"]
 
 
 def test_priority_under_fcfs_is_rejected(llm):
@@ -273,8 +283,11 @@ def test_parallel_sampling_returns_n_completions(llm):
         assert list(c.token_ids) == ids("w6 w7 w8")
         assert c.finish_reason == "length"
     assert only([outputs[1]]).text == " w21"
-    # EngineCore only ever saw n=1 children, named "{index}_{parent id}".
-    assert sorted(scheduled_new_req_order(get_executor(llm))) == ["0_0", "1", "1_0", "2_0"]
+    # EngineCore only ever saw n=1 children, named "{index}_{parent's internal id}".
+    order = scheduled_new_req_order(get_executor(llm))
+    assert sorted(user_ids(order)) == ["0_0", "1", "1_0", "2_0"]
+    parent = next(r for r in order if r.startswith("0_")).removeprefix("0_")
+    assert sorted(r for r in order if r.endswith(parent)) == [f"{i}_{parent}" for i in range(3)]
     assert_engine_idle(llm)
 
 
@@ -617,7 +630,7 @@ def test_chunked_prefill_of_a_long_prompt(model_dir):
     outputs = llm.generate(prompt, greedy(max_tokens=2), use_tqdm=False)
     assert list(only(outputs).token_ids) == [24, 25]
     steps = get_executor(llm).steps
-    assert [s.num_scheduled_tokens["0"] for s in steps] == [8, 8, 4, 1]
+    assert [only_value(s.num_scheduled_tokens) for s in steps] == [8, 8, 4, 1]
     assert_engine_idle(llm)
 
 
@@ -780,16 +793,16 @@ def test_llm_engine_streams_deltas(llm):
 
 
 def test_llm_engine_request_ids(llm):
+    """The user's id may be reused while in flight (as in vLLM): each request
+    gets its own internal id, and an abort by the user's id takes them all."""
     engine = llm.llm_engine
-    engine.add_request("x", "w1", greedy(max_tokens=1))
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("x", "w2", greedy())
+    x1 = engine.add_request("x", "w1", greedy(max_tokens=1))
+    x2 = engine.add_request("x", "w2", greedy())
+    assert x1 != x2 and user_ids([x1, x2]) == ["x", "x"]
     engine.add_request("p", "w1", SamplingParams(n=2, temperature=1.0))
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("p", "w2", greedy())
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("", "w2", greedy())
-    assert engine.get_num_unfinished_requests() == 3  # x and p's two children
+    assert engine.get_num_unfinished_requests() == 4  # x twice and p's two children
     engine.abort_request(["x", "p"])
     assert_engine_idle(llm)
 

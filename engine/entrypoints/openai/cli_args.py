@@ -44,6 +44,19 @@ def _flag_type(annotation: Any) -> Any:
     return str
 
 
+def _is_list(annotation: Any) -> bool:
+    options = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation)
+        in (
+            typing.Union,
+            types.UnionType,
+        )
+        else (annotation,)
+    )
+    return any(typing.get_origin(a) is list for a in options)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (the fields of EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
@@ -54,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind = _flag_type(hints[field.name])
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        elif _is_list(hints[field.name]):
+            # logits_processors: one or more "module:Class" names.
+            group.add_argument(flag, nargs="+", default=field.default)
         else:
             group.add_argument(flag, type=kind, default=field.default)
     group.add_argument(

@@ -11,9 +11,11 @@ is one ``EngineCoreRequestType`` byte (ADD / ABORT / UTILITY); a message
 frame ``ENGINE_CORE_DEAD`` when the core is going down.
 Sessions: 01 (engine loop).
 
-Simpler than vLLM: no multimodal features, LoRA, pooling, data-parallel waves
-or KV-transfer fields; utility results must be msgpack-native values (vLLM can
-fall back to pickle for them when insecure serialization is allowed).
+Simpler than vLLM: the multimodal, pooling, LoRA, prompt-embedding and
+data-parallel fields of ``EngineCoreRequest`` exist but are always None; no
+data-parallel waves, KV-transfer, streaming-input or tracing-header fields;
+utility results must be msgpack-native values (vLLM can fall back to pickle
+for them when insecure serialization is allowed).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from engine.v1.metrics.stats import SchedulerStats
 from engine.v1.outputs import LogprobsLists
 
 
@@ -59,13 +62,36 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request on its way to EngineCore.
+
+    Two ids, as in vLLM: ``external_req_id`` is what the user passed;
+    ``request_id`` starts as that same id and is replaced by
+    ``InputProcessor.assign_request_id`` with ``"{external}-{8 random hex}"``,
+    the id the core, the scheduler and the trace use. Two requests with the
+    same user id can therefore be in flight at once.
+    ``mm_features``, ``pooling_params``, ``lora_request``, ``prompt_embeds``
+    and ``data_parallel_rank`` are vLLM's fields for features Glassbox does
+    not have: always None, kept so vLLM's keyword calls build a request.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    priority: int = 0
-    client_index: int = 0
+    mm_features: None = None
+    pooling_params: None = None
+    lora_request: None = None
     cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    prompt_embeds: None = None
+    client_index: int = 0
+    priority: int = 0
+    external_req_id: str | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's processed parameters (vLLM: sampling or pooling)."""
+        return self.sampling_params
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -83,17 +109,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-class SchedulerStats(msgspec.Struct, omit_defaults=True):
-    """Snapshot of scheduler state after a step (vLLM: v1/metrics/stats.py)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0  # preemptions during this step
-    prefix_cache_queries: int = 0  # tokens looked up this step
-    prefix_cache_hits: int = 0  # tokens found this step
 
 
 class UtilityOutput(msgspec.Struct, array_like=True):

@@ -1,31 +1,35 @@
 """AsyncLLM: the asyncio front end the API server runs on.
 
-vLLM twin: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM``) and
-``RequestOutputCollector`` from ``vllm/v1/engine/output_processor.py``.
+vLLM twin: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM``).
 Read it for how one process serves many concurrent streams while EngineCore
 steps in another:
 
 * ``generate()`` -- an async generator per request: ``add_request`` (prompt ->
-  ``EngineCoreRequest`` -> ZMQ) returns a ``RequestOutputCollector``, and the
-  generator yields whatever lands in it until the request is finished. If the
-  caller stops iterating (a client disconnected, the task was cancelled),
-  the request is aborted in the core so its KV blocks go back to the pool.
+  ``EngineCoreRequest`` -> internal id -> ZMQ) returns a
+  ``RequestOutputCollector`` (see output_processor.py), and the generator
+  yields whatever lands in it until the request is finished. If the caller
+  stops iterating (a client disconnected, the task was cancelled), the
+  request is aborted in the core by its internal id so its KV blocks go back
+  to the pool.
 * ``output_handler`` -- one background task (started by
-  ``_run_output_handler``) that pulls ``EngineCoreOutputs`` off the socket,
-  runs the ``OutputProcessor`` (detokenize, stop strings, n-grouping) and puts
-  each ``RequestOutput`` in its request's collector. Stop strings found here
-  are aborted in the core; metrics are recorded here.
-* A collector holds at most one pending output: if the producer gets ahead of
-  a slow consumer, DELTA outputs are merged (``RequestOutput.add``), so a slow
-  client never makes the handler wait.
+  ``_run_output_handler``) that pulls ``EngineCoreOutputs`` off the socket and
+  runs the ``OutputProcessor`` (detokenize, stop strings, n-grouping), which
+  puts each ``RequestOutput`` in its request's collector. Stop strings found
+  there are aborted in the core; metrics are recorded here.
+* ``abort(request_id)`` takes the user's id (every request sent under it is
+  aborted and its ``generate()`` ends with finish_reason "abort");
+  ``abort(..., internal=True)`` takes internal ids.
 * Engine death -- the client turns it into ``EngineDeadError``; the handler
   hands it to every collector, and ``errored`` / ``check_health`` report it.
 Sessions: 01 (engine loop across two processes).
 
 Simpler than vLLM: no LoRA, pooling, streaming-input generators, pause/resume,
-sleep mode or data parallelism. The collector lives here next to its only
-user, and outputs are routed to collectors by request id, so the same
-``OutputProcessor`` serves ``LLMEngine`` and ``AsyncLLM`` unchanged.
+sleep mode or data parallelism.
+
+Differs from vLLM on purpose: ``add_request`` is all-or-nothing -- if
+anything fails before every part of the request reached the core, what was
+registered (output-processor state, stat entry, children already sent) is
+removed again, so a failed request leaks nothing.
 """
 
 from __future__ import annotations
@@ -33,20 +37,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Iterable
+from copy import copy
 from typing import Any
 
 from engine.config import GlassboxConfig
 from engine.engine.arg_utils import EngineArgs
 from engine.outputs import RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
 from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
-from engine.v1.engine import EngineCoreRequest, FinishReason
+from engine.v1.engine import EngineCoreRequest
 from engine.v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from engine.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from engine.v1.engine.input_processor import InputProcessor, PromptType
-from engine.v1.engine.output_processor import OutputProcessor
+from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.v1.engine.parallel_sampling import ParentRequest
 from engine.v1.executor.abstract import Executor
 from engine.v1.metrics.loggers import StatLogger
@@ -57,44 +62,6 @@ logger = logging.getLogger(__name__)
 # Outputs processed between two yields to the event loop, so one huge batch
 # cannot starve the HTTP handlers (vLLM: VLLM_V1_OUTPUT_PROC_CHUNK_SIZE).
 OUTPUT_PROC_CHUNK_SIZE = 128
-
-
-class RequestOutputCollector:
-    """Hand-off point between the output handler (producer) and one
-    ``generate()`` (consumer). Holds one output; newer DELTA outputs are
-    merged into it, newer CUMULATIVE/FINAL_ONLY ones replace it."""
-
-    def __init__(self, output_kind: RequestOutputKind, request_id: str) -> None:
-        self.aggregate = output_kind == RequestOutputKind.DELTA
-        self.request_id = request_id
-        self.output: RequestOutput | BaseException | None = None
-        self.ready = asyncio.Event()
-
-    def put(self, output: RequestOutput | BaseException) -> None:
-        if self.output is None or isinstance(output, BaseException):
-            self.output = output
-            self.ready.set()
-        elif isinstance(self.output, RequestOutput):
-            # Keeps the samples of an n > 1 request apart by index.
-            self.output.add(output, aggregate=self.aggregate)
-
-    async def get(self) -> RequestOutput:
-        while (output := self.output) is None:
-            await self.ready.wait()
-        self.output = None
-        self.ready.clear()
-        if isinstance(output, BaseException):
-            raise output
-        return output
-
-    def get_nowait(self) -> RequestOutput | None:
-        output = self.output
-        if output is not None:
-            self.output = None
-            self.ready.clear()
-        if isinstance(output, BaseException):
-            raise output
-        return output
 
 
 class AsyncLLM:
@@ -123,11 +90,12 @@ class AsyncLLM:
         )
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
         self.output_processor = OutputProcessor(
-            self.tokenizer, OutputProcessorTrace.create(self.tracer)
+            self.tokenizer,
+            log_stats=log_stats,
+            stream_interval=glassbox_config.scheduler_config.stream_interval,
+            trace=OutputProcessorTrace.create(self.tracer),
         )
         self.stat_logger = StatLogger(model_config.model) if log_stats else None
-        # request id (the parent's for n > 1) -> where its outputs go.
-        self.collectors: dict[str, RequestOutputCollector] = {}
         try:
             # EngineCore starts in its own process here (vLLM: always, for AsyncLLM).
             self.engine_core: AsyncMPClient = EngineCoreClient.make_async_mp_client(
@@ -188,33 +156,40 @@ class AsyncLLM:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> RequestOutputCollector:
-        """Validate, tokenize and send one request; returns its collector."""
+        """Validate, tokenize and send one request; returns its collector
+        (whose ``request_id`` is the internal id)."""
         if self.errored:
             raise EngineDeadError()
         if not isinstance(request_id, str) or not request_id:
+            # A ValueError, so generate() reports it as a bad request.
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.collectors or request_id in self.output_processor.request_states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
+        self.input_processor.assign_request_id(request)
         # Started on the first request rather than in __init__, so an
         # AsyncLLM can be built before the event loop exists.
         self._run_output_handler()
-        collector = RequestOutputCollector(request.sampling_params.output_kind, request_id)
-        self.collectors[request_id] = collector
-        n = request.sampling_params.n
-        if n == 1:
-            await self._add_request(request, prompt_text, None, 0)
-            return collector
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index in range(n):
-            child_id, child_params = parent.get_child_info(index)
-            child = request.__copy__()
-            child.request_id = child_id
-            child.sampling_params = child_params
-            await self._add_request(child, prompt_text, parent, index)
-        return collector
+        queue = RequestOutputCollector(request.sampling_params.output_kind, request.request_id)
+        # Internal ids handed to the core, to take back if a later part fails.
+        sent: list[str] = []
+        try:
+            params = request.sampling_params
+            if params.n == 1:
+                await self._add_request(request, prompt_text, None, 0, queue, sent)
+                return queue
+            # Fan out the children (n > 1).
+            parent = ParentRequest(request)
+            for index in range(params.n):
+                child_id, child_params = parent.get_child_info(index)
+                child = request if index == params.n - 1 else copy(request)
+                child.request_id = child_id
+                child.sampling_params = child_params
+                await self._add_request(child, prompt_text, parent, index, queue, sent)
+            return queue
+        except BaseException:
+            await self._undo_add_request(queue.request_id, sent)
+            raise
 
     async def _add_request(
         self,
@@ -222,13 +197,28 @@ class AsyncLLM:
         prompt_text: str | None,
         parent: ParentRequest | None,
         index: int,
+        queue: RequestOutputCollector,
+        sent: list[str],
     ) -> None:
-        self.output_processor.add_request(request, prompt_text, parent, index)
+        self.output_processor.add_request(request, prompt_text, parent, index, queue)
         if self.stat_logger is not None:
             self.stat_logger.add_request(request.request_id, request.arrival_time)
+        # Counted before the send: a cancelled send may still have reached the core.
+        sent.append(request.request_id)
         await self.engine_core.add_request_async(request)
         if self.log_requests:
             logger.info("Added request %s.", request.request_id)
+
+    async def _undo_add_request(self, internal_id: str, sent: list[str]) -> None:
+        """Forget a request whose ``add_request`` failed part-way."""
+        forgotten = self.output_processor.abort_requests([internal_id], internal=True)
+        if self.stat_logger is not None:
+            self.stat_logger.forget_requests(forgotten)
+        if sent and not self.errored:
+            try:
+                await asyncio.shield(self.engine_core.abort_requests_async(sent))
+            except Exception:
+                logger.exception("Could not abort the sent parts of request %s.", internal_id)
 
     async def generate(
         self,
@@ -243,22 +233,20 @@ class AsyncLLM:
         Errors: ``ValueError`` for a bad request (nothing was sent),
         ``EngineDeadError`` when the core is gone, ``EngineGenerateError`` for
         anything else (the request is aborted; the engine keeps serving)."""
-        collector: RequestOutputCollector | None = None
+        queue: RequestOutputCollector | None = None
         try:
-            collector = await self.add_request(
-                request_id, prompt, sampling_params, priority=priority
-            )
+            queue = await self.add_request(request_id, prompt, sampling_params, priority=priority)
             finished = False
             while not finished:
                 # Take what is there without a task switch when possible.
-                out = collector.get_nowait() or await collector.get()
+                out = queue.get_nowait() or await queue.get()
                 finished = out.finished
                 yield out
         except (asyncio.CancelledError, GeneratorExit):
             # The consumer went away (client disconnect, cancelled task).
-            if collector is not None and not self.errored:
+            if queue is not None and not self.errored:
                 # Shielded: a cancelled scope must not stop the abort itself.
-                await asyncio.shield(self.abort(collector.request_id, internal=True))
+                await asyncio.shield(self.abort(queue.request_id, internal=True))
             if self.log_requests:
                 logger.info("Request %s aborted.", request_id)
             raise
@@ -271,46 +259,20 @@ class AsyncLLM:
                 logger.info("Request %s failed (bad request).", request_id)
             raise
         except Exception as e:
-            if collector is not None:
-                await self.abort(collector.request_id, internal=True)
+            if queue is not None:
+                await self.abort(queue.request_id, internal=True)
             raise EngineGenerateError(f"request {request_id} failed: {e}") from e
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
-        """Abort requests in the front end and in EngineCore. An external
-        abort also ends the request's ``generate()`` with finish_reason "abort"."""
+        """Abort requests in the front end and in EngineCore.
+
+        ``internal=False``: the user's ids; each ``generate()`` running under
+        one ends with a last output whose finish_reason is "abort".
+        ``internal=True``: internal ids (what a collector's ``request_id`` is)."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        states = self.output_processor.request_states
-        # Build the final "abort" outputs before the states are dropped.
-        final: dict[str, RequestOutput] = {}
-        if not internal:
-            for rid in request_ids:
-                parent = self.output_processor.parent_requests.get(rid)
-                children = sorted(parent.child_requests) if parent else [rid]
-                completions = []
-                for c in children:
-                    if c in states:
-                        states[c]._new_tokens = 0  # nothing new since the last output
-                        completions.append(
-                            states[c].make_completion_output(FinishReason.ABORT, None, True)
-                        )
-                first = next((states[c] for c in children if c in states), None)
-                if first is not None:
-                    final[rid] = RequestOutput(
-                        request_id=rid,
-                        prompt=first.prompt,
-                        prompt_token_ids=first.prompt_token_ids,
-                        prompt_logprobs=None,
-                        outputs=completions,
-                        finished=True,
-                        num_cached_tokens=first.num_cached_tokens,
-                    )
-        to_abort = self.output_processor.abort_requests(request_ids)
+        to_abort = self.output_processor.abort_requests(request_ids, internal)
         if self.stat_logger is not None:
             self.stat_logger.forget_requests(to_abort)
-        for rid in request_ids:
-            collector = self.collectors.pop(rid, None)
-            if collector is not None and rid in final:
-                collector.put(final[rid])
         await self.engine_core.abort_requests_async(to_abort)
         if self.log_requests:
             logger.info("Aborted request(s) %s.", ",".join(request_ids))
@@ -323,7 +285,6 @@ class AsyncLLM:
         # dropped without shutdown() would never be collected.
         engine_core = self.engine_core
         output_processor = self.output_processor
-        collectors = self.collectors
         stat_logger = self.stat_logger
 
         async def output_handler() -> None:
@@ -334,18 +295,11 @@ class AsyncLLM:
                     batch = outputs.outputs
                     reqs_to_abort: list[str] = []
                     for start in range(0, max(len(batch), 1), OUTPUT_PROC_CHUNK_SIZE):
-                        # 2) Detokenize, check stop strings, group n > 1.
+                        # 2) Detokenize, check stop strings, group n > 1; each
+                        # RequestOutput goes into its request's collector.
                         processed = output_processor.process_outputs(
                             batch[start : start + OUTPUT_PROC_CHUNK_SIZE]
                         )
-                        # 3) Hand each RequestOutput to its generate().
-                        for request_output in processed.request_outputs:
-                            collector = collectors.get(request_output.request_id)
-                            if collector is None:
-                                continue
-                            collector.put(request_output)
-                            if request_output.finished:
-                                del collectors[request_output.request_id]
                         reqs_to_abort += processed.reqs_to_abort
                         if stat_logger is not None:
                             stat_logger.record_tokens(
@@ -353,10 +307,10 @@ class AsyncLLM:
                             )
                         if start + OUTPUT_PROC_CHUNK_SIZE < len(batch):
                             await asyncio.sleep(0)
-                    # 4) Requests a stop string ended are still running in the core.
+                    # 3) Requests a stop string ended are still running in the core.
                     if reqs_to_abort:
                         await engine_core.abort_requests_async(reqs_to_abort)
-                    # 5) Metrics.
+                    # 4) Metrics.
                     if stat_logger is not None:
                         if outputs.scheduler_stats is not None:
                             stat_logger.record_scheduler_stats(outputs.scheduler_stats)
@@ -365,9 +319,7 @@ class AsyncLLM:
                 if not isinstance(e, EngineDeadError):
                     logger.exception("AsyncLLM output_handler failed.")
                 # Every waiting generate() raises it.
-                for collector in list(collectors.values()):
-                    collector.put(e)
-                collectors.clear()
+                output_processor.propagate_error(e)
 
         self.output_handler = asyncio.create_task(output_handler(), name="AsyncLLMOutputHandler")
 
@@ -398,8 +350,12 @@ class AsyncLLM:
             raise ValueError("no tokenizer: the engine was built with skip_tokenizer_init=True")
         return self.tokenizer
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine_core.reset_prefix_cache_async()
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return await self.engine_core.reset_prefix_cache_async(
+            reset_running_requests, reset_connector
+        )
 
     def get_metrics(self) -> list[Metric]:
         if self.stat_logger is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.v1.engine import EngineCoreRequest
 
 # How many prompt tokens seed the decoding window, so the first generated
 # token is decoded with the context it follows (spaces, merges).
@@ -75,6 +76,20 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._window_ids)
         self._last_output_text_offset = 0
+
+    @classmethod
+    def from_new_request(
+        cls, tokenizer: Any | None, request: EngineCoreRequest
+    ) -> IncrementalDetokenizer:
+        return cls(tokenizer, request.prompt_token_ids, request.sampling_params)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """All generated token ids so far (including a stop token)."""
+        return self.token_ids
+
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

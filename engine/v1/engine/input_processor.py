@@ -5,10 +5,19 @@ Read it for what is settled in the front end so EngineCore never has to:
 tokenizing text prompts, rejecting prompts the model cannot hold, filling in
 ``max_tokens`` when the user left it open, and telling the sampling
 parameters which tokens mean end-of-sequence.
+``assign_request_id`` gives each request the internal id the core will know
+it by: the user's id plus 8 random hex characters, with the user's id kept in
+``external_req_id``. Users may reuse an id (even while the first request with
+it is running), and no id a user picks can equal the id of someone else's
+request or of an ``n > 1`` child (``"{index}_{internal id}"``).
 Sessions: 01 (engine loop).
 
 Simpler than vLLM: text and token-id prompts only (no multimodal data,
 embeddings or encoder-decoder prompts), no LoRA.
+
+Differs from vLLM on purpose: ``process_inputs`` returns the prompt text with
+the request (vLLM returns the request and reads the text off the prompt in
+the caller), since tokenizing here already took the text apart.
 """
 
 from __future__ import annotations
@@ -16,12 +25,14 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from engine.config import GlassboxConfig
 from engine.sampling_params import SamplingParams
 from engine.v1.engine import EngineCoreRequest
+from engine.v1.sample.logits_processor import validate_logits_processors_parameters
 
 # What a prompt may be: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
@@ -42,6 +53,18 @@ class InputProcessor:
         self.model_config = glassbox_config.model_config
         self.tokenizer = tokenizer
         self.generation_config = load_generation_config(self.model_config.model)
+
+    @staticmethod
+    def assign_request_id(request: EngineCoreRequest) -> None:
+        """Move the user's id to ``external_req_id`` and give the request a
+        unique internal ``request_id``."""
+        if request.external_req_id is not None:
+            raise ValueError(
+                "The external_req_id field should not be set on EngineCoreRequests"
+                " passed to Glassbox; use the request_id field."
+            )
+        request.external_req_id = request.request_id
+        request.request_id = f"{request.external_req_id}-{uuid.uuid4().hex[:8]}"
 
     def get_eos_token_id(self) -> int | None:
         if self.tokenizer is None:
@@ -100,7 +123,8 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
-        """Returns the prompt text (if any) and the request for EngineCore."""
+        """Returns the prompt text (if any) and the request for EngineCore,
+        still under the user's ``request_id`` (see ``assign_request_id``)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -131,6 +155,7 @@ class InputProcessor:
                 f"min_tokens={params.min_tokens} is more than the {room} tokens left after the "
                 f"{len(token_ids)}-token prompt in max_model_len={max_model_len}"
             )
+        validate_logits_processors_parameters(self.model_config.logits_processors, params)
         params.update_from_generation_config(self.generation_config, self.get_eos_token_id())
         if self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)

@@ -3,10 +3,13 @@
 vLLM twin: ``vllm/v1/engine/llm_engine.py`` (``LLMEngine``).
 Read it for the front-end half of one step:
   ``add_request``: prompt -> ``InputProcessor`` -> ``EngineCoreRequest`` ->
-  core client (``n > 1`` becomes ``n`` child requests first);
+  internal id (``assign_request_id``) -> core client (``n > 1`` becomes ``n``
+  child requests first); returns the internal id;
   ``step``: core client ``get_output()`` (one EngineCore step) ->
-  ``OutputProcessor`` (text, stop strings, grouping) -> ``RequestOutput`` list,
-  and aborts in the core any request a stop string ended.
+  ``OutputProcessor`` (text, stop strings, grouping) -> ``RequestOutput`` list
+  (under the user's ids), and aborts in the core any request a stop string
+  ended;
+  ``abort_request(ids)``: the user's ids, or internal ones with ``internal=True``.
 
 As in vLLM, EngineCore runs in its own process by default (``SyncMPClient``;
 ``get_output()`` then waits for the next batch off the socket). Set
@@ -16,12 +19,17 @@ As in vLLM, EngineCore runs in its own process by default (``SyncMPClient``;
 directly. Both give the same outputs. In multi-process mode the executor
 class travels to the child by import path, so it must be a top-level class.
 Sessions: 01 (engine loop).
+
+Differs from vLLM on purpose: ``add_request`` is all-or-nothing -- if a part
+of the request fails to reach the core, what was registered is removed and
+the parts already sent are aborted.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from copy import copy
 from typing import Any
 
 from engine.config import GlassboxConfig
@@ -31,6 +39,7 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
 from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
+from engine.v1.engine import EngineCoreRequest
 from engine.v1.engine.core_client import EngineCoreClient
 from engine.v1.engine.input_processor import InputProcessor, PromptType
 from engine.v1.engine.output_processor import OutputProcessor
@@ -75,7 +84,10 @@ class LLMEngine:
         self.tracer = Tracer(trace_file, obs.trace_level)
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
         self.output_processor = OutputProcessor(
-            self.tokenizer, OutputProcessorTrace.create(self.tracer)
+            self.tokenizer,
+            log_stats=log_stats,
+            stream_interval=glassbox_config.scheduler_config.stream_interval,
+            trace=OutputProcessorTrace.create(self.tracer),
         )
         self.stat_logger = StatLogger(model_config.model) if log_stats else None
         try:
@@ -123,38 +135,63 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
-    ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.output_processor.request_states or (
-            request_id in self.output_processor.parent_requests
-        ):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    ) -> str:
+        """Queue one request; returns its internal id. Outputs come back from
+        ``step()`` under ``request_id`` (which may be reused at any time)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string, got ''")
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
-        n = request.sampling_params.n
-        if n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self._add_to_stats(request)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index in range(n):
-            child_id, child_params = parent.get_child_info(index)
-            child = request.__copy__()
-            child.request_id = child_id
-            child.sampling_params = child_params
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            self._add_to_stats(child)
-            self.engine_core.add_request(child)
+        self.input_processor.assign_request_id(request)
+        internal_id = request.request_id
+        # Internal ids handed to the core, to take back if a later part fails.
+        sent: list[str] = []
+        try:
+            n = request.sampling_params.n
+            if n == 1:
+                self._add_request(request, prompt_text, None, 0, sent)
+                return internal_id
+            # Fan out the children (n > 1).
+            parent = ParentRequest(request)
+            for index in range(n):
+                child_id, child_params = parent.get_child_info(index)
+                child = request if index == n - 1 else copy(request)
+                child.request_id = child_id
+                child.sampling_params = child_params
+                self._add_request(child, prompt_text, parent, index, sent)
+            return internal_id
+        except BaseException:
+            forgotten = self.output_processor.abort_requests([internal_id], internal=True)
+            if self.stat_logger is not None:
+                self.stat_logger.forget_requests(forgotten)
+            if sent:
+                try:
+                    self.engine_core.abort_requests(sent)
+                except Exception:
+                    logger.exception("Could not abort the sent parts of request %s.", internal_id)
+            raise
 
-    def _add_to_stats(self, request) -> None:
+    def _add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt_text: str | None,
+        parent: ParentRequest | None,
+        index: int,
+        sent: list[str],
+    ) -> None:
+        self.output_processor.add_request(request, prompt_text, parent, index)
         if self.stat_logger is not None:
             self.stat_logger.add_request(request.request_id, request.arrival_time)
+        sent.append(request.request_id)  # aborting an id the core never got is harmless
+        self.engine_core.add_request(request)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        to_abort = self.output_processor.abort_requests(list(request_ids))
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        """Abort in the front end and in EngineCore: the user's ids, or
+        internal ids (an ``n > 1`` request's id aborts all its children)."""
+        to_abort = self.output_processor.abort_requests(list(request_ids), internal)
         if self.stat_logger is not None:
             self.stat_logger.forget_requests(to_abort)
         self.engine_core.abort_requests(to_abort)
@@ -194,8 +231,10 @@ class LLMEngine:
             raise ValueError("no tokenizer: the engine was built with skip_tokenizer_init=True")
         return self.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def shutdown(self) -> None:
         """Stop EngineCore (its process, in multi-process mode) and close the

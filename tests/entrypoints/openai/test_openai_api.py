@@ -10,6 +10,8 @@ non-streamed text, which must equal ``LLM.generate`` / ``LLM.chat`` offline.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -364,9 +366,11 @@ def test_server_trace_links_the_http_request_to_both_processes(model_dir, tmp_pa
         assert kind in kinds, kind
     api_request = next(e for e in events if e.kind == "api.request")
     assert api_request.request_id == "traced" and api_request.stream is True
-    # The engine request of prompt 0 is "<http request id>-0".
+    # The engine request of prompt 0 is "<http request id>-0"; inside the
+    # engine it is known by its internal id, that plus 8 random hex characters.
     received = next(e for e in events if e.kind == "request.received")
-    assert received.request_id == "traced-0" and received.pid == core_pid
+    assert re.fullmatch(r"traced-0-[0-9a-f]{8}", received.request_id)
+    assert received.pid == core_pid
     api_chunks = [e for e in events if e.kind == "api.chunk"]
     assert {e.request_id for e in api_chunks} == {"traced"}
     assert api_request.ts <= received.ts <= api_chunks[-1].ts

@@ -145,7 +145,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, model_dir, endpoi
     )
     assert 0 < generated < 240, "the request ran on after its client left"
     assert server.engine_client.output_processor.request_states == {}
-    assert server.engine_client.collectors == {}
+    assert server.engine_client.output_processor.external_req_ids == {}
     # The server is as good as new.
     out = server.get_client().completions.create(
         model=str(model_dir), prompt="w7", max_tokens=2, temperature=0

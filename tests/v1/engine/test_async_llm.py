@@ -19,7 +19,7 @@ import pytest_asyncio
 from engine.engine.arg_utils import EngineArgs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.async_llm import AsyncLLM
-from engine.v1.engine.exceptions import EngineDeadError
+from engine.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from tests.entrypoints.openai.utils import SlowCountingExecutor, pid_exited
 from tests.helpers.engine_fixtures import ids
 from tests.helpers.tiny_model import make_tiny_model_dir
@@ -158,7 +158,8 @@ async def test_cancelled_consumer_aborts_the_request_and_frees_its_blocks(engine
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert "cancel-me" not in engine.output_processor.request_states
+    assert "cancel-me" not in engine.output_processor.external_req_ids
+    assert engine.output_processor.request_states == {}
     await wait_idle(engine)
 
 
@@ -188,16 +189,87 @@ async def test_bad_requests_fail_alone(engine):
         await collect(engine, {"prompt_token_ids": [4, 999]}, greedy(), "bad")
     with pytest.raises(ValueError, match="max_model_len"):
         await collect(engine, {"prompt_token_ids": [4] * 256}, greedy(), "long")
-    ok = asyncio.create_task(
-        collect(engine, "w1", greedy(max_tokens=2, output_kind=FINAL_ONLY), "dup")
-    )
-    await asyncio.sleep(0)
-    with pytest.raises(ValueError, match="already in use"):
-        await collect(engine, "w2", greedy(), "dup")
-    (out,) = await ok
-    assert out.outputs[0].text == " w2 w3"
+    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+        await collect(engine, "w1", greedy(), "")
+    assert engine.output_processor.request_states == {}
     assert not engine.errored
     await engine.check_health()
+
+
+async def test_the_same_id_twice_in_flight(engine):
+    """As in vLLM, a user id may be reused while a request under it still
+    runs: the core knows each by its own internal id."""
+    final = greedy(max_tokens=2, output_kind=FINAL_ONLY)
+    first, second = await asyncio.gather(
+        collect(engine, "w1", final, "dup"), collect(engine, "w30", final, "dup")
+    )
+    assert [(o.request_id, o.outputs[0].text) for o in first + second] == [
+        ("dup", " w2 w3"),
+        ("dup", " w31 w32"),
+    ]
+    await wait_idle(engine)
+
+
+async def test_abort_by_the_users_id_ends_every_request_under_it(engine):
+    outputs: dict[int, list] = {0: [], 1: []}
+
+    async def consume(k: int, prompt: str):
+        async for out in engine.generate(
+            prompt, greedy(max_tokens=240, ignore_eos=True, output_kind=DELTA), "twice"
+        ):
+            outputs[k].append(out)
+
+    tasks = [asyncio.create_task(consume(k, p)) for k, p in enumerate(["w1", "w40"])]
+    while not (outputs[0] and outputs[1]):
+        await asyncio.sleep(0.01)
+    await engine.abort("twice")
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    for outs in outputs.values():
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert engine.output_processor.external_req_ids == {}
+    await wait_idle(engine)
+
+
+async def test_client_id_that_looks_like_a_child_id_does_not_collide(engine):
+    """ "0_col" in flight used to take the id of the first child of "col"
+    (n=2), which then failed -- and "col" stayed refused for ever."""
+    blocker = asyncio.create_task(
+        collect(engine, "w1", greedy(max_tokens=30, ignore_eos=True), "0_col")
+    )
+    await asyncio.sleep(0.02)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=2, output_kind=FINAL_ONLY)
+    for _ in range(2):  # and again, once the first "col" is done
+        (out,) = await collect(engine, "w20", params, "col")
+        assert out.request_id == "col" and [c.text for c in out.outputs] == [" w21 w22"] * 2
+    assert (await blocker)[-1].request_id == "0_col"
+    await wait_idle(engine)
+
+
+async def test_a_failed_add_leaves_nothing_behind(engine, monkeypatch):
+    """The second child of an n=3 request cannot be sent (say msgpack refuses
+    an integer): the child already in the core is aborted and every record in
+    the front end -- output state, id mapping, stat entry -- is removed."""
+    real_add = engine.engine_core.add_request_async
+    calls = []
+
+    async def add_fails_the_second_time(request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise OverflowError("int too big to convert")
+        await real_add(request)
+
+    monkeypatch.setattr(engine.engine_core, "add_request_async", add_fails_the_second_time)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=200, output_kind=FINAL_ONLY)
+    with pytest.raises(EngineGenerateError):
+        await collect(engine, "w5", params, "big")
+    monkeypatch.setattr(engine.engine_core, "add_request_async", real_add)
+    op = engine.output_processor
+    assert (op.request_states, op.parent_requests, dict(op.external_req_ids)) == ({}, {}, {})
+    assert engine.stat_logger._requests == {}
+    await wait_idle(engine)
+    params.max_tokens = 2
+    (out,) = await collect(engine, "w5", params, "big")
+    assert len(out.outputs) == 3
 
 
 async def test_latency_histograms_and_prometheus_text(engine):

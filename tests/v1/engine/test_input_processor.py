@@ -180,3 +180,23 @@ def test_tokenizer_checks_on_params(processor):
 def test_load_generation_config(tmp_path, model_dir):
     assert load_generation_config(str(model_dir)) == {"eos_token_id": EOS}
     assert load_generation_config(str(tmp_path)) == {}
+
+
+def test_assign_request_id_keeps_the_users_id_and_adds_a_random_suffix(processor):
+    _, request = processor.process_inputs("chat-7", "w1", SamplingParams())
+    assert (request.request_id, request.external_req_id) == ("chat-7", None)
+    InputProcessor.assign_request_id(request)
+    assert request.external_req_id == "chat-7"
+    prefix, suffix = request.request_id.rsplit("-", 1)
+    assert prefix == "chat-7" and len(suffix) == 8 and int(suffix, 16) >= 0
+    # Each request gets its own internal id, even under the same user id.
+    _, again = processor.process_inputs("chat-7", "w1", SamplingParams())
+    processor.assign_request_id(again)
+    assert again.request_id != request.request_id
+
+
+def test_assign_request_id_refuses_a_request_that_already_has_one(processor):
+    _, request = processor.process_inputs("x", "w1", SamplingParams())
+    processor.assign_request_id(request)
+    with pytest.raises(ValueError, match="external_req_id field should not be set"):
+        processor.assign_request_id(request)

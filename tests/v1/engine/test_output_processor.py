@@ -8,14 +8,17 @@ real ``OutputProcessor`` that detokenizes with the tiny word-level tokenizer
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.logprobs import Logprob
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine import EngineCoreOutput, FinishReason
 from engine.v1.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
-from engine.v1.engine.output_processor import OutputProcessor
+from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.v1.engine.parallel_sampling import ParentRequest
 from engine.v1.outputs import LogprobsLists
 from tests.helpers.engine_fixtures import BOS, EOS, ids, make_engine_core_request
@@ -34,7 +37,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture
 def processor(tokenizer):
-    return OutputProcessor(tokenizer)
+    return OutputProcessor(tokenizer, log_stats=True)
 
 
 def params(kind=CUMULATIVE, **kwargs) -> SamplingParams:
@@ -51,8 +54,16 @@ def out(request_id, words, finish=None, stop_reason=None, **kwargs) -> EngineCor
     )
 
 
-def add(processor, request_id="r", prompt="w5", sp=None, prompt_text="w5"):
+def request_for(request_id, prompt="w5", sp=None, external_req_id=None):
+    """A request after ``assign_request_id``; the internal id is
+    ``request_id`` (the user's id too, unless ``external_req_id`` is given)."""
     request = make_engine_core_request(request_id, ids(prompt), sp or params())
+    request.external_req_id = external_req_id or request_id
+    return request
+
+
+def add(processor, request_id="r", prompt="w5", sp=None, prompt_text="w5", **kwargs):
+    request = request_for(request_id, prompt, sp, **kwargs)
     processor.add_request(request, prompt_text)
     return request
 
@@ -164,8 +175,8 @@ def test_detokenize_false_and_no_tokenizer(processor):
     c = result.request_outputs[0].outputs[0]
     assert c.text == "" and list(c.token_ids) == ids("w6 w7")
     # Logprobs carry no decoded text either.
-    no_tok = OutputProcessor(None)
-    no_tok.add_request(make_engine_core_request("x", ids("w5"), params(logprobs=0)), None)
+    no_tok = OutputProcessor(None, log_stats=False)
+    no_tok.add_request(request_for("x", sp=params(logprobs=0)), None)
     lp = LogprobsLists([[10]], [[-0.25]], [1])
     result = no_tok.process_outputs([out("x", "w6", FinishReason.LENGTH, new_logprobs=lp)])
     c = result.request_outputs[0].outputs[0]
@@ -367,9 +378,12 @@ def test_detokenizer_waits_for_complete_characters(byte_tokenizer):
 
 
 def test_stop_string_made_of_multi_byte_characters(byte_tokenizer):
-    processor = OutputProcessor(byte_tokenizer)
-    prompt = byte_tokenizer.encode("ok: ")
-    processor.add_request(make_engine_core_request("r", prompt, params(DELTA, stop=["界"])), "ok: ")
+    processor = OutputProcessor(byte_tokenizer, log_stats=False)
+    request = make_engine_core_request(
+        "r", byte_tokenizer.encode("ok: "), params(DELTA, stop=["界"])
+    )
+    request.external_req_id = "r"
+    processor.add_request(request, "ok: ")
     token_ids = byte_tokenizer.encode("héllo 世界!")
     texts_seen, aborted = [], []
     for token_id in token_ids[:13]:
@@ -427,8 +441,8 @@ def test_no_logprobs_when_not_requested(processor):
 # ---------------------------------------------------------------------------
 def add_parent(processor, parent_id="p", n=3, kind=FINAL_ONLY, seed=None):
     sp = SamplingParams(n=n, temperature=0.7, seed=seed, output_kind=kind, max_tokens=4)
-    parent_request = make_engine_core_request(parent_id, ids("w5"), sp)
-    parent = ParentRequest(parent_id, parent_request.sampling_params)
+    parent_request = request_for(parent_id, sp=sp)
+    parent = ParentRequest(parent_request)
     for index in range(n):
         child_id, child_params = parent.get_child_info(index)
         child = parent_request.__copy__()
@@ -440,7 +454,8 @@ def add_parent(processor, parent_id="p", n=3, kind=FINAL_ONLY, seed=None):
 
 def test_parent_request_child_info():
     sp = SamplingParams(n=3, temperature=0.7, seed=10)
-    parent = ParentRequest("p", sp)
+    parent = ParentRequest(request_for("p", sp=sp))
+    sp = parent.sampling_params
     infos = [parent.get_child_info(i) for i in range(3)]
     assert [cid for cid, _ in infos] == ["0_p", "1_p", "2_p"]
     assert [cp.seed for _, cp in infos] == [10, 11, 12]
@@ -448,7 +463,7 @@ def test_parent_request_child_info():
     assert parent.child_requests == {"0_p", "1_p", "2_p"}
     # The parent's own params are untouched.
     assert (sp.n, sp.seed) == (3, 10)
-    unseeded = ParentRequest("q", SamplingParams(n=2, temperature=0.7))
+    unseeded = ParentRequest(request_for("q", sp=SamplingParams(n=2, temperature=0.7)))
     assert unseeded.get_child_info(1)[1].seed is None
 
 
@@ -492,19 +507,224 @@ def test_abort_parent_request_aborts_all_children(processor):
     add_parent(processor, "p", n=3)
     add(processor, "solo")
     processor.process_outputs([out("0_p", "w6")])
-    to_abort = processor.abort_requests(["p", "unknown"])
+    to_abort = processor.abort_requests(["p", "unknown"], internal=True)
     assert to_abort == ["0_p", "1_p", "2_p"]
     assert list(processor.request_states) == ["solo"]
     assert processor.parent_requests == {}
     # Late outputs of aborted children produce nothing.
     assert processor.process_outputs([out("1_p", "w6")]).request_outputs == []
-    assert processor.abort_requests(["solo", "solo"]) == ["solo"]
+    assert processor.abort_requests(["solo", "solo"], internal=True) == ["solo"]
     assert not processor.has_unfinished_requests()
 
 
 def test_abort_parent_after_some_children_finished(processor):
     add_parent(processor, "p", n=3)
     processor.process_outputs([out("1_p", "w6", FinishReason.LENGTH)])
-    assert processor.abort_requests(["p"]) == ["0_p", "2_p"]
+    assert processor.abort_requests(["p"], internal=True) == ["0_p", "2_p"]
     assert not processor.has_unfinished_requests()
     assert processor.parent_requests == {}
+
+
+# ---------------------------------------------------------------------------
+# Logprobs of a mixed batch: each request gets its own width
+# ---------------------------------------------------------------------------
+def test_each_request_gets_its_own_number_of_logprobs(processor):
+    """The sampler gathers the widest top-k any request in the batch asked for
+    (5 here), so the row of the logprobs=1 request has 1 + 5 columns too."""
+    add(processor, "one", sp=params(logprobs=1))
+    add(processor, "five", sp=params(logprobs=5))
+    # Sampled w9 is 4th most likely; the top-5 are w6..w10.
+    row = ([13, 10, 11, 12, 13, 14], [-1.4, -0.2, -0.6, -1.0, -1.4, -1.8], 4)
+    batch = [
+        out("one", "w9", FinishReason.LENGTH, new_logprobs=LogprobsLists(*([r] for r in row))),
+        out("five", "w9", FinishReason.LENGTH, new_logprobs=LogprobsLists(*([r] for r in row))),
+    ]
+    one, five = processor.process_outputs(batch).request_outputs
+    assert one.outputs[0].logprobs == [{13: Logprob(-1.4, 4, "w9"), 10: Logprob(-0.2, 1, "w6")}]
+    (position,) = five.outputs[0].logprobs
+    # The sampled token is also the 4th of the top-5: five entries, not six.
+    assert list(position) == [13, 10, 11, 12, 14]
+    assert position[13].rank == 4
+
+
+# ---------------------------------------------------------------------------
+# Two ids: the user's (external) and the core's (internal)
+# ---------------------------------------------------------------------------
+def test_outputs_carry_the_users_id(processor):
+    add(processor, "job-1a2b3c4d", external_req_id="job")
+    (o,) = processor.process_outputs([out("job-1a2b3c4d", "w6")]).request_outputs
+    assert o.request_id == "job"
+    assert processor.external_req_ids == {"job": ["job-1a2b3c4d"]}
+
+
+def test_same_user_id_twice_in_flight(processor):
+    add(processor, "dup-1", external_req_id="dup", sp=params(DELTA))
+    add(processor, "dup-2", external_req_id="dup", sp=params(DELTA))
+    result = processor.process_outputs([out("dup-1", "w6"), out("dup-2", "w9")])
+    assert [(o.request_id, o.outputs[0].text) for o in result.request_outputs] == [
+        ("dup", " w6"),
+        ("dup", " w9"),
+    ]
+    processor.process_outputs([out("dup-1", "w7", FinishReason.LENGTH)])
+    assert processor.external_req_ids == {"dup": ["dup-2"]}
+    # Abort by the user's id takes every request still running under it.
+    assert processor.abort_requests(["dup"], internal=False) == ["dup-2"]
+    assert processor.external_req_ids == {} and not processor.has_unfinished_requests()
+
+
+def test_abort_by_internal_id_keeps_the_others_under_the_same_user_id(processor):
+    add(processor, "x-1", external_req_id="x")
+    add(processor, "x-2", external_req_id="x")
+    assert processor.abort_requests(["x-1"], internal=True) == ["x-1"]
+    assert processor.external_req_ids == {"x": ["x-2"]}
+    # An internal id is not a user id, and the reverse.
+    assert processor.abort_requests(["x-2"], internal=False) == []
+    assert processor.abort_requests(["x"], internal=True) == []
+    assert list(processor.request_states) == ["x-2"]
+
+
+def test_abort_by_user_id_of_an_n_request_forgets_the_parent(processor):
+    """Without a collector (LLMEngine) no abort output is built, yet the parent
+    must go too (vLLM keeps it: a leak Glassbox does not copy)."""
+    parent = add_parent(processor, "p", n=3, kind=DELTA)
+    processor.process_outputs([out("1_p", "w6", FinishReason.LENGTH)])
+    assert processor.abort_requests(["p"], internal=False) == ["0_p", "2_p"]
+    assert processor.parent_requests == {} and processor.external_req_ids == {}
+    assert parent.child_requests == set()
+
+
+def test_abort_puts_a_last_output_in_the_collector(processor):
+    request = request_for("c-int", sp=params(DELTA), external_req_id="c")
+    queue = RequestOutputCollector(DELTA, "c-int")
+    processor.add_request(request, "w5", queue=queue)
+    assert processor.process_outputs([out("c-int", "w6")]).request_outputs == []
+    processor.abort_requests(["c"], internal=False)
+    o = queue.get_nowait()  # the " w6" delta and the abort, merged
+    assert (o.request_id, o.finished, o.outputs[0].text) == ("c", True, " w6")
+    assert o.outputs[0].finish_reason == "abort"
+
+
+def test_abort_of_a_final_only_n_request_sends_all_samples_once(processor):
+    sp = SamplingParams(n=2, temperature=0.7, output_kind=FINAL_ONLY, max_tokens=4)
+    request = request_for("q-int", sp=sp, external_req_id="q")
+    parent = ParentRequest(request)
+    queue = RequestOutputCollector(FINAL_ONLY, "q-int")
+    for index in range(2):
+        child_id, child_params = parent.get_child_info(index)
+        child = request.__copy__()
+        child.request_id, child.sampling_params = child_id, child_params
+        processor.add_request(child, "w5", parent, index, queue)
+    processor.process_outputs([out("0_q-int", "w6", FinishReason.LENGTH), out("1_q-int", "w6")])
+    assert queue.output is None  # FINAL_ONLY: waiting for sample 1
+    assert processor.abort_requests(["q-int"], internal=True) == ["1_q-int"]
+    o = queue.get_nowait()
+    assert o.request_id == "q" and o.finished
+    assert [(c.index, c.finish_reason) for c in o.outputs] == [(0, "length"), (1, "abort")]
+    assert processor.parent_requests == {}
+
+
+# ---------------------------------------------------------------------------
+# stream_interval
+# ---------------------------------------------------------------------------
+def stream(processor, words, last_finishes=True):
+    """One token per step; the outputs of each step."""
+    word_list = words.split()
+    per_step = []
+    for k, w in enumerate(word_list):
+        finish = FinishReason.LENGTH if last_finishes and k == len(word_list) - 1 else None
+        per_step.append(processor.process_outputs([out("r", w, finish)]).request_outputs)
+    return per_step
+
+
+def test_stream_interval_coalesces_delta_outputs(tokenizer):
+    processor = OutputProcessor(tokenizer, log_stats=False, stream_interval=3)
+    add(processor, sp=params(DELTA))
+    per_step = stream(processor, "w6 w7 w8 w9 w10 w11 w12 w13")
+    # First token at once, then every 3 tokens, and whatever is left at the end.
+    sent = [[list(o.outputs[0].token_ids) for o in step] for step in per_step]
+    assert sent == [
+        [ids("w6")],
+        [],
+        [],
+        [ids("w7 w8 w9")],
+        [],
+        [],
+        [ids("w10 w11 w12")],
+        [ids("w13")],
+    ]
+    texts_sent = [o.outputs[0].text for step in per_step for o in step]
+    assert "".join(texts_sent) == " w6 w7 w8 w9 w10 w11 w12 w13"
+
+
+def test_stream_interval_sends_held_tokens_on_a_stop_string(tokenizer):
+    processor = OutputProcessor(tokenizer, log_stats=False, stream_interval=4)
+    add(processor, sp=params(DELTA, stop=["w9"], logprobs=0))
+    lp = [LogprobsLists([[t]], [[-0.5]], [1]) for t in ids("w6 w7 w8 w9")]
+    outs = []
+    for word, rows in zip("w6 w7 w8 w9".split(), lp):
+        result = processor.process_outputs([out("r", word, new_logprobs=rows)])
+        outs += result.request_outputs
+    assert [list(o.outputs[0].token_ids) for o in outs] == [ids("w6"), ids("w7 w8 w9")]
+    assert [len(o.outputs[0].logprobs) for o in outs] == [1, 3]
+    assert outs[-1].finished and outs[-1].outputs[0].stop_reason == "w9"
+    assert "".join(o.outputs[0].text for o in outs) == " w6 w7 w8 "
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, FINAL_ONLY])
+def test_stream_interval_leaves_other_kinds_alone(tokenizer, kind):
+    """vLLM's rule: only DELTA outputs are held back; a CUMULATIVE output is
+    sent every step, a FINAL_ONLY one at the end."""
+    processor = OutputProcessor(tokenizer, log_stats=False, stream_interval=3)
+    add(processor, sp=params(kind))
+    counts = [len(step) for step in stream(processor, "w6 w7 w8 w9")]
+    assert counts == ([1, 1, 1, 1] if kind == CUMULATIVE else [0, 0, 0, 1])
+
+
+def test_stream_interval_must_be_positive(tokenizer):
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1, got 0"):
+        OutputProcessor(tokenizer, log_stats=False, stream_interval=0)
+
+
+# ---------------------------------------------------------------------------
+# RequestOutputCollector
+# ---------------------------------------------------------------------------
+def _output(index, text, token_ids, finished=False):
+    completion = CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason="length" if finished else None,
+    )
+    return RequestOutput("u", None, [1], None, [completion], finished)
+
+
+def test_collector_merges_deltas_until_read():
+    queue = RequestOutputCollector(DELTA, "u-int")
+    queue.put(_output(0, " a", [5]))
+    queue.put(_output(1, " x", [9]))
+    queue.put(_output(0, " b", [6], finished=True))
+    assert queue.ready.is_set()
+    o = asyncio.run(queue.get())
+    assert not queue.ready.is_set() and queue.get_nowait() is None
+    assert [(c.index, c.text, list(c.token_ids)) for c in o.outputs] == [
+        (0, " a b", [5, 6]),
+        (1, " x", [9]),
+    ]
+    assert o.finished
+
+
+def test_collector_keeps_only_the_newest_cumulative_output_per_sample():
+    queue = RequestOutputCollector(CUMULATIVE, "u-int")
+    queue.put(_output(0, " a", [5]))
+    queue.put(_output(0, " a b", [5, 6]))
+    assert [c.text for c in queue.get_nowait().outputs] == [" a b"]
+
+
+def test_collector_raises_an_error_put_in_it():
+    queue = RequestOutputCollector(DELTA, "u-int")
+    queue.put(_output(0, " a", [5]))
+    queue.put(RuntimeError("engine gone"))  # replaces what was waiting
+    with pytest.raises(RuntimeError, match="engine gone"):
+        queue.get_nowait()
