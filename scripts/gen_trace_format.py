@@ -60,7 +60,7 @@ NOTE = (
 # Self-explanatory names: one meaning in every kind that has them (shown when
 # the field has no ``doc``).
 GLOSSARY: dict[str, str] = {
-    "request_id": "the request",
+    "request_id": "the request's internal id (`request.added` has the id it was sent under)",
     "num_prompt_tokens": "tokens in the prompt",
     "num_output_tokens": "tokens generated so far",
     "num_cached_tokens": "prompt tokens found in the prefix cache",

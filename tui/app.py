@@ -76,7 +76,7 @@ class TraceCommands(Provider):
         for rid in app.session.request_ids:
             commands.append(
                 (
-                    f"Follow request {rid}",
+                    f"Follow request {app.session.request_label(rid)}",
                     partial(app.follow_request, rid),
                     "show this request in every panel",
                 )
@@ -147,7 +147,9 @@ class LoadingView(Vertical):
 
 
 class TraceApp(App[None]):
-    """Replay ``trace`` (a path or an opened ``TraceSession``)."""
+    """Replay ``trace`` (a path or an opened ``TraceSession``). ``follow``: the
+    id the request was sent under, or its internal id; ``self.follow`` is
+    always the internal id (the one every event names)."""
 
     CSS_PATH = "styles.tcss"
     TITLE = "Glassbox tracer"
@@ -286,13 +288,16 @@ class TraceApp(App[None]):
         self._freeze_gc()
         self.sub_title = f"{session.path or 'trace'} · {session.num_steps - 1} steps"
         follow = self._initial_follow
-        if follow is not None and follow not in session.timelines:
-            self.notify(
-                f"No request {follow!r} in this trace; following "
-                f"{session.info.followed_request_id}",
-                severity="warning",
-            )
-            follow = None
+        if follow is not None:
+            # The user's id (or the list's label) names the request by its internal id.
+            resolved = session.resolve_request_id(follow)
+            if resolved is None:
+                self.notify(
+                    f"No request {follow!r} in this trace; following "
+                    f"{session.info.followed_request_id}",
+                    severity="warning",
+                )
+            follow = resolved
         follow = follow or session.info.followed_request_id
         step = self._initial_step
         if step is None:

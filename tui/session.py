@@ -10,7 +10,8 @@ views so scrubbing back and forth never replays the same step twice.
 
 The TUI reads runs only through ``engine.tracing`` (``load_trace``,
 ``TraceReplay`` and the typed event classes); everything here is derived from
-the events.
+the events. Requests are keyed by their internal ids, as in the trace;
+``resolve_request_id`` also takes the id the user gave.
 Sessions: all (the tracer TUI follows one request through every subsystem).
 """
 
@@ -47,7 +48,7 @@ from tui.timelines import (
 )
 
 # ``glassbox trace`` adds two events to the trace it records (through the
-# engine's own tracer): ``TraceCli`` (which request the user typed) and
+# engine's own tracer): ``TraceCli`` (which request holds the user's prompt) and
 # ``TraceTokenTexts`` (the text of every token id the run mentions; the
 # engine records ids only).
 
@@ -70,7 +71,7 @@ class RunInfo:
     max_num_seqs: int | None
     enable_prefix_caching: bool | None
     policy: str
-    followed_request_id: str | None
+    followed_request_id: str | None  # internal id
     trace_level: str  # "full" when sampler stages / runner inputs are present
 
 
@@ -117,8 +118,9 @@ class TraceSession:
         assert kv_init is not None  # TraceReplay refuses a trace without one
         self.timelines: dict[str, RequestTimeline] = build_timelines(self.replay, self.token_texts)
         self.request_ids: list[str] = sorted(self.timelines, key=lambda r: self.timelines[r].index)
-        followed = cli.follow_request_id if cli is not None else None
-        if followed not in self.timelines:
+        # Traces before format 1.2 name the followed request by the user's id.
+        followed = self.resolve_request_id(cli.follow_request_id) if cli is not None else None
+        if followed is None:
             followed = self.request_ids[0] if self.request_ids else None
         self.info = RunInfo(
             model=(runner_init.model if runner_init else None) or (cli.model if cli else None),
@@ -134,6 +136,26 @@ class TraceSession:
             followed_request_id=followed,
             trace_level="full" if has_stages else "lifecycle",
         )
+
+    # -- ids ---------------------------------------------------------------------
+    def resolve_request_id(self, request_id: str) -> str | None:
+        """The internal id of the request ``request_id`` names: an internal id
+        as it is, else the label the request list shows, else the id the user
+        gave (the earliest request sent under it; ``n > 1``: its first child).
+        None when it names no request of the trace."""
+        if request_id in self.timelines:
+            return request_id
+        for attribute in ("label", "external_req_id"):
+            for rid in self.request_ids:
+                if getattr(self.timelines[rid], attribute) == request_id:
+                    return rid
+        return None
+
+    def request_label(self, request_id: str) -> str:
+        """What the request list calls ``request_id`` (an internal id): the
+        user's id where that is unambiguous."""
+        tl = self.timelines.get(request_id)
+        return tl.label if tl is not None else request_id
 
     # -- steps -------------------------------------------------------------------
     @property

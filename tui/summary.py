@@ -38,13 +38,19 @@ def _shorten(text: str, limit: int) -> str:
 
 
 def request_summary(session: TraceSession, request_id: str | None = None) -> str:
-    """A multi-line account of ``request_id`` (default: the followed request)."""
-    rid = request_id or session.info.followed_request_id
-    if rid is None:
-        return "The trace holds no requests."
-    if rid not in session.timelines:
-        known = ", ".join(session.request_ids)
-        raise ValueError(f"request_id must be one of the trace's requests ({known}), got {rid!r}")
+    """A multi-line account of ``request_id`` (default: the followed request):
+    an internal id, or the id the user gave (``TraceSession.resolve_request_id``)."""
+    if request_id is None:
+        rid = session.info.followed_request_id
+        if rid is None:
+            return "The trace holds no requests."
+    else:
+        rid = session.resolve_request_id(request_id)
+        if rid is None:
+            known = ", ".join(session.request_label(r) for r in session.request_ids)
+            raise ValueError(
+                f"request_id must be one of the trace's requests ({known}), got {request_id!r}"
+            )
     tl = session.timelines[rid]
     info = session.info
     lines: list[str] = []
@@ -60,8 +66,10 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
         f"{'on' if info.enable_prefix_caching else 'off'}, policy {info.policy}"
     )
     lines.append("")
-    followed = " (followed)" if rid == info.followed_request_id else ""
-    lines.append(f"Request {rid}{followed}")
+    notes = ["followed"] if rid == info.followed_request_id else []
+    if tl.label != rid:
+        notes.append(f"internal id {rid}")
+    lines.append(f"Request {tl.label}" + (f" ({'; '.join(notes)})" if notes else ""))
     if tl.prompt is not None:
         lines.append(f"  prompt: {_shorten(tl.prompt, 240)!s}")
     lines.append(
@@ -106,7 +114,7 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
                 f"finished step {o.finished_step}" if o.finished_step is not None else "unfinished"
             )
             lines.append(
-                f"  {r:<10} queued step {o.queued_step:<4} {end:<20} "
+                f"  {o.label:<10} queued step {o.queued_step:<4} {end:<20} "
                 f"{len(o.output_tokens):>4} tokens  {o.num_preemptions} preemption(s)  "
                 f"prefix hit {o.num_cached_tokens}/{o.num_prompt_tokens}"
             )

@@ -7,11 +7,17 @@ preempted, finished) and one line per thing that happened to the request.
 ``build_timelines`` walks the events once; each event type it reads has its
 own handler (``_TimelineBuilder.HANDLERS``). ``session.py`` opens a trace and
 calls it.
+
+Ids: the engine knows a request by its internal id (the user's id, ``-``
+and 8 random hex digits, as vLLM's), and so do the timelines; each
+timeline also keeps the id the user gave (``request.added``'s
+``external_req_id``) and a short ``label`` for the request list.
 Sessions: all.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -98,7 +104,7 @@ class LifecycleEvent:
 class RequestTimeline:
     """Everything one request went through, indexed by step."""
 
-    request_id: str
+    request_id: str  # the internal id: what every event of the engine names it by
     index: int  # arrival order in the trace
     colour: str
     prompt: str | None
@@ -118,6 +124,12 @@ class RequestTimeline:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    # The id the user gave (a child of ``n > 1``: its parent's); None in
+    # traces before format 1.2 and for a request without ``request.added``.
+    external_req_id: str | None = None
+    # What the request list calls it: the user's id (a child: "<index>_<id>")
+    # when that names no other request of the trace, else ``request_id``.
+    label: str = ""
 
     def phase_at(self, step: int) -> str:
         """The phase at ``step``: NOT_ARRIVED before it is queued, FINISHED
@@ -218,6 +230,7 @@ class _TimelineBuilder:
             if isinstance(e, RequestOutputEvent) and e.text_delta and e.request_id in self.live:
                 self.live[e.request_id].tl.text_deltas.append((step_of(e), e.text_delta))
         self._finish(self.replay.last_step)
+        self._label()
         return self.timelines
 
     # -- helpers -----------------------------------------------------------------
@@ -251,6 +264,8 @@ class _TimelineBuilder:
             max_tokens=e.max_tokens,
             sampling_params=a.sampling_params if a is not None else None,
             queued_step=step,
+            external_req_id=(a.external_req_id or None) if a is not None else None,
+            label=rid,
         )
         self.timelines[rid] = tl
         lv = self.live[rid] = _Live(tl)
@@ -325,12 +340,15 @@ class _TimelineBuilder:
         lv.cursor = 0
         self.set_phase(lv, step, PREEMPTED)
         self.close_ranges(lv)
-        by = e.for_request_id
+        # No for_request_id: reset_prefix_cache(reset_running_requests=True) preempted it.
+        why = (
+            f"to make room for {e.for_request_id}" if e.for_request_id else "by reset_prefix_cache"
+        )
         tl.events.append(
             LifecycleEvent(
                 step,
                 "preempted",
-                f"preempted{' to make room for ' + by if by else ''}: blocks freed, "
+                f"preempted {why}: blocks freed, "
                 f"back to the waiting queue ({e.num_tokens} tokens to recompute)",
             )
         )
@@ -442,6 +460,24 @@ class _TimelineBuilder:
         SchedUpdate: on_sched_update,
         SchedFinished: on_sched_finished,
     }
+
+    def _label(self) -> None:
+        """Each request's ``label``: the user's id where it names this request
+        alone (two requests sent under one id keep their internal ids)."""
+        wanted: dict[str, str] = {}
+        for rid, tl in self.timelines.items():
+            a = self.added.get(rid)
+            if tl.external_req_id is None or a is None:
+                wanted[rid] = rid
+            elif a.parent_request_id is not None:
+                wanted[rid] = f"{a.index}_{tl.external_req_id}"
+            else:
+                wanted[rid] = tl.external_req_id
+        uses = Counter(wanted.values())
+        for rid, tl in self.timelines.items():
+            label = wanted[rid]
+            unique = uses[label] == 1 and (label == rid or label not in self.timelines)
+            tl.label = label if unique else rid
 
     def _finish(self, last_step: int) -> None:
         """Close every timeline at the end of the trace and word its range lines."""

@@ -89,12 +89,15 @@ class OutputProcessorTrace(SubsystemTrace):
         self._text_len: dict[str, int] = {}
 
     def added(self, request: Any, prompt: str | None, parent_req: Any, request_index: int) -> None:
+        """Ids are internal ones (``request.external_req_id`` holds the user's);
+        a child's parent is named by the parent's internal id."""
         params = request.sampling_params
         if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
             prompt = prompt[:MAX_PROMPT_CHARS] + "..."
         self.tracer.record(
             RequestAdded(
                 request_id=request.request_id,
+                external_req_id=request.external_req_id,
                 parent_request_id=parent_req.request_id if parent_req is not None else None,
                 index=request_index,
                 num_prompt_tokens=len(request.prompt_token_ids),

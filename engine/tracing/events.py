@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.1"
+TRACE_FORMAT_VERSION = "1.2"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.1"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.2"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -160,10 +160,27 @@ class SamplingParamsSummary(msgspec.Struct, kw_only=True, omit_defaults=True, gc
 
 class RequestAdded(TraceEvent, kw_only=True, tag="request.added"):
     """Written by ``OutputProcessor.add_request`` for every request (each child
-    of an ``n > 1`` request separately)."""
+    of an ``n > 1`` request separately). The one event that links the id the
+    user gave (``external_req_id``) to the internal ``request_id`` every other
+    event names the request by."""
 
-    request_id: str
-    parent_request_id: Annotated[str | None, doc("the user's id, for children of `n > 1`")] = None
+    request_id: Annotated[
+        str,
+        doc(
+            "the internal id: the user's id, `-` and 8 random hex digits (a child of "
+            "`n > 1`: `<index>_<parent's internal id>`)"
+        ),
+    ]
+    external_req_id: Annotated[
+        str,
+        doc(
+            "the id the user gave (`RequestOutput.request_id`; a child: its parent's); "
+            "empty in traces before 1.2"
+        ),
+    ] = ""
+    parent_request_id: Annotated[
+        str | None, doc("children of `n > 1`: the parent's internal id")
+    ] = None
     index: Annotated[int, doc("child index")] = 0
     num_prompt_tokens: int
     prompt: Annotated[str | None, doc("prompt text, cut to 512 characters")] = None
@@ -247,7 +264,13 @@ class OutputReceived(TraceEvent, kw_only=True, tag="output.received"):
 class ApiRequest(TraceEvent, kw_only=True, tag="api.request"):
     """Written by the API server (``glassbox serve``) per HTTP request."""
 
-    request_id: str
+    request_id: Annotated[
+        str,
+        doc(
+            "the HTTP request's id: its engine requests were sent under it (chat) or under "
+            "`<id>-<prompt index>` (completions), their `external_req_id`"
+        ),
+    ]
     endpoint: Annotated[str, doc("`/v1/completions` or `/v1/chat/completions`")]
     stream: Annotated[bool, doc("the client asked for server-sent events")] = False
 
@@ -255,7 +278,7 @@ class ApiRequest(TraceEvent, kw_only=True, tag="api.request"):
 class ApiChunk(TraceEvent, kw_only=True, tag="api.chunk"):
     """Written by the API server per streamed chunk."""
 
-    request_id: str
+    request_id: Annotated[str, doc("the HTTP request's id, as in `api.request`")]
     num_bytes: Annotated[int, doc("size of the chunk as written")]
 
 
@@ -293,13 +316,19 @@ class SchedAdmitted(TraceEvent, kw_only=True, tag="sched.admitted"):
 
 class SchedPreempted(TraceEvent, kw_only=True, tag="sched.preempted"):
     """The running list ran out of blocks and the scheduler preempted a
-    request (``preempted_req``) to free its blocks. Replay: removes it from
+    request (``preempted_req``) to free its blocks, or
+    ``reset_prefix_cache(reset_running_requests=True)`` preempted every
+    running request (from the tail of the list). Replay: removes it from
     the running list, puts it at the front of the waiting queue
     (``PREEMPTED``, cursor 0). Its ``kv.freed`` comes just before."""
 
     request_id: Annotated[str, doc("the preempted request")]
     for_request_id: Annotated[
-        str, doc("the request that needed the blocks (may be the preempted one itself)")
+        str,
+        doc(
+            "the request that needed the blocks (may be the preempted one itself); empty "
+            "when `reset_prefix_cache(reset_running_requests=True)` preempted it"
+        ),
     ]
     num_tokens: Annotated[int, doc("everything it will recompute")]
     num_output_tokens: int
@@ -587,10 +616,14 @@ class SamplerSampled(TraceEvent, kw_only=True, tag="sampler.sampled"):
 # Written by tools
 # ---------------------------------------------------------------------------
 class TraceCli(TraceEvent, kw_only=True, tag="trace.cli"):
-    """Written by ``glassbox trace`` before the first request: which request is
+    """Written by ``glassbox trace`` after the run's last step (the engine
+    gives each request its internal id as it is added): which request is
     the user's. The TUI reads it; the replay and the export ignore it."""
 
-    follow_request_id: Annotated[str, doc("the request holding the user's prompt")]
+    follow_request_id: Annotated[
+        str,
+        doc("the request holding the user's prompt (traces before 1.2: the id it was sent under)"),
+    ]
     prompt: Annotated[str, doc("the prompt as typed")]
     model: Annotated[str, doc("model path or name")]
     background_request_ids: Annotated[list[str], doc("the other requests of the run")] = []

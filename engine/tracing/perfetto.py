@@ -7,13 +7,14 @@ chrome://tracing.
 Read it for how engine events map onto a timeline:
 
   * per request, async spans (``ph`` b/e, one ``id`` each): on the front end
-    ``request <id>`` from ``request.added`` to ``request.finished``, with an
-    instant (``n``) per output; in the engine core ``core <id>`` from
-    ``sched.queued`` to ``sched.finished``, split into ``waiting`` /
-    ``running`` / ``preempted`` phases, with instants for prefix-cache
-    lookups and tokens. Front end and core get separate ids because their
-    lifetimes overlap without nesting (a stop string ends the request in the
-    front end before the core hears of it);
+    ``request <id>`` from ``request.added`` to ``request.finished`` (spans
+    are named by the internal id; its args add the id the user gave,
+    ``external_req_id``), with an instant (``n``) per output; in the engine
+    core ``core <id>`` from ``sched.queued`` to ``sched.finished``, split
+    into ``waiting`` / ``running`` / ``preempted`` phases, with instants for
+    prefix-cache lookups and tokens. Front end and core get separate ids
+    because their lifetimes overlap without nesting (a stop string ends the
+    request in the front end before the core hears of it);
   * per engine step, complete slices (``ph`` X) that nest on the
     ``scheduler`` thread: ``step N`` around ``schedule()`` and
     ``update_from_output()``; the ``model runner`` thread has ``forward``;
@@ -412,6 +413,7 @@ class _Builder:
                         "ph": "b",
                         "args": {
                             "request_id": rid,
+                            "external_req_id": e.external_req_id,
                             "prompt": e.prompt,
                             "num_prompt_tokens": e.num_prompt_tokens,
                         },

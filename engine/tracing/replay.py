@@ -22,6 +22,10 @@ thousands is a copy plus at most ``snapshot_interval - 1`` steps of events
 away. Copies share the requests copy-on-write (``replay_state.py``), so a
 snapshot costs the per-block arrays and the queues, not every request the
 run ever had. Step views (``view``) are built on demand.
+
+Ids: the engine's events name a request by its internal id (the id it was
+sent under, ``-`` and 8 random hex digits, as vLLM's ``assign_request_id``
+makes it); ``external_req_ids`` finds the internal ids of a user's id.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from engine.tracing.events import (
     KVInit,
+    RequestAdded,
     RunnerBatch,
     SamplerSampled,
     SchedStep,
@@ -292,8 +298,20 @@ class TraceReplay:
     def final_state(self) -> EngineState:
         return self._final.copy()
 
+    @cached_property
+    def external_req_ids(self) -> dict[str, list[str]]:
+        """The id each request was sent under -> the internal ids of the
+        requests added under it, in the order they were added (an ``n > 1``
+        request: its children). From ``request.added``; empty for traces
+        before format 1.2."""
+        ids: dict[str, list[str]] = {}
+        for e in self.events:
+            if type(e) is RequestAdded and e.external_req_id:
+                ids.setdefault(e.external_req_id, []).append(e.request_id)
+        return ids
+
     def request_events(self, request_id: str) -> list[TraceEvent]:
-        """Every event that names ``request_id``, in time order."""
+        """Every event that names ``request_id`` (an internal id), in time order."""
         return [e for e in self.events if _names_request(e, request_id)]
 
 

@@ -23,7 +23,11 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import load_trace
 from tests.helpers.engine_fixtures import ids
 from tests.helpers.tiny_model import make_tiny_model_dir
-from tests.tracing.scenario import make_engine, replay_scenario_against_live_engine
+from tests.tracing.scenario import (
+    internal_ids,
+    make_engine,
+    replay_scenario_against_live_engine,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -69,8 +73,10 @@ def test_cuda_trace_names_the_tokens_the_requests_got(tiny_model_dir, tmp_path):
     for level in ("lifecycle", "full"):
         events = load_trace(str(tmp_path / f"{level}.jsonl"))
         sampled = [e for e in events if e.kind == "sampler.sampled"]
+        internal = internal_ids(events)  # outputs carry "g", "k", "p"; events the engine's ids
+        assert set(internal) == set(results[level]) == {"g", "k", "p"}
         for rid, (token_ids, logprobs) in results[level].items():
-            mine = [e for e in sampled if e.request_id == rid]
+            mine = [e for e in sampled if e.request_id == internal[rid]]
             assert [e.token_id for e in mine] == token_ids, (level, rid)
             assert [e.greedy for e in mine] == [rid == "g"] * len(token_ids)
             for e, position in zip(mine, logprobs or []):

@@ -14,11 +14,16 @@ so that every path the trace must show happens at least once:
     is reused.
 
 With ``CountingExecutor`` (next token = last token + 1) the outputs are known.
+
+Ids: the scenario sends its requests as "a", "b", "long", ...; the engine,
+and so every event, knows each by an internal id (``"long-1f0c9a2e"``).
+``internal_ids`` reads the mapping from the trace's ``request.added`` events.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from engine.engine.arg_utils import EngineArgs
@@ -52,6 +57,19 @@ def words(start: int, n: int) -> str:
 
 
 SHARED_PREFIX = words(0, 10)
+
+
+def internal_ids(events: Iterable[Any]) -> dict[str, str]:
+    """The id each request was sent under -> the internal id the engine gave
+    it, from ``request.added`` (the scenario sends each id once, no
+    ``n > 1``). Checks each internal id is the sent id, ``-`` and 8 hex digits."""
+    ids: dict[str, str] = {}
+    for e in events:
+        if e.kind == "request.added":
+            assert e.external_req_id not in ids, f"{e.external_req_id} sent twice"
+            assert re.fullmatch(rf"{re.escape(e.external_req_id)}-[0-9a-f]{{8}}", e.request_id), e
+            ids[e.external_req_id] = e.request_id
+    return ids
 
 
 def make_engine(

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from engine.tracing import load_trace
-from tests.tracing.scenario import BLOCK_SIZE, record_scenario
+from tests.tracing.scenario import BLOCK_SIZE, internal_ids, record_scenario
 
 REQUIRED_KINDS = {
     "engine.config",
@@ -86,6 +86,23 @@ def test_every_event_has_the_common_fields(counting_run, real_run):
                 assert e.request_id in added, e  # names a request the front end added
 
 
+def test_events_name_each_request_by_its_internal_id(counting_run):
+    """As in vLLM, the engine knows a request by an internal id (the id it was
+    sent under, "-" and 8 hex digits); only request.added keeps the sent id."""
+    events, outputs = counting_run
+    ids = internal_ids(events)
+    assert set(ids) == {"a", "b", "long", "stop", "doomed", "c", "d"}
+    assert set(outputs) == {"a", "b", "long", "stop", "c", "d"}  # not the aborted one
+    assert all(out.request_id == sent for sent, out in outputs.items())
+    named = {e.request_id for e in events if getattr(e, "request_id", None) is not None}
+    assert named == set(ids.values())
+    for e in events:
+        if e.kind == "sched.step":
+            assert set(e.num_scheduled_tokens) <= named
+        elif e.kind == "sched.update":
+            assert set(e.new_token_ids) | set(e.finished) <= named
+
+
 def test_required_kinds_are_present(counting_run, real_run):
     assert REQUIRED_KINDS <= {e.kind for e in counting_run[0]}
     assert REQUIRED_KINDS | RUNNER_KINDS <= {e.kind for e in real_run[0]}
@@ -95,6 +112,7 @@ def test_required_kinds_are_present(counting_run, real_run):
 
 def test_scheduler_events_are_consistent(counting_run):
     events, _ = counting_run
+    ids = internal_ids(events)
     k = by_kind(events)
     (config,) = k["engine.config"]
     (init,) = k["kv.init"]
@@ -127,7 +145,7 @@ def test_scheduler_events_are_consistent(counting_run):
             update = step_events["sched.update"][0]
             if rid not in update.new_token_ids and tokens > 1:
                 chunked.add(rid)
-    assert "long" in chunked  # a 30-token prompt cannot fit a 16-token budget
+    assert ids["long"] in chunked  # a 30-token prompt cannot fit a 16-token budget
     # Preemption: the victim goes back to waiting and is resumed later.
     victims = {p.request_id for p in k["sched.preempted"]}
     assert victims
@@ -141,10 +159,10 @@ def test_scheduler_events_are_consistent(counting_run):
     finished = [e.request_id for e in k["sched.finished"]]
     assert sorted(queued) == sorted(finished) == sorted(set(queued))
     status = {e.request_id: e.status for e in k["sched.finished"]}
-    assert status["doomed"] == "FINISHED_ABORTED"
+    assert status[ids["doomed"]] == "FINISHED_ABORTED"
     # The stop string is found by the front end, which then aborts the core's request.
-    assert status["stop"] == "FINISHED_ABORTED"
-    assert status["a"] == "FINISHED_LENGTH_CAPPED"
+    assert status[ids["stop"]] == "FINISHED_ABORTED"
+    assert status[ids["a"]] == "FINISHED_LENGTH_CAPPED"
 
 
 def test_kv_events_are_consistent(counting_run):
@@ -189,11 +207,12 @@ def test_kv_events_are_consistent(counting_run):
 
 def test_front_end_events_match_the_outputs(counting_run):
     events, outputs = counting_run
+    ids = internal_ids(events)
     k = by_kind(events)
     added = {e.request_id: e for e in k["request.added"]}
-    assert set(added) == {"a", "b", "long", "stop", "doomed", "c", "d"}
-    assert added["stop"].sampling_params.stop == ["w45"]
-    assert added["a"].num_prompt_tokens == 10
+    assert set(added) == set(ids.values()) and len(added) == 7
+    assert added[ids["stop"]].sampling_params.stop == ["w45"]
+    assert added[ids["a"]].num_prompt_tokens == 10
     for e in k["request.added"]:
         queued = next(q for q in k["sched.queued"] if q.request_id == e.request_id)
         assert e.seq < queued.seq  # the front end adds before the core queues
@@ -204,18 +223,19 @@ def test_front_end_events_match_the_outputs(counting_run):
         assert e.num_output_tokens == len(tokens[e.request_id])
     finished = {e.request_id: e for e in k["request.finished"]}
     assert set(finished) == set(added)
-    for rid, out in outputs.items():
+    for sent, out in outputs.items():
+        rid = ids[sent]
         completion = out.outputs[0]
         assert tokens[rid] == completion.token_ids
         assert text[rid] == completion.text
         assert finished[rid].finish_reason == completion.finish_reason
         assert finished[rid].num_output_tokens == len(completion.token_ids)
-    assert finished["doomed"].finish_reason == "abort"
-    assert finished["stop"].finish_reason == "stop"
-    assert finished["stop"].stop_reason == "w45"
-    assert finished["stop"].stop_string_in_front_end is True
-    assert text["stop"].split() == ["w42", "w43", "w44"]  # the stop string is cut
-    assert finished["a"].finish_reason == "length"
+    assert finished[ids["doomed"]].finish_reason == "abort"
+    assert finished[ids["stop"]].finish_reason == "stop"
+    assert finished[ids["stop"]].stop_reason == "w45"
+    assert finished[ids["stop"]].stop_string_in_front_end is True
+    assert text[ids["stop"]].split() == ["w42", "w43", "w44"]  # the stop string is cut
+    assert finished[ids["a"]].finish_reason == "length"
 
 
 def test_runner_and_sampler_events(real_run):
@@ -278,7 +298,8 @@ def test_runner_and_sampler_events(real_run):
             assert e.logprob <= 0.0
             assert [s.stage for s in e.stages][:2] == ["raw", "processed"]
             assert e.rank >= 1
-    final_tokens = {rid: out.outputs[0].token_ids for rid, out in outputs.items()}
+    ids = internal_ids(events)
+    final_tokens = {ids[sent]: out.outputs[0].token_ids for sent, out in outputs.items()}
     for rid, tokens in final_tokens.items():
         assert [e.token_id for e in k["sampler.sampled"] if e.request_id == rid][
             -len(tokens) :

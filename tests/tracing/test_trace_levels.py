@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ from engine.tracing.worker_trace import SamplerTrace
 from engine.v1.sample.metadata import build_sampling_metadata
 from engine.v1.sample.sampler import Sampler
 from tests.helpers.engine_fixtures import ids
-from tests.tracing.scenario import make_engine, run_scenario
+from tests.tracing.scenario import internal_ids, make_engine, run_scenario
 
 ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine"
 NUM_CANDIDATES = SamplerTrace.NUM_CANDIDATES
@@ -129,18 +130,29 @@ def test_full_adds_sampler_stages_and_runner_inputs(tiny_model_dir, tmp_path):
         }
     assert kinds["full"] - kinds["lifecycle"] == {"runner.inputs"}
     assert all(s == [] for s in stages["lifecycle"].values())
-    # Mixed batch: every row sees the random stages; the greedy row is flagged.
-    assert stages["full"]["1"] == ["raw", "processed", "temperature", "min_p", "top_k_top_p"]
     events = load_trace(str(tmp_path / "full.jsonl"))
+    internal = internal_ids(events)  # "0", "1", "2" -> the engine's ids
+    # Mixed batch: every row sees the random stages; the greedy row is flagged.
+    assert stages["full"][internal["1"]] == [
+        "raw",
+        "processed",
+        "temperature",
+        "min_p",
+        "top_k_top_p",
+    ]
     sampled = [e for e in events if e.kind == "sampler.sampled"]
-    assert {e.request_id: e.greedy for e in sampled} == {"0": True, "1": False, "2": False}
+    assert {e.request_id: e.greedy for e in sampled} == {
+        internal["0"]: True,
+        internal["1"]: False,
+        internal["2"]: False,
+    }
     for e in sampled:
         by_stage = {s.stage: s for s in e.stages}
         for s in e.stages:
             assert len(s.token_ids) == len(s.probs) == NUM_CANDIDATES
             assert s.probs == sorted(s.probs, reverse=True)
             assert all(0.0 <= p <= 1.0 + 1e-6 for p in s.probs)
-        if e.request_id == "1":
+        if e.request_id == internal["1"]:
             top = by_stage["top_k_top_p"]
             kept = [p for p in top.probs if p > 0]
             # top_k=4 < 5 candidates: the whole kept set is visible and renormalised.
@@ -151,7 +163,7 @@ def test_full_adds_sampler_stages_and_runner_inputs(tiny_model_dir, tmp_path):
     first = next(e for e in events if e.kind == "runner.inputs")
     first_step = next(e for e in events if e.kind == "sched.step")
     # Request "1" hits request "0"'s first block, so it computes 1 block less.
-    assert first_step.num_scheduled_tokens == {"0": 6, "1": 1, "2": 3}
+    assert first_step.num_scheduled_tokens == {internal["0"]: 6, internal["1"]: 1, internal["2"]: 3}
     assert first.input_ids.shape == [10]
     assert first.input_ids.values == ids("w0 w1 w2 w3 w4 w5 w9 w20 w21 w22")
     assert first.positions.values == [0, 1, 2, 3, 4, 5, 4, 0, 1, 2]
@@ -395,7 +407,8 @@ def test_sampler_lifecycle_events_with_and_without_host_tokens(
         }
         meta = build_sampling_metadata(params, [[1]] * 3, [[], [], []], gens, 40, "cpu")
         if host_temperatures:  # as the persistent batch builds it: greedy flags from the host
-            meta = dataclasses.replace(meta, temperature_cpu=meta.temperature.numpy().copy())
+            host = np.array([p.temperature for p in params], dtype=np.float32)
+            meta = dataclasses.replace(meta, temperature_cpu=host)
         trace.begin(list(traced))
         out = sampler(logits.clone(), meta)
         tokens = out.sampled_token_ids.squeeze(-1).tolist()

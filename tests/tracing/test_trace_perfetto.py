@@ -26,6 +26,7 @@ import pytest
 
 from engine.entrypoints.cli.main import main
 from engine.tracing import Tracer, build_perfetto, export_perfetto, load_trace
+from tests.tracing.scenario import internal_ids
 
 REQUIRED = {
     "X": {"name", "ts", "dur", "pid", "tid"},
@@ -123,10 +124,18 @@ def test_export_of_a_real_run_is_valid(scenario_trace, tmp_path):
     assert sum(n.startswith("step ") for n in names) == num_steps
     assert names.count("schedule()") == num_steps
     assert names.count("forward") == sum(e.kind == "runner.forward" for e in events)
-    # One front-end span and one core span per request.
+    # One front-end span and one core span per request, named by the internal
+    # id; the front-end span's args also give the id the request was sent under.
     spans = {ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "b"}
-    for rid in ("a", "b", "long", "stop", "doomed", "c", "d"):
+    internal = internal_ids(events)
+    for sent in ("a", "b", "long", "stop", "doomed", "c", "d"):
+        rid = internal[sent]
         assert f"request {rid}" in spans and f"core {rid}" in spans
+        (begin,) = [
+            ev for ev in doc["traceEvents"] if ev["ph"] == "b" and ev["name"] == f"request {rid}"
+        ]
+        assert begin["args"]["request_id"] == rid
+        assert begin["args"]["external_req_id"] == sent
     assert {"waiting", "running", "preempted"} <= spans
     counters = {ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "C"}
     assert {"KV cache blocks", "requests", "scheduled tokens"} <= counters

@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 
 from engine.tracing import TraceReplay, load_trace
-from tests.tracing.scenario import make_engine, replay_scenario_against_live_engine, run_scenario
+from tests.helpers.engine_fixtures import ids
+from tests.tracing.scenario import (
+    SHARED_PREFIX,
+    assert_replay_matches_engine,
+    make_engine,
+    params,
+    replay_scenario_against_live_engine,
+    run_scenario,
+    scheduler_of,
+)
 
 
 @pytest.mark.parametrize("real_model", [False, True], ids=["counting", "tiny-llama"])
@@ -56,3 +65,41 @@ def test_replay_random_access_equals_forward_pass(tiny_model_dir, tmp_path):
     s.ref_cnt[1] += 5
     assert "intruder" not in sparse.state_at(3).waiting
     assert sparse.state_at(3).ref_cnt[1] == forward[3][3][1]
+
+
+def test_replay_follows_a_reset_that_preempts_the_running_requests(tiny_model_dir, tmp_path):
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts every
+    running request (from the tail: ``sched.preempted`` with no
+    ``for_request_id``), then forgets every hash (``kv.cache_reset``); the
+    replay follows and still equals the engine, to the end of the run."""
+    trace = str(tmp_path / "reset.jsonl")
+    engine = make_engine(tiny_model_dir, trace, "lifecycle")
+    scheduler = scheduler_of(engine)
+    try:
+        for name, prompt in (("x", SHARED_PREFIX), ("y", SHARED_PREFIX + " w30")):
+            engine.add_request(name, {"prompt_token_ids": ids(prompt)}, params(6, False))
+        engine.step()
+        engine.step()
+        running = [r.request_id for r in scheduler.running]
+        assert len(running) == 2
+        assert scheduler.reset_prefix_cache(reset_running_requests=True)
+        engine.tracer.flush()
+        replay = TraceReplay(trace)
+        state = replay.state_at(replay.last_step)
+        assert_replay_matches_engine(state, scheduler, "after the reset")
+        assert state.running == [] and state.waiting == running and state.cached == {}
+        preempted = [e for e in replay.events if e.kind == "sched.preempted"]
+        assert [e.request_id for e in preempted] == running[::-1]
+        assert all(e.for_request_id == "" for e in preempted)
+        kinds = [e.kind for e in replay.events]
+        assert kinds.index("kv.cache_reset") > max(
+            i for i, k in enumerate(kinds) if k == "sched.preempted"
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.tracer.flush()
+        replay = TraceReplay(trace)
+        assert_replay_matches_engine(replay.state_at(replay.last_step), scheduler, "the end")
+        assert all(r.num_preemptions == 1 for r in replay.final_state.requests.values())
+    finally:
+        engine.shutdown()

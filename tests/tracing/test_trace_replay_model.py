@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import msgspec
+import msgspec.structs
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -65,17 +66,55 @@ def test_view_of_a_step(real_trace):
         replay.state_at(replay.last_step + 1)
     with pytest.raises(ValueError, match="block_id must be"):
         view.state.block(10_000)
-    events = replay.request_events("doomed")
-    assert events[0].kind == "request.added"
+    (doomed,) = replay.external_req_ids["doomed"]  # the engine's id for it
+    events = replay.request_events(doomed)
+    assert events[0].kind == "request.added" and events[0].external_req_id == "doomed"
     kinds = [e.kind for e in events]
     # The front end forgets it first, then the core finishes it (and frees any blocks).
     assert kinds.index("request.finished") < kinds.index("sched.finished")
     assert kinds[-1] in ("sched.finished", "kv.freed")
     final = replay.final_state
     assert final.unfinished_requests() == {}
-    assert final.requests["doomed"].status == "FINISHED_ABORTED"
+    assert final.requests[doomed].status == "FINISHED_ABORTED"
     assert final.kv_cache_usage == 0.0
     assert len(final.free_queue) == 15
+
+
+def test_external_req_ids_lead_from_the_sent_id_to_the_engines(tiny_model_dir, tmp_path):
+    """Each request added under one id gets its own internal id (the id, "-"
+    and 8 hex digits, as add_request returns it); an n > 1 request's children
+    are "<index>_<parent's internal id>" and name the parent in request.added."""
+    trace = str(tmp_path / "ids.jsonl")
+    engine = make_engine(tiny_model_dir, trace, "lifecycle")
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    try:
+        first = engine.add_request("same", {"prompt_token_ids": ids("w1 w2")}, params)
+        second = engine.add_request("same", {"prompt_token_ids": ids("w3 w4")}, params)
+        pair = engine.add_request(
+            "pair", {"prompt_token_ids": ids("w5 w6")}, SamplingParams(max_tokens=2, n=2)
+        )
+        sent_under = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sent_under.setdefault(out.request_id, []).append(out)
+    finally:
+        engine.shutdown()
+    assert set(sent_under) == {"same", "pair"}  # outputs carry the id they were sent under
+    assert first != second and first.startswith("same-") and second.startswith("same-")
+    assert len(first) == len(second) == len("same-") + 8
+    replay = TraceReplay(trace)
+    assert replay.external_req_ids == {"same": [first, second], "pair": [f"0_{pair}", f"1_{pair}"]}
+    added = {e.request_id: e for e in replay.events if e.kind == "request.added"}
+    assert added[first].parent_request_id is None
+    for child in (f"0_{pair}", f"1_{pair}"):
+        assert added[child].parent_request_id == pair and added[child].external_req_id == "pair"
+        assert replay.final_state.requests[child].status == "FINISHED_LENGTH_CAPPED"
+    # A trace before format 1.2 has no external ids: nothing to map.
+    old = [
+        msgspec.structs.replace(e, external_req_id="") if e.kind == "request.added" else e
+        for e in replay.events
+    ]
+    assert TraceReplay(old).external_req_ids == {}
 
 
 def test_priority_policy_queue_order(tiny_model_dir, tmp_path):

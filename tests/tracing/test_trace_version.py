@@ -15,6 +15,7 @@ from engine.tracing import (
     HEADER_KIND,
     TRACE_FORMAT_VERSION,
     KVInit,
+    RequestAdded,
     TraceHeader,
     TraceVersionError,
     check_trace_version,
@@ -51,16 +52,16 @@ def _write(path, *records) -> str:
     return str(path)
 
 
-def test_this_glassbox_writes_version_1_1():
-    assert TRACE_FORMAT_VERSION == "1.1"
-    assert parse_version(TRACE_FORMAT_VERSION) == (1, 1)
+def test_this_glassbox_writes_version_1_2():
+    assert TRACE_FORMAT_VERSION == "1.2"
+    assert parse_version(TRACE_FORMAT_VERSION) == (1, 2)
     assert parse_version(1) == (1, 0)  # the first headers' plain integer
     assert parse_version("2") == (2, 0)
     with pytest.raises(TraceVersionError, match="unreadable"):
         parse_version("one.two")
 
 
-@pytest.mark.parametrize("version", ["1.1", "1.0", 1], ids=["1.1", "1.0", "int-1"])
+@pytest.mark.parametrize("version", ["1.2", "1.1", "1.0", 1], ids=["1.2", "1.1", "1.0", "int-1"])
 def test_a_header_of_major_version_1_loads(tmp_path, version):
     path = _write(tmp_path / "t.jsonl", _header(version), KV_INIT)
     (event,) = load_trace(path)
@@ -128,3 +129,19 @@ def test_a_known_kind_with_wrong_fields_is_named_by_its_line_number(tmp_path):
     path = _write(tmp_path / "wrong.jsonl", _header("1.1"), SCHED_UPDATE, broken)
     with pytest.raises(ValueError, match=rf"{tmp_path / 'wrong.jsonl'}:3: not a Glassbox trace"):
         load_trace(path)
+
+
+def test_a_request_added_of_version_1_1_reads_without_the_external_id(tmp_path):
+    """1.2 added ``request.added``'s ``external_req_id``; a 1.1 line without
+    it loads with the field empty (its ``request_id`` is the id it was sent under)."""
+    added = {
+        "kind": "request.added",
+        "ts": 3,
+        "pid": 1,
+        "seq": 2,
+        "request_id": "r1",
+        "num_prompt_tokens": 2,
+    }
+    (event,) = load_trace(_write(tmp_path / "old.jsonl", _header("1.1"), added))
+    assert type(event) is RequestAdded
+    assert (event.request_id, event.external_req_id, event.parent_request_id) == ("r1", "", None)

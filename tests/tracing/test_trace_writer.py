@@ -44,7 +44,7 @@ from engine.tracing import (
     merge_trace_parts,
 )
 from engine.tracing.tensors import HostListsCopy, array_summaries
-from tests.tracing.scenario import make_engine, run_scenario
+from tests.tracing.scenario import internal_ids, make_engine, run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_the_file_opens_with_a_header(tmp_path):
     tracer.close()
     header, event = _lines(path)
     assert header["kind"] == HEADER_KIND and "seq" not in header  # seq 0: the default
-    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.1"
+    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.2"
     assert header["glassbox_version"] == __import__("engine").__version__
     assert header["trace_level"] == "full" and header["pid"] == event["pid"]
     assert header["ts"] <= event["ts"]
@@ -483,12 +483,27 @@ def test_hooks_pass_plain_values_that_stay_put_until_written(tiny_model_dir, tmp
         finally:
             engine.shutdown()
         clock = ("ts", "arrival_time", "duration_ns", "start_ts")
+        events = load_trace(trace)
+        # Internal ids end in random hex: compare by the id each was sent under.
+        sent = {internal: user for user, internal in internal_ids(events).items()}
         runs[name] = [
-            {k: v for k, v in msgspec.to_builtins(e).items() if k not in clock}
-            for e in load_trace(trace)
+            _renamed({k: v for k, v in msgspec.to_builtins(e).items() if k not in clock}, sent)
+            for e in events
         ]
     assert not bad, sorted(set(bad))
     assert runs["at-once"] == runs["buffered"]
+
+
+def _renamed(value, names: dict[str, str]):
+    """``value`` (plain JSON) with every string that is a key of ``names``,
+    as a value or as a dict key, replaced by its name."""
+    if type(value) is str:
+        return names.get(value, value)
+    if type(value) is list:
+        return [_renamed(v, names) for v in value]
+    if type(value) is dict:
+        return {names.get(k, k): _renamed(v, names) for k, v in value.items()}
+    return value
 
 
 def test_host_lists_gathered_equal_tolist():

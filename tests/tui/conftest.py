@@ -16,11 +16,15 @@ model's output changes), regenerate the SVG snapshots:
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
-from tui.session import TraceSession, open_session
+from engine.tracing import EVENT_KINDS, TraceEvent, load_trace
+from tui.session import TraceSession, open_session, session_from_events
 
 DATA = Path(__file__).parent / "data"
 SMALL_TRACE = DATA / "small_trace.jsonl"
@@ -40,3 +44,46 @@ def small_session(small_trace_path: str) -> TraceSession:
 def fresh_session(small_trace_path: str) -> TraceSession:
     """A session of its own (the app's view cache starts empty)."""
     return open_session(small_trace_path)
+
+
+# Fields whose strings are text, not request ids.
+_TEXT_FIELDS = {"prompt", "text_delta", "token_texts", "sampling_params", "model", "stages"}
+
+
+def with_internal_ids(events: list[TraceEvent]) -> tuple[list[TraceEvent], dict[str, str]]:
+    """A trace of format 1.1 (request ids are the ids the requests were sent
+    under) as Glassbox writes it since 1.2: every event names a request by an
+    internal id (its id, "-" and 8 hex digits, fixed here), and
+    ``request.added`` keeps the sent id in ``external_req_id``. Returns the
+    events and {sent id: internal id}."""
+    sent_ids = [e.request_id for e in events if e.kind == "request.added"]
+    internal = {rid: f"{rid}-{zlib.crc32(rid.encode()):08x}" for rid in sent_ids}
+
+    def rename(value: Any) -> Any:
+        if type(value) is str:
+            return internal.get(value, value)
+        if type(value) is list:
+            return [rename(v) for v in value]
+        if type(value) is dict:
+            return {internal.get(k, k): rename(v) for k, v in value.items()}
+        return value
+
+    out = []
+    for e in events:
+        raw = msgspec.to_builtins(e)
+        raw = {k: v if k in _TEXT_FIELDS else rename(v) for k, v in raw.items()}
+        if e.kind == "request.added":
+            raw["external_req_id"] = e.request_id
+        out.append(msgspec.convert(raw, EVENT_KINDS[e.kind]))
+    return out, internal
+
+
+@pytest.fixture(scope="session")
+def internal_id_trace(small_trace_path: str) -> tuple[list[TraceEvent], dict[str, str]]:
+    """The small trace with format 1.2's internal ids: (events, {sent id: internal id})."""
+    return with_internal_ids(load_trace(small_trace_path))
+
+
+@pytest.fixture()
+def internal_id_session(internal_id_trace) -> TraceSession:
+    return session_from_events(internal_id_trace[0])

@@ -66,6 +66,9 @@ def assert_panels_match_replay(app: TraceApp, replay: TraceReplay, session: Trac
     # Requests: each line's status agrees with the replayed request.
     lines = dict(zip(session.request_ids, app.query_one(RequestList).lines))
     for rid, line in lines.items():
+        # Listed under the id it was sent with (or its internal id), maybe cut short.
+        shown, label = line.split()[1], session.request_label(rid)
+        assert shown == label or (shown.endswith("…") and label.startswith(shown[:-1])), line
         req = state.requests.get(rid)
         if req is None:
             assert "not yet" in line, line

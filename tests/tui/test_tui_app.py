@@ -146,6 +146,35 @@ async def test_switching_the_followed_request(fresh_session):
         assert app.follow == first
 
 
+async def test_following_a_request_by_the_id_it_was_sent_under(
+    internal_id_trace, internal_id_session
+):
+    """A trace of format 1.2 names requests by internal ids: ``follow`` takes
+    the id a request was sent under, the request list shows those ids, and the
+    panels agree with the replay as for any trace."""
+    _, internal = internal_id_trace
+    session = internal_id_session
+    replay = TraceReplay(session.events)
+    app = TraceApp(session, follow="bg-5", step=31)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        assert app.follow == internal["bg-5"]
+        assert app.query_one(LifecyclePanel).border_title == f"Lifecycle of {internal['bg-5']}"
+        lines = app.query_one(RequestList).lines
+        labels = [line.split()[1] for line in lines]  # after the "●" of its colour
+        assert labels == [session.timelines[r].external_req_id for r in session.request_ids]
+        assert lines[session.request_ids.index(internal["bg-5"])].startswith("▶")
+        assert_panels_match_replay(app, replay, session)
+        # The command palette offers each request under the id it was sent with.
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.2)
+        await pilot.press(*"follow request bg-1")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert app.follow == internal["bg-1"]
+
+
 async def test_help_zoom_theme_resize_and_quit(fresh_session):
     app = TraceApp(fresh_session)
     async with app.run_test(size=(100, 30)) as pilot:

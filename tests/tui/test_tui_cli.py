@@ -62,6 +62,21 @@ def test_tui_summary_of_the_small_trace(capsys, small_trace_path):
     assert "--follow must be one of" in capsys.readouterr().err
 
 
+def test_tui_follows_a_request_by_the_id_it_was_sent_under(tmp_path, capsys, internal_id_trace):
+    """Since format 1.2 the trace names requests by internal ids; --follow
+    takes the id the request was sent under, or the internal id."""
+    events, internal = internal_id_trace
+    path = tmp_path / "ids.jsonl"
+    path.write_bytes(msgspec.json.Encoder().encode_lines(events))
+    for follow in ("bg-5", internal["bg-5"]):
+        assert main(["tui", str(path), "--summary", "--follow", follow]) == 0
+        out = capsys.readouterr().out
+        assert f"Request bg-5 (internal id {internal['bg-5']})" in out and "preempted" in out
+    assert main(["tui", str(path), "--summary", "--follow", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--follow must be one of the trace's requests (bg-1, bg-2," in err  # the sent ids
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 
 import pytest
 
@@ -59,9 +60,13 @@ def recorded(model_path, tmp_path_factory) -> tuple[str, str]:
     return trace, out.getvalue()
 
 
-def test_headless_trace_prints_the_prompts_lifecycle(recorded):
+def test_headless_trace_prints_the_prompts_lifecycle(recorded, capsys):
     trace, out = recorded
-    assert "Request prompt (followed)" in out
+    session = open_session(trace)
+    # The engine's internal id for the prompt: the id it was sent under, "-", 8 hex digits.
+    followed = session.info.followed_request_id
+    assert re.fullmatch(r"prompt-[0-9a-f]{8}", followed), followed
+    assert f"Request prompt (followed; internal id {followed})" in out
     for piece in (
         "queued:",
         "admitted",
@@ -72,12 +77,17 @@ def test_headless_trace_prints_the_prompts_lifecycle(recorded):
         f"glassbox tui {trace}",
     ):
         assert piece in out, piece
-    session = open_session(trace)
-    assert session.info.followed_request_id == "prompt"
+    assert session.resolve_request_id("prompt") == followed
     assert session.info.trace_level == "lifecycle"
-    assert set(session.request_ids) == {"prompt", "bg-1", "bg-2"}
+    sent_under = {session.timelines[r].external_req_id: r for r in session.request_ids}
+    assert set(sent_under) == {"prompt", "bg-1", "bg-2"} and len(session.request_ids) == 3
+    for sent, rid in sent_under.items():
+        assert rid.startswith(f"{sent}-") and session.request_label(rid) == sent
+    # glassbox tui --follow takes the id the request was sent under.
+    assert main(["tui", trace, "--summary", "--follow", "bg-1"]) == 0
+    assert f"Request bg-1 (internal id {sent_under['bg-1']})" in capsys.readouterr().out
     # Token texts were added, so the output reads as text.
-    tl = session.timelines["prompt"]
+    tl = session.timelines[followed]
     assert len(tl.output_tokens) >= 1
     assert all(session.token_text(t) is not None for _, t in tl.output_tokens)
 
@@ -90,7 +100,8 @@ async def test_the_recorded_trace_replays_in_the_app(recorded):
     app = TraceApp(trace)  # opened by the app itself, in its worker
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_ready(app, pilot)
-        assert app.error is None and app.follow == "prompt"
+        assert app.error is None and app.follow == session.resolve_request_id("prompt")
+        assert app.follow == session.info.followed_request_id
         await pilot.press("home")
         for _ in range(replay.last_step + 1):
             assert_panels_match_replay(app, replay, app.session)

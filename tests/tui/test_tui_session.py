@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import msgspec
+import msgspec.structs
 import pytest
 
 from engine.tracing import (
@@ -132,6 +133,83 @@ def test_summary_tells_the_followed_request_story(small_session: TraceSession):
         request_summary(small_session, "nope")
     assert compress_phases("w" * 3 + "p" + "d" * 100 + "f") == "w3 p d100 f"
     assert compress_phases("wpddf") == "wpddf"
+
+
+# ---------------------------------------------------------------------------
+# Ids: the engine's internal ids, and the ids the requests were sent under
+# ---------------------------------------------------------------------------
+def test_a_request_is_found_by_the_id_it_was_sent_under(internal_id_trace, internal_id_session):
+    _, internal = internal_id_trace
+    session = internal_id_session
+    assert sorted(session.request_ids) == sorted(internal.values())  # keyed by internal id
+    # trace.cli names the followed request by its internal id.
+    assert session.info.followed_request_id == internal["prompt"]
+    for sent, rid in internal.items():
+        assert session.resolve_request_id(sent) == rid
+        assert session.resolve_request_id(rid) == rid
+        assert session.timelines[rid].external_req_id == sent
+        assert session.request_label(rid) == sent  # what the request list shows
+    assert session.resolve_request_id("nope") is None
+    assert session.resolve_request_id("bg-5-") is None
+
+
+def test_the_summary_names_both_ids(internal_id_trace, internal_id_session):
+    _, internal = internal_id_trace
+    text = request_summary(internal_id_session)
+    assert f"Request prompt (followed; internal id {internal['prompt']})" in text
+    text = request_summary(internal_id_session, "bg-5")  # the id it was sent under
+    assert f"Request bg-5 (internal id {internal['bg-5']})" in text and "(followed" not in text
+    assert request_summary(internal_id_session, internal["bg-5"]) == text
+    assert "\n  bg-1       queued step" in text  # other requests by the id they were sent under
+    with pytest.raises(ValueError, match=r"request_id must be one of .*\(bg-1, .*got 'nope'"):
+        request_summary(internal_id_session, "nope")
+
+
+def test_labels_stay_unambiguous(internal_id_trace):
+    """Two requests sent under one id keep their internal ids in the list;
+    the children of an n > 1 request are "<index>_<id>"."""
+    events, internal = internal_id_trace
+
+    def resent(e):
+        if e.kind != "request.added":
+            return e
+        if e.external_req_id in ("bg-1", "bg-2"):  # sent twice under "bg"
+            return msgspec.structs.replace(e, external_req_id="bg")
+        if e.external_req_id in ("bg-4", "bg-5"):  # the children of one n = 2 request
+            index = int(e.external_req_id[-1]) - 4
+            return msgspec.structs.replace(
+                e, external_req_id="pair", parent_request_id="pair-0000abcd", index=index
+            )
+        return e
+
+    session = session_from_events([resent(e) for e in events])
+    label = session.request_label
+    assert (
+        label(internal["bg-1"]) == internal["bg-1"] and label(internal["bg-2"]) == internal["bg-2"]
+    )
+    assert (label(internal["bg-4"]), label(internal["bg-5"])) == ("0_pair", "1_pair")
+    assert label(internal["prompt"]) == "prompt"
+    # The sent id leads to the earliest request sent under it; a label to its request.
+    assert session.resolve_request_id("bg") == internal["bg-1"]
+    assert session.resolve_request_id("pair") == internal["bg-4"]
+    assert session.resolve_request_id("1_pair") == internal["bg-5"]
+
+
+def test_the_lifecycle_says_why_a_request_was_preempted(small_session: TraceSession):
+    """For another request's blocks, or (no ``for_request_id``) by
+    ``reset_prefix_cache(reset_running_requests=True)``."""
+
+    def preempted_lines(session: TraceSession) -> list[str]:
+        return [e.text for e in session.timelines["bg-5"].events if e.kind == "preempted"]
+
+    (line,) = preempted_lines(small_session)
+    assert line.startswith("preempted to make room for bg-3: blocks freed")
+    by_reset = [
+        msgspec.structs.replace(e, for_request_id="") if isinstance(e, SchedPreempted) else e
+        for e in small_session.events
+    ]
+    (line,) = preempted_lines(session_from_events(by_reset))
+    assert line.startswith("preempted by reset_prefix_cache: blocks freed, back to the waiting")
 
 
 # ---------------------------------------------------------------------------

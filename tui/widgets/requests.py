@@ -1,5 +1,7 @@
 """The request list: every request of the run, its status at this step; pick
-one to follow.
+one to follow. Each is listed under the id it was sent with where that is
+unambiguous (``RequestTimeline.label``); the other panels show the internal
+id the engine gave it (that id plus ``-`` and 8 hex digits), in the same colour.
 
 vLLM twin: none; the statuses are ``engine/v1/request.py``'s
 ``RequestStatus`` as the replay model rebuilt them at the shown step.
@@ -57,7 +59,7 @@ class RequestList(OptionList):
 
     def show(self, ctx: StepContext) -> None:
         ids = ctx.session.request_ids
-        id_width = min(10, max((len(r) for r in ids), default=1))
+        id_width = min(10, max((len(ctx.session.request_label(r)) for r in ids), default=1))
         prompts = [self._line(ctx, rid, id_width) for rid in ids]
         if ids != self._ids:
             self._ids = list(ids)
@@ -88,7 +90,8 @@ class RequestList(OptionList):
         line = Text()
         line.append("▶" if followed else " ", style=Style(bold=True))
         line.append("● ", style=Style(color=colour))
-        short = rid if len(rid) <= id_width else rid[: id_width - 1] + "…"
+        label = ctx.session.request_label(rid)
+        short = label if len(label) <= id_width else label[: id_width - 1] + "…"
         line.append(f"{short:<{id_width}}", style=Style(color=colour, bold=followed))
         line.append("  ")
         line.append(status, style=Style() if req is not None else DIM)

@@ -15,11 +15,13 @@ few varied background requests on a deliberately small engine --
     your prompt a few steps later, hitting (almost) all of it.
 
 The run is recorded with ``trace_level="full"`` (or ``lifecycle``) to
-``--trace-path``; two extra events go in through the engine's own tracer:
-``trace.cli`` (which request is yours) and ``trace.token_texts`` (the text
-of every token id the trace mentions, so the TUI can show candidates and
-block contents without loading a tokenizer). Then the TUI opens, following
-your request; ``--headless`` prints a text summary of its lifecycle instead.
+``--trace-path``; two extra events go in at the end through the engine's own
+tracer: ``trace.cli`` (which request is yours, by the internal id the engine
+gave it -- ``prompt-`` plus 8 hex characters, like every id in the trace) and
+``trace.token_texts`` (the text of every token id the trace mentions, so the
+TUI can show candidates and block contents without loading a tokenizer).
+Then the TUI opens, following your request; ``--headless`` prints a text
+summary of its lifecycle instead.
 The engine core runs in this process (``enable_multiprocessing=False``): the
 trace is the same, and start-up is quicker.
 Sessions: 01 (the engine loop, end to end); all (the tracer).
@@ -294,8 +296,8 @@ def record_trace(args: argparse.Namespace) -> str:
     tracer = engine.tracer
     trace = CliTrace.create(tracer)
     try:
-        arrival_steps = {r.request_id: r.arrival_step for r in planned}
-        trace.run_planned(FOLLOWED_REQUEST_ID, args.prompt, model, arrival_steps)
+        # The trace knows each request by the internal id the engine gave it.
+        internal_ids: dict[str, str] = {}
         pending = sorted(planned, key=lambda r: r.arrival_step)  # stable: keeps step-0 order
         step = 0
         while pending or engine.has_unfinished_requests():
@@ -304,7 +306,7 @@ def record_trace(args: argparse.Namespace) -> str:
             while pending and pending[0].arrival_step <= step:
                 r = pending.pop(0)
                 params = SamplingParams(max_tokens=r.max_tokens, seed=args.seed, **r.sampling)
-                engine.add_request(
+                internal_ids[r.request_id] = engine.add_request(
                     r.request_id,
                     {"prompt": r.prompt_text, "prompt_token_ids": r.prompt_token_ids},
                     params,
@@ -315,6 +317,8 @@ def record_trace(args: argparse.Namespace) -> str:
                 print(f"\rglassbox trace: step {step}", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
+        arrival_steps = {internal_ids[r.request_id]: r.arrival_step for r in planned}
+        trace.run_planned(internal_ids[FOLLOWED_REQUEST_ID], args.prompt, model, arrival_steps)
         tracer.flush()  # the token texts are read back from the file
         trace.token_texts(_token_texts(trace_path, tokenizer))
     finally:
@@ -362,14 +366,16 @@ def run(args: argparse.Namespace) -> int:
             f"glassbox trace: the run finished but its trace cannot be shown: {e}", file=sys.stderr
         )
         return 1
+    # Your request by the internal id the engine gave it (from trace.cli).
+    followed = session.info.followed_request_id
     if args.headless:
         from tui.summary import request_summary
 
-        print(request_summary(session, FOLLOWED_REQUEST_ID))
+        print(request_summary(session, followed))
         print(f"\nTrace written to {trace_path}; replay it with: glassbox tui {trace_path}")
         return 0
     from tui.app import TraceApp
 
-    TraceApp(session, follow=FOLLOWED_REQUEST_ID).run()
+    TraceApp(session, follow=followed).run()
     print(f"Trace written to {trace_path}; replay it with: glassbox tui {trace_path}")
     return 0

@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--follow",
         metavar="REQUEST_ID",
         default=None,
-        help="the request to follow (default: the traced prompt, or the first)",
+        help=(
+            "the request to follow: the id it was sent under, or the engine's internal id "
+            "(default: the traced prompt, or the first)"
+        ),
     )
     parser.add_argument(
         "--step",
@@ -76,15 +79,16 @@ def run(args: argparse.Namespace) -> int:
     if args.summary:
         from tui.summary import request_summary
 
-        if args.follow is not None and args.follow not in session.timelines:
-            known = ", ".join(session.request_ids) or "none"
+        follow = None if args.follow is None else session.resolve_request_id(args.follow)
+        if args.follow is not None and follow is None:
+            known = ", ".join(session.request_label(r) for r in session.request_ids) or "none"
             print(
                 f"glassbox tui: --follow must be one of the trace's requests ({known}), "
                 f"got {args.follow!r}",
                 file=sys.stderr,
             )
             return 2
-        print(request_summary(session, args.follow))
+        print(request_summary(session, follow))
         return 0
     if args.step is not None and args.step < 0:
         print(f"glassbox tui: --step must be >= 0, got {args.step}", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -322,12 +323,17 @@ def test_multiprocess_trace_merges_both_processes(model_dir, tmp_path, monkeypat
     assert {e.pid for e in by_kind["request.received"]} == {child}
     assert {e.pid for e in by_kind["output.sent"]} == {child}
     assert {e.pid for e in by_kind["output.received"]} == {os.getpid()}
+    # The hop carries internal ids; request.added maps them to the ids LLM sent ("0", "1").
+    internal = {e.external_req_id: e.request_id for e in by_kind["request.added"]}
+    assert set(internal) == {"0", "1"}
+    assert all(re.fullmatch(rf"{sent}-[0-9a-f]{{8}}", rid) for sent, rid in internal.items())
+    ids = set(internal.values())
     sent = {e.request_id: e.ts for e in by_kind["request.sent"] if e.type == "add"}
     received = {e.request_id: e.ts for e in by_kind["request.received"] if e.type == "add"}
-    assert set(sent) == set(received) == {"0", "1"}
+    assert set(sent) == set(received) == ids
     assert all(sent[r] <= received[r] for r in sent)
-    assert set().union(*(e.request_ids for e in by_kind["output.received"])) == {"0", "1"}
-    assert set().union(*(e.request_ids for e in by_kind["output.sent"])) == {"0", "1"}
+    assert set().union(*(e.request_ids for e in by_kind["output.received"])) == ids
+    assert set().union(*(e.request_ids for e in by_kind["output.sent"])) == ids
 
 
 def test_executor_class_must_be_importable_by_path(model_dir, monkeypatch):
