@@ -186,6 +186,8 @@ out_1, out_2 = await asyncio.gather(
 )
 llm.shutdown()  # stops EngineCore and merges the two trace parts into TRACE
 events = load_trace(str(TRACE))
+# Our id -> the engine's internal id for it (section 3 explains the two).
+INTERNAL = {e.external_req_id: e.request_id for e in events if e.kind == "request.added"}
 print(f"{len(events)} events in {TRACE}")
 print(f"replay it step by step: glassbox tui {TRACE} --follow req-2")
 
@@ -210,6 +212,15 @@ print("finish reason:  ", out_0.outputs[0].finish_reason)
 # `step`, which is `None` when the event belongs to no step. Which process is
 # which is in the data: the front end wrote `request.added`, the engine core
 # wrote `kv.init`. (Event kinds and fields: `docs/trace_format.md`.)
+#
+# A request has two ids, as in vLLM. `req-0` is ours: `generate()` got it and
+# every `RequestOutput` carries it back. Before the request leaves the front
+# end, `InputProcessor.assign_request_id` gives it an internal id, ours plus a
+# dash and eight random hex digits (`req-0-` and, say, `9c41e0b2`), so that
+# two requests sent under the same id stay apart. The core, the scheduler and
+# every trace event know the request only by that internal id; `request.added`
+# is the one event that records both (`request_id`, `external_req_id`).
+# `INTERNAL`, built from it above, turns our ids into internal ones.
 
 # %%
 FRONT_END = next(e.pid for e in events if e.kind == "request.added")
@@ -246,9 +257,10 @@ for kind in KINDS_OF_INTEREST:
 # %%
 # NBVAL_CHECK_OUTPUT
 def of_request(e, rid):
-    """Whether the event names ``rid``: in ``request_id``, or in ``request_ids``
-    (hop events batch several requests)."""
-    return getattr(e, "request_id", None) == rid or rid in (getattr(e, "request_ids", None) or [])
+    """Whether the event names our request ``rid`` (by its internal id): in
+    ``request_id``, or in ``request_ids`` (hop events batch several requests)."""
+    internal = INTERNAL[rid]
+    return getattr(e, "request_id", None) == internal or internal in (getattr(e, "request_ids", None) or [])
 
 
 def by_seq(pid):
@@ -281,8 +293,9 @@ print(f"(the first token left the core at the end of step {step})")
 # Read it against the code:
 #
 # * `request.added` / `request.sent` — `AsyncLLM.add_request` turned the prompt
-#   into an `EngineCoreRequest`, registered it with the `OutputProcessor`, and
-#   `AsyncMPClient.add_request_async` put it on the ROUTER socket.
+#   into an `EngineCoreRequest`, gave it its internal id, registered it with
+#   the `OutputProcessor`, and `AsyncMPClient.add_request_async` put it on the
+#   ROUTER socket.
 # * `request.received` — the core's **input thread**
 #   (`process_input_sockets`) decoded it and put it on `input_queue`.
 # * `sched.queued` — the **busy loop** (`_process_input_queue`) took it off the

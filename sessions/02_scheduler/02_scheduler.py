@@ -79,6 +79,7 @@ SESSION_FILES = {
         "Scheduler",
         "Scheduler.schedule",
         "Scheduler._preempt_request",
+        "Scheduler._select_waiting_queue_for_scheduling",
         "Scheduler._update_after_schedule",
         "Scheduler.update_from_output",
         "Scheduler.add_request",
@@ -104,13 +105,17 @@ display(Markdown(reading_table(SESSION_FILES)))
 # * **`schedule` is not at "~361–438"**: it runs from line 329 to 922.
 # * **`RequestStatus` has twelve members, not four**: `WAITING`, three
 #   `WAITING_FOR_*` states (structured-output grammar, remote KV, streaming
-#   input), `RUNNING`, `PREEMPTED`, and six `FINISHED_*` states. Glassbox keeps
-#   the ones it can reach.
-# * **There is a third queue**, `skipped_waiting`. It holds waiting requests
-#   that the waiting loop passed over for a reason other than space: blocked
-#   on a structured-output grammar, on remote KV or on streamed input, over
-#   the `max_loras` limit, or with a KV connector that cannot tell its match
-#   yet. Glassbox has none of those features, so it has no such queue.
+#   input), `RUNNING`, `PREEMPTED`, and six `FINISHED_*` states. Glassbox has
+#   all but `FINISHED_ERROR` and `FINISHED_REPETITION`.
+# * **There is a third queue**, `skipped_waiting`: the place for a waiting
+#   request that cannot start yet for a reason other than space (one of the
+#   `WAITING_FOR_*` states: its grammar is still compiling, its KV is still
+#   arriving from another instance, or more of its input is still streaming
+#   in; in vLLM also a request over the `max_loras` limit). Parked there, it
+#   does not hold up the requests queued behind it, and the waiting loop
+#   checks it again every step (`_select_waiting_queue_for_scheduling`).
+#   Glassbox has the queue and the states, but none of the features that
+#   park a request yet, so in the runs below it stays empty.
 # * **"If HBM is full: preempt" applies to running requests only.** A waiting
 #   request that does not fit ends admission for that step; nobody is preempted
 #   on its behalf. And a step that preempted anyone admits no waiting request.
@@ -144,7 +149,7 @@ ORDER = [
      our_line_of("num_new_tokens = min(num_new_tokens, token_budget)")),
     ("`allocate_slots`; if it returns `None`, preempt someone and retry", 443,
      our_line_of("new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)")),
-    ("PRIORITY: `preempted_req` is the worst `(priority, arrival_time)` in `running`", 457,
+    ("PRIORITY: `preempted_req` is the worst `(priority, arrival_time)` in `running` (of a tie, the first)", 457,
      our_line_of("preempted_req = max(")),
     ("FCFS: `preempted_req` is the tail of `running`, the most recently admitted", 481,
      our_line_of("preempted_req = self.running.pop()")),
@@ -153,6 +158,8 @@ ORDER = [
     ("`preempted_req` was the request itself: stop scheduling running requests", 485,
      our_line_of("if preempted_req == request:")),
     ("**waiting requests second**, only if nothing was preempted this step", 545, waiting_loop),
+    ("the next waiter comes from `waiting` or `skipped_waiting`; a still-blocked one is set aside", 552,
+     our_line_of("request_queue = self._select_waiting_queue_for_scheduling()", waiting_loop)),
     ("fresh or preempted: look the prompt up in the prefix cache", 594,
      our_line_of("self.kv_cache_manager.get_computed_blocks(request)", waiting_loop)),
     ("**chunked prefill**: take as many prompt tokens as the budget allows", 669,
@@ -183,6 +190,14 @@ display(Markdown("\n".join(rows)))
 # before the step we name, and steps until everything has finished. The trace
 # goes to a temporary folder; `TraceReplay` rebuilds the scheduler's state at
 # any step from it.
+#
+# Every request has two ids, as in vLLM. `add_request("short", ...)` returns
+# the request's **internal** id, ours plus a dash and eight random hex digits
+# (`short-1f0c9a2e`; vLLM's `InputProcessor.assign_request_id`), so that two
+# requests may be given the same id. The scheduler, the KV cache and the trace
+# know a request only by its internal id; its outputs come back under ours.
+# `LABEL` maps each internal id back to the name we gave it, so the tables
+# below read `short`, `low`, `b` and are the same on every run.
 
 # %%
 import tempfile
@@ -193,6 +208,7 @@ from engine.tracing import TraceReplay
 from engine.v1.engine.llm_engine import LLMEngine
 
 TRACE_DIR = Path(tempfile.mkdtemp(prefix="glassbox-session02-"))
+LABEL: dict[str, str] = {}  # internal request id -> the id we passed to add_request
 
 
 def run_workload(name, arrivals, **engine_kwargs):
@@ -209,7 +225,8 @@ def run_workload(name, arrivals, **engine_kwargs):
                 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 # Glassbox's InputProcessor rejects a priority other than 0 unless the
                 # policy is "priority". vLLM at 52a31cc does not check: FCFS ignores it.
-                llm_engine.add_request(rid, prompt, params, priority=priority if by_priority else 0)
+                internal_id = llm_engine.add_request(rid, prompt, params, priority=priority if by_priority else 0)
+                LABEL[internal_id] = rid
             for out in llm_engine.step():
                 if out.finished:
                     outputs[out.request_id] = out
@@ -217,6 +234,11 @@ def run_workload(name, arrivals, **engine_kwargs):
     finally:
         llm_engine.shutdown()
     return TraceReplay(str(path)), outputs
+
+
+def ids_of(replay):
+    """Our name of each request in this run -> its internal id."""
+    return {LABEL[e.request_id]: e.request_id for e in replay.events if e.kind == "sched.queued"}
 
 
 def preemptions(replay):
@@ -243,21 +265,21 @@ def step_rows(replay, request_ids):
         cells = {rid: "" for rid in request_ids}
         for slot in view.batch:
             mark = "" if slot.sampled else "*"  # *: a prompt chunk whose sample is thrown away
-            cells[slot.request_id] = f"{row_kind(replay, step, slot)}{slot.query_len}{mark}"
+            cells[LABEL[slot.request_id]] = f"{row_kind(replay, step, slot)}{slot.query_len}{mark}"
         happened = []
         for e in view.events:
             if e.kind == "sched.admitted":
-                happened.append(f"{'resumed' if e.resumed else 'admitted'} {e.request_id}")
+                happened.append(f"{'resumed' if e.resumed else 'admitted'} {LABEL[e.request_id]}")
             elif e.kind == "sched.preempted":
-                happened.append(f"preempted {e.request_id} (for {e.for_request_id})")
+                happened.append(f"preempted {LABEL[e.request_id]} (for {LABEL[e.for_request_id]})")
             elif e.kind == "sched.finished":
-                happened.append(f"finished {e.request_id}")
+                happened.append(f"finished {LABEL[e.request_id]}")
         rows.append({
             "step": str(step),
             "used/budget": f"{sched.total_num_scheduled_tokens}/{sched.token_budget}",
             **cells,
-            "running": " ".join(view.running) or "-",
-            "waiting": " ".join(view.waiting) or "-",
+            "running": " ".join(LABEL[r] for r in view.running) or "-",
+            "waiting": " ".join(LABEL[r] for r in view.waiting) or "-",
             "what happened": ", ".join(happened),
         })
     return rows
@@ -323,7 +345,7 @@ print(f"ran on {runner_init.device} ({runner_init.dtype}), {chunked.last_step} s
 
 # %%
 # NBVAL_CHECK_OUTPUT
-queued = {e.request_id: e for e in chunked.events if e.kind == "sched.queued"}
+queued = {LABEL[e.request_id]: e for e in chunked.events if e.kind == "sched.queued"}
 for rid, e in queued.items():
     print(f"{rid}: {e.num_prompt_tokens} prompt tokens, max_tokens {e.max_tokens}")
 print()
@@ -345,15 +367,16 @@ show_frame(chunked_rows)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-long_chunks = [(s, v.sched_step.num_scheduled_tokens["long"])
+LONG_ID = ids_of(chunked)["long"]
+long_chunks = [(s, v.sched_step.num_scheduled_tokens[LONG_ID])
                for s in chunked.steps[1:]
                for v in [chunked.view(s)]
-               if v.sched_step and "long" in v.sched_step.num_scheduled_tokens]
+               if v.sched_step and LONG_ID in v.sched_step.num_scheduled_tokens]
 prompt_chunks = [(s, n) for s, n in long_chunks if n > 1]
 print("long's prompt went in as chunks (step, tokens):", prompt_chunks)
 print("sum of the chunks == prompt length:", sum(n for _, n in prompt_chunks) == queued["long"].num_prompt_tokens)
 decode_first = all(
-    list(v.sched_step.num_scheduled_tokens)[0] == "short"
+    LABEL[list(v.sched_step.num_scheduled_tokens)[0]] == "short"
     for s in chunked.steps[1:]
     for v in [chunked.view(s)]
     if v.sched_step and len(v.sched_step.num_scheduled_tokens) == 2
@@ -421,30 +444,32 @@ print(text_table(compress(step_rows(fcfs, RIDS), RIDS)))
 # NBVAL_CHECK_OUTPUT
 def preemption_story(replay):
     p = preemptions(replay)[0]
+    names = lambda rids: [LABEL[r] for r in rids]  # noqa: E731
     lines = []
     for e in replay.events_at(p.step):
         if e.pid != replay.engine_pid:
             continue
         k = e.kind
         if k == "kv.allocation_failed":
-            lines.append(f"{k:21} {e.request_id} needs {e.num_blocks_needed} block(s), "
+            lines.append(f"{k:21} {LABEL[e.request_id]} needs {e.num_blocks_needed} block(s), "
                          f"{e.num_free_blocks} free")
         elif k == "kv.freed":
-            lines.append(f"{k:21} {e.request_id} gives back blocks {e.block_ids} "
+            lines.append(f"{k:21} {LABEL[e.request_id]} gives back blocks {e.block_ids} "
                          f"(to the free queue: {e.to_free_queue})")
         elif k == "sched.preempted":
-            lines.append(f"{k:21} victim {e.request_id} (for {e.for_request_id}), "
+            lines.append(f"{k:21} victim {LABEL[e.request_id]} (for {LABEL[e.for_request_id]}), "
                          f"had {e.num_tokens} tokens, {e.num_output_tokens} of them generated")
         elif k == "kv.allocated":
-            lines.append(f"{k:21} {e.request_id} gets block(s) {e.block_ids}")
+            lines.append(f"{k:21} {LABEL[e.request_id]} gets block(s) {e.block_ids}")
         elif k == "sched.step":
-            lines.append(f"{k:21} scheduled {e.num_scheduled_tokens}, preempted {e.preempted_req_ids}, "
-                         f"admitted {e.new_req_ids + e.resumed_req_ids}")
+            scheduled = {LABEL[r]: n for r, n in e.num_scheduled_tokens.items()}
+            lines.append(f"{k:21} scheduled {scheduled}, preempted {names(e.preempted_req_ids)}, "
+                         f"admitted {names(e.new_req_ids + e.resumed_req_ids)}")
     return p.step, lines
 
 
 step_f, story_f = preemption_story(fcfs)
-print(f"FCFS, step {step_f}, running before it: {fcfs.state_at(step_f - 1).running}")
+print(f"FCFS, step {step_f}, running before it: {[LABEL[r] for r in fcfs.state_at(step_f - 1).running]}")
 print("\n".join("  " + s for s in story_f))
 
 # %% [markdown]
@@ -468,18 +493,19 @@ print("\n".join("  " + s for s in story_f))
 print(text_table(compress(step_rows(prio, RIDS), RIDS)))
 print()
 step_p, story_p = preemption_story(prio)
-print(f"priority, step {step_p}, running before it: {prio.state_at(step_p - 1).running}")
+print(f"priority, step {step_p}, running before it: {[LABEL[r] for r in prio.state_at(step_p - 1).running]}")
 print("\n".join("  " + s for s in story_p))
 
 # %% [markdown]
 # Same step, same requester, different victim. With `policy="priority"` the
 # victim is `max(running, key=(priority, arrival_time))` — the largest
-# priority *value* (least important), latest arrival among ties. If two
-# running requests tie on both (the `n > 1` children of one request do),
-# vLLM's `max` keeps the one that comes first in `running`; Glassbox scans
-# `running` backwards and takes the last one, because vLLM's choice can make
-# two tied requests preempt each other for ever when prefills are chunked
-# (`docs/source_map.md`, "Where Glassbox differs from vLLM on purpose").
+# priority *value* (least important), latest arrival among equal priorities.
+# If several running requests tie on both (the `n > 1` children of one
+# request do), `max` returns the first of them it meets: the tied request
+# that comes first in `running`. Glassbox makes the same call, so it picks
+# the same victim as vLLM. That rule has a known cost, noted in our
+# scheduler's docstring: with prefix caching off and chunked prefills, two
+# tied requests can take turns preempting each other for ever.
 # Here `low` (priority 1) loses, even though it arrived first and is
 # furthest along. FCFS would have taken `b`, and preempts in reverse
 # admission order whatever the priorities.
@@ -488,20 +514,20 @@ print("\n".join("  " + s for s in story_p))
 # NBVAL_CHECK_OUTPUT
 def victim_by_rule(replay, step, policy):
     """Apply the victim rule to the replayed running list before ``step``
-    (priority: of a full tie, Glassbox takes the last in ``running``)."""
+    (priority: of a full tie, ``max`` keeps the first in ``running``)."""
     before = replay.state_at(step - 1)
     if policy == "fcfs":
-        return before.running[-1]
+        return LABEL[before.running[-1]]
     arrival = {e.request_id: e.arrival_time for e in replay.events if e.kind == "sched.queued"}
     priority = {e.request_id: e.priority for e in replay.events if e.kind == "sched.queued"}
-    return max(reversed(before.running), key=lambda r: (priority[r], arrival[r]))
+    return LABEL[max(before.running, key=lambda r: (priority[r], arrival[r]))]
 
 
 for name, replay, policy in (("FCFS", fcfs, "fcfs"), ("priority", prio, "priority")):
     p = preemptions(replay)
     first = p[0]
-    print(f"{name:8}: {len(p)} preemption(s); first at step {first.step}: victim {first.request_id} "
-          f"for {first.for_request_id}; the rule predicts {victim_by_rule(replay, first.step, policy)}")
+    print(f"{name:8}: {len(p)} preemption(s); first at step {first.step}: victim {LABEL[first.request_id]} "
+          f"for {LABEL[first.for_request_id]}; the rule predicts {victim_by_rule(replay, first.step, policy)}")
 
 # %% [markdown]
 # ### A picture of both runs
@@ -522,11 +548,12 @@ STATE_COLORS = {
 def state_grid(replay, rids):
     """rid -> [state per step], from the views (what ran) and states (who waits)."""
     grid = {rid: [] for rid in rids}
+    internal = ids_of(replay)
     for step in replay.steps[1:]:
         view = replay.view(step)
-        ran = {slot.request_id: row_kind(replay, step, slot) for slot in view.batch}
+        ran = {LABEL[slot.request_id]: row_kind(replay, step, slot) for slot in view.batch}
         for rid in rids:
-            req = view.state.requests.get(rid)
+            req = view.state.requests.get(internal[rid])
             if rid in ran:
                 grid[rid].append({"p": "prefill", "d": "decode", "r": "recompute"}[ran[rid]])
             elif req is None or req.is_finished:
@@ -575,7 +602,7 @@ def block_cluster(g, name, state, label, changed=frozenset()):
         c.attr(label=label, fontsize="11")
         nodes = []
         for block in state.blocks:
-            owner = ",".join(block.owners)
+            owner = ",".join(LABEL[r] for r in block.owners)
             if block.is_null:
                 text, color = f"#{block.block_id}\nnull", "#eeeeee"
             elif block.owners:
@@ -639,8 +666,9 @@ nocache, nocache_out = run_workload("fcfs-nocache", WORKLOAD, scheduling_policy=
 
 def preemption_cost(replay, baseline):
     """Per preemption: what the victim lost, waited, recomputed, and how late it finished."""
-    finished = {e.request_id: e.step for e in replay.events if e.kind == "sched.finished"}
-    finished_base = {e.request_id: e.step for e in baseline.events if e.kind == "sched.finished"}
+    # Keyed by our names: the internal ids differ from run to run.
+    finished = {LABEL[e.request_id]: e.step for e in replay.events if e.kind == "sched.finished"}
+    finished_base = {LABEL[e.request_id]: e.step for e in baseline.events if e.kind == "sched.finished"}
     costs = []
     for p in preemptions(replay):
         rid = p.request_id
@@ -650,17 +678,17 @@ def preemption_cost(replay, baseline):
         # up to where it had been when preempted.
         recomputed = p.num_tokens - resumed.num_computed_tokens
         costs.append({
-            "victim": rid,
-            "for": p.for_request_id,
+            "victim": LABEL[rid],
+            "for": LABEL[p.for_request_id],
             "preempted at": p.step,
             "tokens lost": p.num_tokens,
             "resumed at": resumed.step,
             "steps waiting": resumed.step - p.step,
             "prefix hit": resumed.num_computed_tokens,
             "recomputed": recomputed,
-            "finished at": finished[rid],
-            "baseline": finished_base[rid],
-            "extra steps": finished[rid] - finished_base[rid],
+            "finished at": finished[LABEL[rid]],
+            "baseline": finished_base[LABEL[rid]],
+            "extra steps": finished[LABEL[rid]] - finished_base[LABEL[rid]],
         })
     return costs
 
@@ -740,8 +768,8 @@ for replay in (fcfs, prio, nocache):
 # %%
 # FCFS preempts the most recently admitted running request; priority the
 # worst (priority, arrival_time).
-assert preemptions(fcfs)[0].request_id == victim_by_rule(fcfs, preemptions(fcfs)[0].step, "fcfs") == "b"
-assert preemptions(prio)[0].request_id == victim_by_rule(prio, preemptions(prio)[0].step, "priority") == "low"
+assert LABEL[preemptions(fcfs)[0].request_id] == victim_by_rule(fcfs, preemptions(fcfs)[0].step, "fcfs") == "b"
+assert LABEL[preemptions(prio)[0].request_id] == victim_by_rule(prio, preemptions(prio)[0].step, "priority") == "low"
 
 # %%
 # A preempted request comes back with its cursor at a block boundary (the

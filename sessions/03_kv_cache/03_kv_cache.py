@@ -231,16 +231,19 @@ print(f"full blocks inside the shared part: {common // BLOCK_SIZE} -> at most "
 #
 # Each `llm.chat(...)` call returns when its requests are done, so the phases
 # below happen one after another. `LLM` numbers requests `"0"`, `"1"`, … in
-# the order they are added.
+# the order they are added; that is the id its outputs carry. Inside the
+# engine each request goes by an internal id made from it (`"3-"` and eight
+# random hex digits, as in vLLM), which is what the trace records; §3 links
+# the two.
 
 # %%
-ROLE = {}  # request id -> label
+LABEL_OF = {}  # the id LLM gave the request (its output's request_id) -> label
 
 
 def run(label_questions: dict[str, str]) -> None:
     outs = llm.chat([conversation(q) for q in label_questions.values()], greedy, use_tqdm=False)
     for label, out in zip(label_questions, outs):
-        ROLE[out.request_id] = label
+        LABEL_OF[out.request_id] = label
         print(f"{label} (request {out.request_id}): prompt {len(out.prompt_token_ids)} tokens, "
               f"{out.num_cached_tokens} from the prefix cache -> {out.outputs[0].text!r}")
 
@@ -252,7 +255,7 @@ run({"C": QUESTIONS["C"], "D": QUESTIONS["D"]})       # phase 3: C and D share t
 # Phase 4: an unrelated long prompt (no chat template, nothing in common).
 LONG_PROMPT = " ".join(f"{i} times {i} is {i * i}." for i in range(1, 37))
 out_e = llm.generate([LONG_PROMPT], greedy, use_tqdm=False)[0]
-ROLE[out_e.request_id] = "E"
+LABEL_OF[out_e.request_id] = "E"
 print(f"E (request {out_e.request_id}): prompt {len(out_e.prompt_token_ids)} tokens, "
       f"{out_e.num_cached_tokens} from the prefix cache")
 run({"F": QUESTIONS["F"]})                            # phase 5: after the evictions
@@ -270,11 +273,17 @@ print(f"all phases: {time.perf_counter() - t0:.1f} s")
 # checks itself against the engine as it goes (a block the engine allocated
 # that is not at the head of its free queue raises `ReplayError`), so what it
 # shows is what happened.
+#
+# Every event names a request by its internal id. `request.added`, written
+# when the front end registers the request, is the one that carries both:
+# `request_id` (internal) and `external_req_id` (the id `LLM` gave it). From
+# it, `ROLE` maps each internal id to the conversation's letter.
 
 # %%
 llm.llm_engine.tracer.flush()
 events = load_trace(str(TRACE))
 replay = TraceReplay(events)
+ROLE = {e.request_id: LABEL_OF[e.external_req_id] for e in events if e.kind == "request.added"}
 BY_LABEL = {label: rid for rid, label in ROLE.items()}
 
 
@@ -348,7 +357,9 @@ print(f"touched (revived from the queue's middle): [{runs(touched.block_ids)}]; 
 # ### 3c. The hash chain
 #
 # Each full block is hashed as `hash(parent_hash, its 16 token ids, extra keys)`
-# (`hash_block_tokens`); the first block's parent is a fixed seed, `NONE_HASH`.
+# (`hash_block_tokens`, with `sha256` of the pickled tuple; the hash function
+# lives in `engine/utils/hashing.py`, as vLLM's does in `vllm/utils/hashing.py`);
+# the first block's parent is a fixed seed, `NONE_HASH` (`init_none_hash`).
 # Because the parent's hash is inside the child's, two blocks with equal
 # hashes hold equal *prefixes*, not just equal 16-token windows — which is
 # what makes it safe to reuse block 7 of A for B without comparing the six
@@ -360,8 +371,9 @@ print(f"touched (revived from the queue's middle): [{runs(touched.block_ids)}]; 
 # compare.
 
 # %%
+from engine.utils.hashing import sha256
 from engine.v1.core import kv_cache_utils
-from engine.v1.core.kv_cache_utils import hash_block_tokens, sha256
+from engine.v1.core.kv_cache_utils import hash_block_tokens
 
 cached = {}  # (request id, block index) -> kv.cached event
 for e in events:
@@ -702,7 +714,7 @@ import statistics
 
 order = [("A", "B"), ("B", "A"), ("A", "B")]
 prefill_only = SamplingParams(temperature=0.0, max_tokens=1)  # the request ends after its prefill step
-timed = []  # (kind, label, request id)
+timed = []  # (kind, label, the request id LLM gave it)
 for cold_label, warm_label in order:
     assert llm.reset_prefix_cache(), "reset_prefix_cache needs every block free"
     for kind, label in (("cold", cold_label), ("warm", warm_label)):
@@ -710,8 +722,10 @@ for cold_label, warm_label in order:
         timed.append((kind, label, out.request_id))
 llm.llm_engine.tracer.flush()
 events = load_trace(str(TRACE))
+internal = {e.external_req_id: e.request_id for e in events if e.kind == "request.added"}
 samples = {"cold": [], "warm": []}
-for kind, label, rid in timed:
+for kind, label, user_id in timed:
+    rid = internal[user_id]
     step = first("sched.admitted", rid).step
     hit = first("kv.cache_hit", rid).num_cached_tokens
     forward = next(e for e in events if e.kind == "runner.forward" and e.step == step)

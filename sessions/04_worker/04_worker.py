@@ -50,7 +50,7 @@
 # |---|---|
 # | `vllm/v1/worker/gpu_worker.py` | `Worker`: one device, one runner; `determine_available_memory` sizes the KV cache, `initialize_from_config` allocates it, `compile_or_warm_up_model` captures graphs |
 # | `vllm/v1/worker/gpu_model_runner.py` | `GPUModelRunner`: `_update_states` → `_prepare_inputs` → `execute_model` → `sample_tokens`; `_determine_batch_execution_and_padding`, `_dummy_run`, `capture_model` |
-# | `vllm/v1/worker/gpu_input_batch.py` | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`) |
+# | `vllm/v1/worker/gpu_input_batch.py` | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`); rows are added, removed, swapped and condensed, and every change is passed on to the logits processors |
 # | `vllm/v1/worker/block_table.py` | block ids per row, and positions → slots |
 # | `vllm/v1/attention/backend.py` | `CommonAttentionMetadata`: what every attention backend gets |
 # | `vllm/v1/cudagraph_dispatcher.py`, `vllm/config/compilation.py` | which graph runs a batch; the graph modes and capture sizes |
@@ -80,14 +80,15 @@ SESSION_FILES = {
         "Worker.compile_or_warm_up_model", "Worker.execute_model", "Worker.sample_tokens",
     ],
     "vllm/v1/worker/gpu_model_runner.py": [
-        "GPUModelRunner", "GPUModelRunner._update_states", "GPUModelRunner._prepare_inputs",
+        "GPUModelRunner", "GPUModelRunner._update_states", "GPUModelRunner._may_reorder_batch",
+        "GPUModelRunner._prepare_inputs",
         "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens",
         "GPUModelRunner._determine_batch_execution_and_padding", "GPUModelRunner._dummy_run",
         "GPUModelRunner.capture_model", "GPUModelRunner.initialize_kv_cache",
     ],
     "vllm/v1/worker/gpu_input_batch.py": [
         "CachedRequestState", "InputBatch", "InputBatch.add_request", "InputBatch.remove_request",
-        "InputBatch.condense",
+        "InputBatch.swap_states", "InputBatch.condense", "InputBatch.refresh_metadata",
     ],
     "vllm/v1/worker/block_table.py": ["BlockTable", "BlockTable.compute_slot_mapping", "BlockTable.commit_block_table"],
     "vllm/v1/attention/backend.py": ["CommonAttentionMetadata", "AttentionMetadataBuilder.build"],
@@ -135,7 +136,11 @@ for item in gen_source_map.STALE:
 # Those are the *mixed* batches this session is about.
 #
 # We drive `LLMEngine` by hand (`add_request`, `step`) to control when each
-# request arrives. Before the first step we wrap the live runner's
+# request arrives. `add_request("r0", ...)` returns the request's internal id
+# (`r0-` and eight random hex digits, as in vLLM; session 02 explains why),
+# and that is the only id the scheduler, the worker and the trace see.
+# `LABEL` maps it back to `r0`, so the tables below read the same on every
+# run. Before the first step we wrap the live runner's
 # `_prepare_inputs` so that every step leaves a copy of the tensors it built.
 # Ours returns a `PreparedInputs`, a dataclass of Glassbox's own (vLLM's
 # returns the logits indices and the spec-decode metadata and leaves the rest
@@ -170,10 +175,12 @@ core = llm.llm_engine.engine_core.engine_core  # EngineCore (in this process)
 worker = core.model_executor.driver_worker  # Worker
 runner = worker.model_runner  # GPUModelRunner
 print(f"engine ready in {time.perf_counter() - t0:.1f} s on {DEVICE}; "
-      f"runner: {type(runner).__name__}, attention backend: {runner.attn_backend.get_name()}")
+      f"runner: {type(runner).__name__}, attention backend: {runner.attn_backend.get_name()}, "
+      f"reorder_batch_threshold: {runner.reorder_batch_threshold}")
 
 # %%
-captured = {}  # step -> what _prepare_inputs built (host copies)
+captured = {}  # step -> what _prepare_inputs built (host copies), requests by our names
+LABEL: dict[str, str] = {}  # internal request id -> the id we passed to add_request
 _original_prepare_inputs = runner._prepare_inputs
 
 
@@ -182,14 +189,14 @@ def recording_prepare_inputs(scheduler_output):
     common, num_tokens = inputs.common_attn_metadata, inputs.num_tokens
     rows = common.num_reqs
     captured[scheduler_output.step] = {
-        "req_ids": list(runner.input_batch.req_ids),
-        "new_reqs": {r.req_id: (list(r.block_ids[0]), r.num_computed_tokens)
+        "req_ids": [LABEL[r] for r in runner.input_batch.req_ids],
+        "new_reqs": {LABEL[r.req_id]: (list(r.block_ids[0]), r.num_computed_tokens)
                      for r in scheduler_output.scheduled_new_reqs},
-        "cached_reqs": {rid: (list(nb[0]) if nb else [], n) for rid, nb, n in zip(
+        "cached_reqs": {LABEL[rid]: (list(nb[0]) if nb else [], n) for rid, nb, n in zip(
             scheduler_output.scheduled_cached_reqs.req_ids,
             scheduler_output.scheduled_cached_reqs.new_block_ids,
             scheduler_output.scheduled_cached_reqs.num_computed_tokens)},
-        "num_scheduled_tokens": dict(scheduler_output.num_scheduled_tokens),
+        "num_scheduled_tokens": {LABEL[r]: n for r, n in scheduler_output.num_scheduled_tokens.items()},
         "input_ids": runner.input_ids[:num_tokens].cpu().tolist(),
         "positions": runner.positions[:num_tokens].cpu().tolist(),
         "query_start_loc": common.query_start_loc.cpu().tolist(),
@@ -219,13 +226,19 @@ params = {
     "r2": SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
 }
 llm_engine = llm.llm_engine
+
+
+def add(request_id, prompt, sampling_params):
+    LABEL[llm_engine.add_request(request_id, prompt, sampling_params)] = request_id
+
+
 texts = {}
-llm_engine.add_request("r0", PROMPTS["r0"], params["r0"])
-llm_engine.add_request("r1", PROMPTS["r1"], params["r1"])
+add("r0", PROMPTS["r0"], params["r0"])
+add("r1", PROMPTS["r1"], params["r1"])
 step_log = []
 for _ in range(2):  # prefill both, then one decode step
     step_log += llm_engine.step()
-llm_engine.add_request("r2", PROMPTS["r2"], params["r2"])  # arrives while r0 and r1 decode
+add("r2", PROMPTS["r2"], params["r2"])  # arrives while r0 and r1 decode
 while llm_engine.has_unfinished_requests():
     step_log += llm_engine.step()
 for out in step_log:
@@ -259,8 +272,9 @@ def kind_of(batch: RunnerBatch) -> str:
 
 print("step  kind     tokens  rows (request:query_len)            discarded  graph")
 for step, b in sorted(batches.items()):
-    rows = ", ".join(f"{r}:{q}" for r, q in zip(b.req_ids, b.query_lens))
-    print(f"{step:>4}  {kind_of(b):<8} {b.num_tokens:>6}  {rows:<36} {','.join(b.discard_req_ids) or '-':<10} "
+    rows = ", ".join(f"{LABEL[r]}:{q}" for r, q in zip(b.req_ids, b.query_lens))
+    discarded = ",".join(LABEL[r] for r in b.discard_req_ids) or "-"
+    print(f"{step:>4}  {kind_of(b):<8} {b.num_tokens:>6}  {rows:<36} {discarded:<10} "
           f"{b.cudagraph_mode}")
 
 # %% [markdown]
@@ -289,7 +303,7 @@ for step, b in sorted(batches.items()):
 # NBVAL_CHECK_OUTPUT
 MIXED = next(s for s, b in sorted(batches.items()) if kind_of(b) == "mixed")
 b, live = batches[MIXED], captured[MIXED]
-print(f"step {MIXED}: rows {b.req_ids}, query_lens {b.query_lens}, "
+print(f"step {MIXED}: rows {[LABEL[r] for r in b.req_ids]}, query_lens {b.query_lens}, "
       f"num_computed_tokens {b.num_computed_tokens}, seq_lens {b.seq_lens}")
 print("new requests this step (id: block ids, computed):", live["new_reqs"])
 print("cached requests (id: new block ids, computed):   ", live["cached_reqs"])
@@ -302,7 +316,7 @@ print("block table rows (first 5 columns):")
 for rid, row in zip(live["req_ids"], live["block_table"]):
     print(f"  {rid}: {row[:5]}")
 print("trace slot runs [block, offset, count]:", b.slot_mapping)
-print("discarded samples (mid-prompt):", b.discard_req_ids)
+print("discarded samples (mid-prompt):", [LABEL[r] for r in b.discard_req_ids])
 
 # %% [markdown]
 # Read it row by row. `r0` has 7 prompt tokens and has sampled 2: the token
@@ -405,10 +419,18 @@ for step in sorted(captured):
 # row per running request — token ids, computed-token count, block table row,
 # sampling state — and `_update_states` applies only the scheduler's deltas:
 # new requests get a row, finished ones leave and the rows are condensed,
-# running ones get their new block ids appended. The scheduler therefore
-# sends full data only once per request (`NewRequestData`) and small deltas
-# after that (`CachedRequestData`). Watch `r2` across its three prefill
-# chunks:
+# running ones get their new block ids appended. Then, if the attention
+# backend asks for it (its builder's `reorder_batch_threshold`: 1 for
+# FlashInfer, None for Triton and for the CPU backend on x86),
+# `_may_reorder_batch` swaps rows (`InputBatch.swap_states`) so that decodes
+# come before prefills. The logits processors (min-p, logit bias, min-tokens)
+# are persistent too: built once when the runner starts, they are told of
+# every row added, removed or moved as a `BatchUpdate` (`refresh_metadata`)
+# instead of being rebuilt each step.
+#
+# The scheduler therefore sends full data only once per request
+# (`NewRequestData`) and small deltas after that (`CachedRequestData`).
+# Watch `r2` across its three prefill chunks:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -419,11 +441,13 @@ for step in sorted(captured):
     elif "r2" in live["cached_reqs"]:
         new_blocks, computed = live["cached_reqs"]["r2"]
         print(f"step {step}: r2 as CachedRequestData, new block ids {new_blocks}, computed {computed}")
-last = max(s for s, b in batches.items() if "r2" in b.req_ids)
+last = max(s for s, b in batches.items() if "r2" in captured[s]["req_ids"])
 row = captured[last]["req_ids"].index("r2")
 n_blocks = -(-captured[last]["seq_lens"][row] // BLOCK_SIZE)
 print(f"r2's block table row at step {last}, its last step: {captured[last]['block_table'][row][:n_blocks]} "
       f"(the worker's copy, assembled from those deltas)")
+print("logits processors kept by the input batch:",
+      [type(proc).__name__ for proc in runner.input_batch.logitsprocs.all])
 
 # %% [markdown]
 # ## 4. CUDA graphs: capture sizes and padding
@@ -587,7 +611,7 @@ def counted_forward(*args, **kwargs):
 
 
 model.forward = counted_forward
-llm_engine.add_request("count", "Counting kernels", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+add("count", "Counting kernels", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 llm_engine.step()          # the prefill
 counter.counts.clear()
 with kernels_disabled():   # the plain-torch CPU paths, visible to the dispatch mode
@@ -712,7 +736,7 @@ else:
 # Every step's runner tensors agree with the trace's runner.batch event.
 for step, b in batches.items():
     live = captured[step]
-    assert live["req_ids"] == b.req_ids
+    assert live["req_ids"] == [LABEL[r] for r in b.req_ids]
     assert np.diff(live["query_start_loc"]).tolist() == b.query_lens
     assert live["seq_lens"] == b.seq_lens
     slots = [blk * BLOCK_SIZE + off + i for runs_ in b.slot_mapping for blk, off, cnt in runs_ for i in range(cnt)]
@@ -720,10 +744,11 @@ for step, b in batches.items():
 print("trace and live runner agree on every step: ok")
 
 # %%
-# A mixed step: decodes first (the scheduler serves running requests first), then the chunk.
+# A mixed step: decodes first (the scheduler serves running requests first, and a backend
+# that sets reorder_batch_threshold would have the runner put them first anyway), then the chunk.
 b = batches[MIXED]
 assert b.query_lens[:2] == [1, 1] and b.query_lens[2] == 32 - 2
-assert b.discard_req_ids == ["r2"]  # its sample is thrown away until its prompt is done
+assert [LABEL[r] for r in b.discard_req_ids] == ["r2"]  # its sample is thrown away until its prompt is done
 assert sum(b.query_lens) <= 32  # max_num_batched_tokens
 print("mixed step layout: ok")
 
