@@ -102,6 +102,78 @@ SESSION_RE = re.compile(r"Sessions?:\s*([^\n]*)")
 SIMPLER_RE = re.compile(r"Simpler than vLLM:?\s*(.*?)(?:\n\s*\n|\Z)", re.S | re.I)
 # A behaviour that differs from vLLM's on purpose, with the reason (the whole paragraph).
 DIFFERS_RE = re.compile(r"Differs from vLLM on purpose:?\s*(.*?)(?:\n\s*\n|\Z)", re.S | re.I)
+# vLLM features Glassbox leaves out for good (not "not yet": those are issues), each with
+# vLLM's home, what Glassbox does when asked for it, and why. Rendered in the "differs on
+# purpose" section beside the per-module paragraphs.
+SCOPE_DIFFERENCES: list[tuple[str, str, str, str]] = [
+    (
+        "Pooling and embedding models",
+        "`vllm/pooling_params.py`, `vllm/v1/pool/`",
+        "`Request.pooling_params` must be None; a value is a `ValueError` naming the field",
+        "Glassbox follows one generated token from prompt to sampler; a pooling "
+        "request never reaches the sampler, so it would teach none of the seven sessions",
+    ),
+    (
+        "Multimodal inputs and the encoder cache",
+        "`vllm/multimodal/`, `vllm/v1/core/encoder_cache_manager.py`",
+        "`Request.mm_features` must be empty; the scheduler has no encoder budget",
+        "the supported models (Llama, Qwen2, Qwen3) are text-only; an encoder budget "
+        "would add a second resource to every scheduling decision the notebooks explain",
+    ),
+    (
+        "Prompt embeddings",
+        "`Request.prompt_embeds`, `vllm/v1/worker/gpu_model_runner.py`",
+        "`Request.prompt_embeds` must be None",
+        "prompts are token ids everywhere, so block hashing and the runner's inputs "
+        "stay one tensor of ids",
+    ),
+    (
+        "Encoder-decoder models",
+        "`vllm/v1/core/sched/scheduler.py` (`is_encoder_decoder`)",
+        "no such model is registered",
+        "no supported model needs cross-attention",
+    ),
+    (
+        "KV connectors, disaggregated prefill, KV offloading, EC connectors",
+        "`vllm/distributed/kv_transfer/`, `vllm/distributed/ec_transfer/`",
+        "`RequestStatus.WAITING_FOR_REMOTE_KVS` exists (the skipped-waiting queue "
+        "handles it) but nothing sets it",
+        "one engine owns its whole KV cache; remote KV needs a second engine and a "
+        "transport, outside what one machine of the course runs",
+    ),
+    (
+        "Data, pipeline, context and expert parallelism",
+        "`vllm/v1/engine/coordinator.py`, `vllm/distributed/`",
+        "`ParallelConfig` has no pipeline, data, context or expert parallel sizes",
+        "one model replica on one host; tensor parallelism is the parallelism session 07 teaches",
+    ),
+    (
+        "Hybrid, sliding-window and Mamba KV cache groups",
+        "`vllm/v1/core/single_type_kv_cache_manager.py`, `vllm/v1/core/kv_cache_coordinator.py`",
+        "one full-attention group (`UnitaryKVCacheCoordinator`)",
+        "the supported models use full attention in every layer",
+    ),
+    (
+        "Streaming input sessions (resumable requests)",
+        "`vllm/v1/request.py` (`StreamingUpdate`)",
+        "`RequestStatus.WAITING_FOR_STREAMING_REQ` exists but nothing sets it",
+        "a request's prompt is complete when it arrives, as in the OpenAI API",
+    ),
+    (
+        "KV cache events, KV metrics sampling, OpenTelemetry spans",
+        "`vllm/distributed/kv_events.py`, `vllm/v1/core/kv_cache_metrics.py`, `vllm/tracing/`",
+        "none; the Glassbox trace records the same moments (Prometheus metrics are kept)",
+        "one trace file serves the TUI, the notebooks and Perfetto; a second "
+        "event stream would duplicate it",
+    ),
+    (
+        "Pickle fallback in serialization",
+        "`vllm/v1/serial_utils.py`",
+        "a value msgpack cannot express is a `TypeError` naming its type",
+        "only Glassbox's own msgspec structs cross the process hop",
+    ),
+]
+
 SESSION_NAMES = {
     "01": "Session 01 — the engine loop",
     "02": "Session 02 — the scheduler",
@@ -953,7 +1025,16 @@ def build(data: VllmData) -> str:
         if mod.differs:
             target = f"[`{mod.rel}`](#{anchor(mod.rel)})" if mod.twins else f"`{mod.rel}`"
             out.append(f"| {target} | {_cell(mod.differs)} |")
-    out.append("")
+    out += [
+        "",
+        "vLLM features Glassbox leaves out for good (features still to come, such as",
+        "speculative decoding, structured outputs or LoRA, are open issues, not choices):",
+        "",
+        "| Feature | vLLM | What Glassbox does | Why |",
+        "| --- | --- | --- | --- |",
+        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in SCOPE_DIFFERENCES),
+        "",
+    ]
     out += [
         "## C++ kernels (`csrc/`)",
         "",
