@@ -396,6 +396,20 @@ class InputBatch:
     def _get_active_token_count(self, row: int) -> int:
         return int(self.num_tokens_no_spec[row]) + len(self.spec_token_ids[row])
 
+    def _per_row_arrays(self) -> tuple[np.ndarray, ...]:
+        """The host arrays with one entry per row, moved with their request."""
+        return (
+            self.num_tokens_no_spec,
+            self.num_prompt_tokens,
+            self.num_computed_tokens_cpu,
+            self.temperature_cpu,
+            self.top_p_cpu,
+            self.top_k_cpu,
+            self.frequency_penalties_cpu,
+            self.presence_penalties_cpu,
+            self.repetition_penalties_cpu,
+        )
+
     def swap_states(self, i1: int, i2: int) -> None:
         """Exchange the requests of rows ``i1`` and ``i2`` (both live)."""
         id1, id2 = self._req_ids[i1], self._req_ids[i2]
@@ -409,17 +423,7 @@ class InputBatch:
             per_row[i1], per_row[i2] = per_row[i2], per_row[i1]
         # Fancy indexing copies the right-hand side first, so this is a true swap.
         self.token_ids_cpu[pair, :n] = self.token_ids_cpu[swapped, :n]
-        for values in (
-            self.num_tokens_no_spec,
-            self.num_prompt_tokens,
-            self.num_computed_tokens_cpu,
-            self.temperature_cpu,
-            self.top_p_cpu,
-            self.top_k_cpu,
-            self.frequency_penalties_cpu,
-            self.presence_penalties_cpu,
-            self.repetition_penalties_cpu,
-        ):
+        for values in self._per_row_arrays():
             values[pair] = values[swapped]
         self.block_table.swap_row(i1, i2)
         for by_row in (self.generators, self.bad_words_token_ids):
@@ -471,17 +475,7 @@ class InputBatch:
         self.req_output_token_ids[src] = None
         self.spec_token_ids[dst], self.spec_token_ids[src] = self.spec_token_ids[src], []
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
-        for values in (
-            self.num_tokens_no_spec,
-            self.num_prompt_tokens,
-            self.num_computed_tokens_cpu,
-            self.temperature_cpu,
-            self.top_p_cpu,
-            self.top_k_cpu,
-            self.frequency_penalties_cpu,
-            self.presence_penalties_cpu,
-            self.repetition_penalties_cpu,
-        ):
+        for values in self._per_row_arrays():
             values[dst] = values[src]
         self.block_table.move_row(src, dst)
         for by_row in (self.generators, self.bad_words_token_ids):
