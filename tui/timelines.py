@@ -123,7 +123,8 @@ class RequestTimeline:
     finished_step: int | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    # Prefix-cache hit of its last admission before its first output token.
+    num_cached_tokens: int = 0
     # The id the user gave (a child of ``n > 1``: its parent's); None in
     # traces before format 1.2 and for a request without ``request.added``.
     external_req_id: str | None = None
@@ -314,11 +315,9 @@ class _TimelineBuilder:
         hit = lv.pending_hit
         lv.pending_hit = None
         hit_blocks = hit.block_ids if hit is not None else []
-        if resumed:
-            text = f"resumed: recompute from token {lv.cursor}"
-        else:
+        if lv.num_output == 0:  # as the engine's PrefillStats: kept once a token is out
             tl.num_cached_tokens = lv.cursor
-            text = "admitted"
+        text = f"resumed: recompute from token {lv.cursor}" if resumed else "admitted"
         if lv.cursor:
             text += (
                 f" (prefix-cache hit: {lv.cursor} of {tl.num_prompt_tokens + lv.num_output} "

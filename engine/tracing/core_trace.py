@@ -162,6 +162,9 @@ class SchedulerTrace(SubsystemTrace):
         super().__init__(tracer)
         self.kv_cache = KVCacheTrace.create(tracer)
         self._update_start_ns = 0
+        # Request id -> its PrefillStats.num_cached_tokens, noted at admission:
+        # the request gives its PrefillStats away with its first output.
+        self._num_cached_tokens: dict[str, int] = {}
 
     def created(self, scheduler: Any) -> None:
         """``engine.config``: the settings a replay needs."""
@@ -225,6 +228,8 @@ class SchedulerTrace(SubsystemTrace):
     def admitted(self, request: Any, num_new_tokens: int) -> None:
         """A waiting request joined the running list (after its cursor was set).
         One that was preempted before is resumed: a fresh one has none."""
+        if request.prefill_stats is not None:  # not yet sent with a first output
+            self._num_cached_tokens[request.request_id] = request.prefill_stats.num_cached_tokens
         self.tracer.record(
             SchedAdmitted(
                 request_id=request.request_id,
@@ -293,7 +298,7 @@ class SchedulerTrace(SubsystemTrace):
                 stop_reason=request.stop_reason,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_cached_tokens=self._num_cached_tokens.pop(request.request_id, 0),
                 num_preemptions=request.num_preemptions,
             )
         )

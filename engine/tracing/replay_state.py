@@ -77,7 +77,8 @@ class ReplayRequest:
     num_output_tokens: int = 0
     # Tokens whose KV is (or will be, once the step runs) in the cache.
     num_computed_tokens: int = 0
-    # Prompt tokens served by the prefix cache when first scheduled (-1: not yet).
+    # Prompt tokens served by the prefix cache at its last admission before
+    # its first output token (-1: never admitted).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -405,7 +406,7 @@ class EngineState:
         self.running.append(rid)
         req.status = RUNNING
         req.num_computed_tokens = e.num_computed_tokens
-        if req.num_cached_tokens < 0:
+        if req.num_output_tokens == 0:  # as the engine's PrefillStats: kept once a token is out
             req.num_cached_tokens = e.num_computed_tokens
         req.admitted_steps.append(self.step)
 

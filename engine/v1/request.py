@@ -19,14 +19,14 @@ features Glassbox does not have: a value other than None (or an empty
 outputs arrive; ``num_output_placeholders`` stays 0 (no async scheduling).
 
 Simpler than vLLM: no streaming-input sessions (``resumable``), reasoning
-parser state, ``PrefillStats``, NaN counting, or ``FINISHED_ERROR`` /
-``FINISHED_REPETITION`` statuses; ``structured_output_request`` is always
-None when built (``SamplingParams`` has no structured outputs yet), so only
-a test can park a request on a grammar.
+parser state, NaN counting, or ``FINISHED_ERROR`` / ``FINISHED_REPETITION``
+statuses; ``structured_output_request`` is always None when built
+(``SamplingParams`` has no structured outputs yet), so only a test can park
+a request on a grammar. ``prefill_stats`` never counts external (KV
+connector) tokens.
 
 Differs from vLLM on purpose: ``pooling_params`` defaults to None (vLLM
-requires it); ``num_cached_tokens`` (prefix-cache hit of the first
-admission, for ``RequestOutput.num_cached_tokens``) is Glassbox's own.
+requires it).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
+from engine.v1.metrics.stats import PrefillStats
 from engine.v1.utils import ConstantList
 
 if TYPE_CHECKING:
@@ -180,9 +181,9 @@ class Request:
         # True while the tokens scheduled so far stop short of num_tokens.
         self.is_prefill_chunk = False
         self.num_preemptions = 0
-        # Prompt tokens served from the prefix cache the first time it was
-        # scheduled (-1 until then). Reported as RequestOutput.num_cached_tokens.
-        self.num_cached_tokens = -1
+        # Filled by the scheduler at admission; handed to the first output
+        # (take_prefill_stats), None after that.
+        self.prefill_stats: PrefillStats | None = PrefillStats()
 
         # Chained hashes of every *full* block of all_token_ids.
         self.block_hashes: list[BlockHash] = []
@@ -258,6 +259,11 @@ class Request:
             return None
         events, self.events = self.events, []
         return events
+
+    def take_prefill_stats(self) -> PrefillStats | None:
+        """The prefill numbers, once: the first output takes them, later ones get None."""
+        prefill_stats, self.prefill_stats = self.prefill_stats, None
+        return prefill_stats
 
     def __lt__(self, other: Request) -> bool:
         """Priority-queue order: lower priority value first, then earlier

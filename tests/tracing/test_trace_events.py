@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from engine.tracing import load_trace
+from engine.tracing import TraceReplay, load_trace
 from tests.tracing.scenario import BLOCK_SIZE, internal_ids, record_scenario
 
 REQUIRED_KINDS = {
@@ -304,3 +304,23 @@ def test_runner_and_sampler_events(real_run):
         assert [e.token_id for e in k["sampler.sampled"] if e.request_id == rid][
             -len(tokens) :
         ] == tokens
+
+
+def test_core_front_end_and_replay_agree_on_prefix_hits(counting_run):
+    """``sched.finished`` (noted by the core's trace at admission),
+    ``request.finished`` and the ``RequestOutput`` (both from the first
+    output's ``PrefillStats``) and the replay (from ``sched.admitted``) give
+    each request the same prefix hit."""
+    events, outputs = counting_run
+    ids = internal_ids(events)
+    k = by_kind(events)
+    core = {e.request_id: e.num_cached_tokens for e in k["sched.finished"]}
+    front = {e.request_id: e.num_cached_tokens for e in k["request.finished"]}
+    replayed = TraceReplay(events).final_state.requests
+    for sent, out in outputs.items():
+        rid = ids[sent]
+        if front[rid] is None:  # an abort from the front end records no counts
+            continue
+        assert front[rid] == core[rid] == out.num_cached_tokens, sent
+        assert replayed[rid].num_cached_tokens == out.num_cached_tokens, sent
+    assert any(out.num_cached_tokens > 0 for out in outputs.values())

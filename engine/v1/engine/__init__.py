@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from engine.v1.metrics.stats import SchedulerStats
+from engine.v1.metrics.stats import PrefillStats, SchedulerStats
 from engine.v1.outputs import LogprobsLists
 
 
@@ -104,7 +104,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] | None = None
-    num_cached_tokens: int = 0
+    # On the request's first output only: its prompt split into computed and
+    # cached tokens (the front end's RequestOutput.num_cached_tokens).
+    prefill_stats: PrefillStats | None = None
 
     @property
     def finished(self) -> bool:

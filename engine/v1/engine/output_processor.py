@@ -371,7 +371,8 @@ class OutputProcessor:
                 state.is_prefilling = False
                 num_prompt_tokens += state.prompt_len
             num_generation_tokens += len(new_token_ids)
-            state.num_cached_tokens = output.num_cached_tokens
+            if output.prefill_stats is not None:  # only on the request's first output
+                state.num_cached_tokens = output.prefill_stats.num_cached_tokens
             finish_reason = output.finish_reason
             stop_reason = output.stop_reason
 

@@ -1,16 +1,22 @@
 """Counters the scheduler keeps for metrics, and the stats it sends each step.
 
-vLLM twin: ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``, ``SchedulerStats``).
+vLLM twin: ``vllm/v1/metrics/stats.py`` (``PrefixCacheStats``, ``SchedulerStats``,
+``PrefillStats``).
 Read it for what one engine step reports to the front end: the queue lengths,
-the KV cache usage and the prefix-cache lookups since the last report.
-``SchedulerStats`` rides on ``EngineCoreOutputs`` across the process hop; it
-is a plain dataclass, which msgspec encodes and decodes like a struct.
+the KV cache usage and the prefix-cache lookups since the last report; and,
+per request, how its prompt splits into tokens computed and tokens found in
+the cache (``PrefillStats``, which becomes ``RequestOutput.num_cached_tokens``).
+``SchedulerStats`` rides on ``EngineCoreOutputs`` and ``PrefillStats`` on an
+``EngineCoreOutput`` across the process hop; both are plain dataclasses, which
+msgspec encodes and decodes like structs.
 Sessions: 01 (metrics), 03 (prefix-cache hit rate).
 
 Simpler than vLLM: no KV-connector, speculative-decoding, LoRA, CUDA-graph,
-MFU or eviction stats in ``SchedulerStats``, no ``PrefillStats`` and no
-``IterationStats`` (the front end's ``StatLogger`` keeps its own token and
-latency counters), no multimodal cache stats.
+MFU or eviction stats in ``SchedulerStats``, no ``IterationStats`` or
+``PromptTokenStats`` (the front end's ``StatLogger`` keeps its own token and
+latency counters and does not split prompt tokens by source), no multimodal
+cache stats. ``PrefillStats.num_external_cached_tokens`` is always 0 (no KV
+connector).
 
 Differs from vLLM on purpose: ``SchedulerStats.num_preemptions`` counts the
 preemptions of the step; vLLM counts them in the front end from the
@@ -66,3 +72,42 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # Preemptions during this step (Glassbox's own field).
     num_preemptions: int = 0
+
+
+@dataclass
+class PrefillStats:
+    """How one request's prompt was prefilled: computed, or found in a cache.
+
+    ``num_cached_tokens`` = ``num_local_cached_tokens`` (this engine's prefix
+    cache) + ``num_external_cached_tokens`` (a KV connector; always 0 in
+    Glassbox); ``num_computed_tokens`` is the rest of the prompt, the tokens
+    the model really runs. The scheduler fills it on each admission from the
+    waiting queue until the request's first output carries it away
+    (``Request.take_prefill_stats``): a request preempted after that keeps
+    the numbers of its first prefill, one preempted before its first token
+    gets those of the lookup it resumes with.
+    """
+
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_local_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
+
+    def set(
+        self,
+        num_prompt_tokens: int,
+        num_local_cached_tokens: int,
+        num_external_cached_tokens: int,
+    ) -> None:
+        num_cached_tokens = num_local_cached_tokens + num_external_cached_tokens
+        if num_cached_tokens > num_prompt_tokens:
+            raise ValueError(
+                f"num_cached_tokens ({num_cached_tokens}) must not exceed "
+                f"num_prompt_tokens ({num_prompt_tokens})"
+            )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = num_prompt_tokens - num_cached_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.num_local_cached_tokens = num_local_cached_tokens
+        self.num_external_cached_tokens = num_external_cached_tokens

@@ -12,6 +12,7 @@ import inspect
 import pytest
 
 from engine.v1.engine import EngineCoreRequest, FinishReason
+from engine.v1.metrics.stats import PrefillStats
 from engine.v1.request import Request, RequestStatus
 from tests.helpers.core import make_request, make_sampling_params
 
@@ -169,3 +170,15 @@ def test_use_structured_output_follows_structured_output_request():
 
     request.structured_output_request = Ready()
     assert request.use_structured_output is True
+
+
+def test_prefill_stats_start_empty_and_are_taken_once():
+    request = make_request("p", [7, 8, 9])
+    assert request.prefill_stats == PrefillStats()
+    request.prefill_stats.set(
+        num_prompt_tokens=3, num_local_cached_tokens=0, num_external_cached_tokens=0
+    )
+    taken = request.take_prefill_stats()
+    assert taken is not None and taken.num_computed_tokens == 3
+    assert request.prefill_stats is None
+    assert request.take_prefill_stats() is None

@@ -22,6 +22,7 @@ from engine.utils.hashing import sha256
 from engine.v1.core.kv_cache_utils import get_request_block_hasher
 from engine.v1.core.sched.request_queue import SchedulingPolicy
 from engine.v1.engine import EngineCoreEventType, FinishReason
+from engine.v1.metrics.stats import PrefillStats
 from engine.v1.outputs import LogprobsLists, ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
 from tests.helpers.core import (
@@ -1007,7 +1008,7 @@ def test_prefix_cache_hit_shows_in_new_request_data(enable_prefix_caching):
     shared = prompt(32, 500)
     sched.add_request(make_request("A", shared + prompt(8, 1000), max_tokens=1))
     step = run_step(sched)  # A: blocks [1, 2, 3]; finishes and frees them
-    assert step.outputs["A"].num_cached_tokens == 0
+    assert step.outputs["A"].prefill_stats.num_cached_tokens == 0
     assert step.stats.prefix_cache_stats.queries == (40 if enable_prefix_caching else 0)
     assert step.stats.prefix_cache_stats.hits == 0
 
@@ -1020,15 +1021,102 @@ def test_prefix_cache_hit_shows_in_new_request_data(enable_prefix_caching):
         assert new.block_ids == ([1, 2, 4],)
         assert new.num_computed_tokens == 32
         assert step.scheduler_output.num_scheduled_tokens == {"B": 10}
-        assert step.outputs["B"].num_cached_tokens == 32
+        assert step.outputs["B"].prefill_stats.num_cached_tokens == 32
         assert step.stats.prefix_cache_stats.queries == 42
         assert step.stats.prefix_cache_stats.hits == 32
     else:
         assert new.block_ids == ([4, 5, 6],)
         assert new.num_computed_tokens == 0
         assert step.scheduler_output.num_scheduled_tokens == {"B": 42}
-        assert step.outputs["B"].num_cached_tokens == 0
+        assert step.outputs["B"].prefill_stats.num_cached_tokens == 0
         assert step.stats.prefix_cache_stats.queries == 0
+
+
+def test_prefill_stats_of_a_cold_prompt_and_of_a_prefix_hit():
+    sched = make_scheduler(num_blocks=20, max_model_len=128)
+    shared = prompt(48, 700)
+    sched.add_request(make_request("cold", shared + prompt(5, 1500), max_tokens=2))
+    step = run_step(sched)
+    # Nothing cached yet: all 53 prompt tokens are computed.
+    assert step.outputs["cold"].prefill_stats == PrefillStats(
+        num_prompt_tokens=53,
+        num_computed_tokens=53,
+        num_cached_tokens=0,
+        num_local_cached_tokens=0,
+        num_external_cached_tokens=0,
+    )
+    # Only the first output carries them; the request gave them away.
+    step = run_step(sched)
+    assert step.outputs["cold"].finish_reason == FinishReason.LENGTH
+    assert step.outputs["cold"].prefill_stats is None
+
+    # 48 shared tokens = 3 full blocks of 16 found in the cache; 7 left to run.
+    sched.add_request(make_request("warm", shared + prompt(7, 2500), max_tokens=1))
+    req = sched.requests["warm"]
+    step = run_step(sched)
+    assert step.outputs["warm"].prefill_stats == PrefillStats(
+        num_prompt_tokens=55,
+        num_computed_tokens=7,
+        num_cached_tokens=48,
+        num_local_cached_tokens=48,
+        num_external_cached_tokens=0,
+    )
+    assert req.prefill_stats is None
+
+
+def test_prefill_stats_keep_the_first_prefill_of_a_request_preempted_after_its_first_token():
+    # The scenario of test_fcfs_preempts_last_running_request_and_resumes_it:
+    # B's resumed lookup finds 16 tokens, but B's first output already went
+    # out with its cold prefill, so nothing more is reported.
+    sched = make_scheduler(num_blocks=5, max_model_len=64)
+    sched.add_request(make_request("A", prompt(31, 1000), max_tokens=3))
+    sched.add_request(make_request("B", prompt(20, 2000), max_tokens=10))
+    req_b = sched.requests["B"]
+    step = run_step(sched)
+    assert step.outputs["B"].prefill_stats.num_cached_tokens == 0
+    run_step(sched)
+    sched.add_request(make_request("C", prompt(4, 3000), max_tokens=10))
+    assert run_step(sched).scheduler_output.preempted_req_ids == {"B"}
+    step = run_step(sched)
+    assert step.scheduler_output.scheduled_cached_reqs.num_computed_tokens == [16]
+    assert step.outputs["B"].new_token_ids == [TOK]
+    assert step.outputs["B"].prefill_stats is None
+    assert req_b.prefill_stats is None
+
+
+def test_prefill_stats_of_a_request_preempted_before_its_first_token_are_its_resumed_ones():
+    # As in vLLM: the stats are filled at every admission until the first
+    # output takes them. B is preempted inside its prompt (no token yet);
+    # its one full block stays cached, so the resumed lookup finds it.
+    sched = make_scheduler(
+        num_blocks=5,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        scheduler_reserve_full_isl=False,
+    )
+    sched.add_request(make_request("A", prompt(31, 1000), max_tokens=4))
+    sched.add_request(make_request("B", prompt(20, 2000), max_tokens=10))
+    req_b = sched.requests["B"]
+    for want in ({"A": 16}, {"A": 15, "B": 1}, {"A": 1, "B": 15}):
+        assert run_step(sched).scheduler_output.num_scheduled_tokens == want
+    # First admission was cold; B has not produced a token yet.
+    assert req_b.prefill_stats.num_cached_tokens == 0
+    assert run_step(sched).scheduler_output.preempted_req_ids == {"B"}
+    assert req_b.num_output_tokens == 0
+
+    # B's cached block is free but kept; B resumes once A is done.
+    steps = [run_step(sched) for _ in range(2)]
+    assert "B" not in steps[0].outputs  # A finishes; B does not fit yet
+    step = steps[1]
+    assert step.scheduler_output.scheduled_cached_reqs.resumed_req_ids == {"B"}
+    assert step.scheduler_output.num_scheduled_tokens["B"] == 4
+    assert step.outputs["B"].prefill_stats == PrefillStats(
+        num_prompt_tokens=20,
+        num_computed_tokens=4,
+        num_cached_tokens=16,
+        num_local_cached_tokens=16,
+        num_external_cached_tokens=0,
+    )
 
 
 def test_identical_prompt_hit_is_capped_below_full_length():

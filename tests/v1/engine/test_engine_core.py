@@ -234,7 +234,7 @@ def test_reset_prefix_cache(model_dir):
         core.add_request(req(request_id, "w0 w1 w2 w3 w4 w5", max_tokens=1))
         outputs, _ = core.step()
         (out,) = outputs[0].outputs
-        return out.num_cached_tokens
+        return out.prefill_stats.num_cached_tokens
 
     core = make_core(model_dir)
     assert cached_tokens_of(core, "a") == 0

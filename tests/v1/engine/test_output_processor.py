@@ -20,6 +20,7 @@ from engine.v1.engine import EngineCoreOutput, FinishReason
 from engine.v1.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.v1.engine.parallel_sampling import ParentRequest
+from engine.v1.metrics.stats import PrefillStats
 from engine.v1.outputs import LogprobsLists
 from tests.helpers.engine_fixtures import BOS, EOS, ids, make_engine_core_request
 from tests.helpers.tiny_model import make_tiny_model_dir
@@ -139,10 +140,21 @@ def test_outputs_of_several_requests_in_one_batch(processor):
     assert list(processor.request_states) == ["a"]
 
 
-def test_num_cached_tokens_is_passed_through(processor):
-    add(processor)
-    result = processor.process_outputs([out("r", "w6", num_cached_tokens=16)])
+def test_num_cached_tokens_comes_from_the_first_outputs_prefill_stats(processor):
+    add(processor, prompt="w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18")
+    stats = PrefillStats()
+    stats.set(num_prompt_tokens=18, num_local_cached_tokens=16, num_external_cached_tokens=0)
+    result = processor.process_outputs([out("r", "w6", prefill_stats=stats)])
     assert result.request_outputs[0].num_cached_tokens == 16
+    # Later outputs carry no PrefillStats; the request keeps its number.
+    result = processor.process_outputs([out("r", "w7", FinishReason.LENGTH)])
+    assert result.request_outputs[0].num_cached_tokens == 16
+
+
+def test_num_cached_tokens_is_zero_without_prefill_stats(processor):
+    add(processor)
+    result = processor.process_outputs([out("r", "w6", FinishReason.LENGTH)])
+    assert result.request_outputs[0].num_cached_tokens == 0
 
 
 def test_token_counts_for_metrics(processor):

@@ -250,6 +250,14 @@ class Scheduler(SchedulerInterface):
                         self.kv_cache_manager.get_computed_blocks(request)
                     )
                     num_computed_tokens = num_new_local_computed_tokens
+                    # Until its first output takes them: a request preempted
+                    # before producing a token is counted at its resumed lookup.
+                    if request.prefill_stats is not None:
+                        request.prefill_stats.set(
+                            num_prompt_tokens=request.num_prompt_tokens,
+                            num_local_cached_tokens=num_new_local_computed_tokens,
+                            num_external_cached_tokens=0,
+                        )
                 else:
                     new_computed_blocks = self.kv_cache_manager.empty_kv_cache_blocks
                     num_new_local_computed_tokens = 0
@@ -289,8 +297,6 @@ class Scheduler(SchedulerInterface):
                 else:
                     raise RuntimeError(f"Invalid request status: {request.status}")
 
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
                 req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
                     request.request_id
                 )
@@ -498,7 +504,7 @@ class Scheduler(SchedulerInterface):
                         finish_reason=finish_reason,
                         stop_reason=request.stop_reason,
                         events=request.take_events(),
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                        prefill_stats=request.take_prefill_stats(),
                     )
                 )
 
