@@ -30,6 +30,14 @@ Simpler than vLLM:
   the field, instead of whatever a comparison would happen to raise.
 - ``RequestOutputKind`` is an ``IntEnum`` (vLLM: ``Enum`` with int values);
   both travel over msgspec as the same small int.
+
+Differs from vLLM on purpose: every integer (``top_k``, ``seed``,
+``max_tokens``, ``min_tokens``, ``logprobs``, ``prompt_logprobs`` and the ids in
+``stop_token_ids``, ``allowed_token_ids`` and ``logit_bias``) must fit a signed
+64-bit integer. vLLM checks that range only for the server's ``seed`` and
+``priority``; a larger value elsewhere passes its checks and then fails when
+msgpack encodes the request for EngineCore (an error that names no field, a
+500 on the server).
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ _MAX_TEMP = 1e-2
 # Upper bound on n. vLLM reads VLLM_MAX_N_SEQUENCES; Glassbox reads
 # GLASSBOX_MAX_N_SEQUENCES with the same default.
 _DEFAULT_MAX_N_SEQUENCES = 16384
+# Every integer must fit a signed 64-bit int: msgpack carries nothing wider to
+# EngineCore, and the signed range is the one vLLM's server gives seed and priority.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 
 
 def _max_n_sequences() -> int:
@@ -515,6 +527,24 @@ class SamplingParams(
                 raise ValueError(
                     f"allowed_token_ids must be non-negative token ids, got {negative}."
                 )
+
+        self._verify_int64_range()
+
+    def _verify_int64_range(self) -> None:
+        range_text = "64-bit integer (from -2**63 to 2**63 - 1)"
+        # n is left out: _max_n_sequences() bounds it far lower.
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"{name} must be a {range_text}, got {value}.")
+        for name, token_ids in (
+            ("stop_token_ids", self.stop_token_ids or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("logit_bias", self.logit_bias or ()),
+        ):
+            bad = [t for t in token_ids if not INT64_MIN <= t <= INT64_MAX]
+            if bad:
+                raise ValueError(f"{name} token ids must each be a {range_text}, got {bad[0]}.")
 
     def _verify_greedy_sampling(self) -> None:
         # n identical argmax samples would be a waste; vLLM refuses them too.

@@ -134,6 +134,19 @@ BAD_VALUES = [
     ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
     ({"output_kind": 7}, "output_kind must be a RequestOutputKind"),
     ({"extra_args": ["x"]}, "extra_args must be a dict or None"),
+    # Wider than a signed 64-bit integer: msgpack could not carry it to EngineCore.
+    ({"top_k": 2**63}, f"top_k must be a 64-bit integer (from -2**63 to 2**63 - 1), got {2**63}."),
+    ({"seed": 2**64 + 1}, "seed must be a 64-bit integer"),
+    ({"seed": -(2**63) - 1}, "seed must be a 64-bit integer"),
+    ({"max_tokens": 2**64 + 1}, "max_tokens must be a 64-bit integer"),
+    ({"max_tokens": None, "min_tokens": 2**63}, "min_tokens must be a 64-bit integer"),
+    ({"logprobs": 2**64}, "logprobs must be a 64-bit integer"),
+    ({"prompt_logprobs": 2**64}, "prompt_logprobs must be a 64-bit integer"),
+    ({"stop_token_ids": [1, 2**64]}, "stop_token_ids token ids must each be a 64-bit integer"),
+    ({"stop_token_ids": [-(2**63) - 1]}, "stop_token_ids token ids must each be a 64-bit"),
+    ({"allowed_token_ids": [2**64]}, "allowed_token_ids token ids must each be a 64-bit integer"),
+    ({"logit_bias": {2**64: 1.0}}, "logit_bias token ids must each be a 64-bit integer"),
+    ({"logit_bias": {str(2**64): 1.0}}, "logit_bias token ids must each be a 64-bit integer"),
 ]
 
 
@@ -209,6 +222,24 @@ def test_n_upper_bound_comes_from_environment(monkeypatch):
     monkeypatch.setenv("GLASSBOX_MAX_N_SEQUENCES", "lots")
     with pytest.raises(ValueError, match="GLASSBOX_MAX_N_SEQUENCES must be a positive integer"):
         SamplingParams()
+
+
+def test_64_bit_extremes_are_accepted_and_travel_to_engine_core():
+    p = SamplingParams(
+        temperature=1.0,
+        top_k=2**63 - 1,
+        seed=-(2**63),
+        max_tokens=2**63 - 1,
+        min_tokens=2**63 - 1,
+        logprobs=2**63 - 1,
+        stop_token_ids=[2**63 - 1, -(2**63)],
+        allowed_token_ids=[2**63 - 1],
+        logit_bias={2**63 - 1: 1.0},
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
+    assert (decoded.top_k, decoded.seed, decoded.max_tokens) == (2**63 - 1, -(2**63), 2**63 - 1)
+    assert decoded.stop_token_ids == [2**63 - 1, -(2**63)]
+    assert decoded.logit_bias == {2**63 - 1: 1.0}
 
 
 def test_max_tokens_none_allows_any_min_tokens():

@@ -9,6 +9,12 @@ Sessions: 02 (scheduler).
 
 Simpler than vLLM: no async scheduling, no encoder budget, no partial-prefill
 limits, no pause states.
+
+Differs from vLLM on purpose: ``max_waiting_requests`` (Glassbox's own; vLLM
+queues without limit) bounds how many sequences may wait beyond a full batch
+in the API server, so a flood of requests gets quick 503s instead of queueing
+for hours. It is enforced by ``AsyncLLM.add_request``; ``LLM`` queues every
+prompt it is given, as in vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ SchedulerPolicy = Literal["fcfs", "priority"]
 class SchedulerConfig:
     DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
     DEFAULT_MAX_NUM_SEQS = 128
+    DEFAULT_MAX_WAITING_REQUESTS = 1024
 
     max_model_len: int = 8192
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -39,6 +46,14 @@ class SchedulerConfig:
     """Streamed (DELTA) outputs go to the user every this many tokens (and
     at a request's first token and its end). 1 sends each token at once;
     more means fewer, larger chunks and less front-end work per token."""
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    """The server refuses new requests (HTTP 503) once max_num_seqs + this many
+    sequences are unfinished (a request with n samples counts n); -1 means no
+    limit, as in vLLM. Glassbox's own option.
+
+    Enforced by AsyncLLM.add_request (EngineOverloadedError); LLM queues every
+    prompt. The default, 1024, is well above any load one engine serves
+    promptly, yet stops a single client from queueing hours of work."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -56,6 +71,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"stream_interval must be an integer >= 1, got {self.stream_interval!r}"
             )
+        if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < -1:
+            raise ValueError(
+                "max_waiting_requests must be an integer >= 0, or -1 for no limit, "
+                f"got {self.max_waiting_requests!r}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -70,3 +90,10 @@ class SchedulerConfig:
     @property
     def max_num_scheduled_tokens(self) -> int:
         return self.max_num_batched_tokens
+
+    @property
+    def max_unfinished_sequences(self) -> int | None:
+        """How many sequences AsyncLLM holds at most (None: no limit)."""
+        if self.max_waiting_requests == -1:
+            return None
+        return self.max_num_seqs + self.max_waiting_requests

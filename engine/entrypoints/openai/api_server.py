@@ -54,6 +54,7 @@ from engine.entrypoints.serve.tokenize.protocol import DetokenizeRequest, Tokeni
 from engine.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
 from engine.tracing.engine_trace import ServerTrace
 from engine.v1.engine.async_llm import AsyncLLM
+from engine.v1.engine.exceptions import EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,10 @@ def _error_response(e: Exception) -> JSONResponse:
     error = create_error_response(e)
     if error.error.code >= 500 and error.error.code != HTTPStatus.SERVICE_UNAVAILABLE:
         logger.exception("request failed")
-    return error_json(error)
+    response = error_json(error)
+    if isinstance(e, EngineOverloadedError):
+        response.headers["Retry-After"] = "1"  # the queue drains within seconds
+    return response
 
 
 @router.get("/v1/models")

@@ -29,7 +29,10 @@ sleep mode or data parallelism.
 Differs from vLLM on purpose: ``add_request`` is all-or-nothing -- if
 anything fails before every part of the request reached the core, what was
 registered (output-processor state, stat entry, children already sent) is
-removed again, so a failed request leaks nothing.
+removed again, so a failed request leaks nothing. And it refuses a request
+once ``max_num_seqs + max_waiting_requests`` sequences are unfinished
+(``EngineOverloadedError``, HTTP 503): vLLM has no such limit and queues
+whatever arrives.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine import EngineCoreRequest
 from engine.v1.engine.core_client import AsyncMPClient, EngineCoreClient
-from engine.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+from engine.v1.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineOverloadedError,
+)
 from engine.v1.engine.input_processor import InputProcessor, PromptType
 from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.v1.engine.parallel_sampling import ParentRequest
@@ -110,6 +117,10 @@ class AsyncLLM:
             )
         self.output_handler: asyncio.Task | None = None
         self._shut_down = False
+        self.max_unfinished_sequences = glassbox_config.scheduler_config.max_unfinished_sequences
+        # Sequences of add_request calls in progress that are not yet in the
+        # output processor (which counts the registered ones).
+        self._num_unregistered = 0
         try:
             # Start reading outputs now if we are inside an event loop.
             asyncio.get_running_loop()
@@ -163,6 +174,9 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             # A ValueError, so generate() reports it as a bad request.
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        num_sequences = params.n if isinstance(params, SamplingParams) else 1
+        # Before tokenizing: an overloaded engine should not spend work on it.
+        self.check_capacity(num_sequences)
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
@@ -173,6 +187,8 @@ class AsyncLLM:
         queue = RequestOutputCollector(request.sampling_params.output_kind, request.request_id)
         # Internal ids handed to the core, to take back if a later part fails.
         sent: list[str] = []
+        # Held from the check above (no await since) until each part is registered.
+        self._num_unregistered += num_sequences
         try:
             params = request.sampling_params
             if params.n == 1:
@@ -190,6 +206,27 @@ class AsyncLLM:
         except BaseException:
             await self._undo_add_request(queue.request_id, sent)
             raise
+        finally:
+            self._num_unregistered -= num_sequences - len(sent)
+
+    def check_capacity(self, num_sequences: int) -> None:
+        """Raise ``EngineOverloadedError`` unless ``num_sequences`` more fit
+        under ``max_num_seqs + max_waiting_requests`` now, or ``ValueError``
+        if they never could."""
+        limit = self.max_unfinished_sequences
+        if limit is None:
+            return
+        if num_sequences > limit:
+            raise ValueError(
+                f"n (times the number of prompts) asks for {num_sequences} sequences, more than "
+                f"the engine ever holds at once (max_num_seqs + max_waiting_requests = {limit})."
+            )
+        unfinished = self.output_processor.get_num_unfinished_requests() + self._num_unregistered
+        if unfinished + num_sequences > limit:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {unfinished} sequences are unfinished and at most "
+                f"{limit} (max_num_seqs + max_waiting_requests) may be; retry later."
+            )
 
     async def _add_request(
         self,
@@ -201,10 +238,11 @@ class AsyncLLM:
         sent: list[str],
     ) -> None:
         self.output_processor.add_request(request, prompt_text, parent, index, queue)
-        if self.stat_logger is not None:
-            self.stat_logger.add_request(request.request_id, request.arrival_time)
         # Counted before the send: a cancelled send may still have reached the core.
         sent.append(request.request_id)
+        self._num_unregistered -= 1
+        if self.stat_logger is not None:
+            self.stat_logger.add_request(request.request_id, request.arrival_time)
         await self.engine_core.add_request_async(request)
         if self.log_requests:
             logger.info("Added request %s.", request.request_id)
@@ -250,9 +288,9 @@ class AsyncLLM:
             if self.log_requests:
                 logger.info("Request %s aborted.", request_id)
             raise
-        except EngineDeadError:
+        except (EngineDeadError, EngineOverloadedError) as e:
             if self.log_requests:
-                logger.info("Request %s failed (engine dead).", request_id)
+                logger.info("Request %s failed (%s).", request_id, type(e).__name__)
             raise
         except ValueError:
             if self.log_requests:

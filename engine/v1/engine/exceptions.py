@@ -1,10 +1,11 @@
-"""The two errors a front end sees when generation fails.
+"""The errors a front end sees when generation fails.
 
 vLLM twin: ``vllm/v1/engine/exceptions.py``.
 Read it for the split the API server relies on: ``EngineGenerateError`` is one
 request going wrong (the engine keeps serving others); ``EngineDeadError``
 means the EngineCore process is gone, every pending and future request fails
-with it, and ``/health`` turns unhealthy.
+with it, and ``/health`` turns unhealthy. ``EngineOverloadedError`` is
+Glassbox's own: the waiting-queue limit refused a request before it was sent.
 Sessions: 01 (engine loop across two processes).
 """
 
@@ -26,3 +27,9 @@ class EngineDeadError(Exception):
         super().__init__(message, *args)
         # Hide the low-level socket error the death was detected through.
         self.__suppress_context__ = suppress_context
+
+
+class EngineOverloadedError(Exception):
+    """The engine already holds as many unfinished sequences as
+    ``max_num_seqs + max_waiting_requests``; nothing was sent. Retrying later
+    may succeed (the server answers 503 with ``Retry-After``)."""

@@ -66,21 +66,26 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise GlassboxValidationError("top_logprobs needs logprobs=true", "top_logprobs")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        if request.top_logprobs is not None and request.top_logprobs < 0:
-            raise GlassboxValidationError(
-                f"top_logprobs must be in [0, 20], got {request.top_logprobs}", "top_logprobs"
-            )
 
-        prompt = self.render_chat(request)
         request_id = self._base_request_id(request, raw_request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        max_tokens = (
-            request.max_completion_tokens
-            if request.max_completion_tokens is not None
-            else request.max_tokens
+        # OpenAI's newer name wins when both are given.
+        max_tokens_field = (
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         )
-        params = self.build_sampling_params(request, max_tokens, num_logprobs, kind)
-        rendered = self.render_prompt(request_id, prompt, params, request.priority, "messages")
+        params = self.build_sampling_params(
+            request,
+            getattr(request, max_tokens_field),
+            num_logprobs,
+            kind,
+            max_tokens_field=max_tokens_field,
+            logprobs_field="top_logprobs",
+        )
+        prompt = self.render_chat(request)
+        rendered = self.render_prompt(
+            request_id, prompt, params, request, "messages", max_tokens_field
+        )
+        self.check_capacity(request.n)
         result_generator = merge_async_iterators(
             self.engine_client.generate(rendered, params, request_id, priority=request.priority)
         )

@@ -61,9 +61,10 @@ class OpenAIServingCompletion(OpenAIServing):
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = self.build_sampling_params(request, request.max_tokens, request.logprobs, kind)
         rendered = [
-            self.render_prompt(f"{request_id}-{i}", prompt, params, request.priority, "prompt")
+            self.render_prompt(f"{request_id}-{i}", prompt, params, request, "prompt", "max_tokens")
             for i, prompt in enumerate(prompts)
         ]
+        self.check_capacity(len(prompts) * request.n)
         generators = [
             self.engine_client.generate(
                 prompt, params, f"{request_id}-{i}", priority=request.priority

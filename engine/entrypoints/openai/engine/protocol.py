@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.sampling_params import INT64_MAX, INT64_MIN
+
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
@@ -106,7 +108,8 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    # The 64-bit range vLLM's protocol gives seed and priority.
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
@@ -120,7 +123,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

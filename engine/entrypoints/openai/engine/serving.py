@@ -3,10 +3,21 @@
 vLLM twin: ``vllm/entrypoints/openai/engine/serving.py`` (``OpenAIServing``)
 and ``create_error_response`` from ``vllm/entrypoints/utils.py``.
 Read it for: the model check (unknown model -> 404), the mapping from Python
-errors to HTTP errors (a bad parameter -> 400 naming it, a dead engine ->
-503), and how a request body becomes ``SamplingParams`` -- ``None`` fields take
-the model's ``generation_config.json`` defaults, exactly as ``LLM`` does.
+errors to HTTP errors (a bad parameter -> 400 naming it, a dead or overloaded
+engine -> 503), how a request body becomes ``SamplingParams`` -- ``None``
+fields take the model's ``generation_config.json`` defaults, exactly as ``LLM``
+does -- and the length rules of vLLM's render step (``TokenizeParams`` in
+``vllm/renderers/params.py``, ``get_max_tokens`` in ``vllm/entrypoints/utils.py``):
+``max_tokens`` above ``max_model_len`` is a 400, so is a prompt that leaves less
+room than ``max_tokens`` asks for, and a request without ``max_tokens`` may
+generate up to the end of the context (or ``generation_config``'s
+``max_new_tokens``).
 Sessions: 01.
+
+Differs from vLLM on purpose: a prompt too long for the ``max_tokens`` asked
+names the prompt's own field (``prompt`` / ``messages``) as ``param``, where
+vLLM names ``input_tokens``, which is not a request field; and a bad
+``max_completion_tokens`` is reported under that name, not as ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -26,11 +37,15 @@ from engine.entrypoints.openai.engine.protocol import (
     UsageInfo,
     random_uuid,
 )
-from engine.entrypoints.openai.models.serving import OpenAIServingModels
+from engine.entrypoints.openai.models.serving import OpenAIServingModels, model_not_found_message
 from engine.logprobs import Logprob
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.async_llm import AsyncLLM
-from engine.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+from engine.v1.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineOverloadedError,
+)
 from engine.v1.engine.input_processor import load_generation_config
 
 # Top logprobs a request may ask for (vLLM's default --max-logprobs).
@@ -64,7 +79,7 @@ def create_error_response(
             err_type, status_code, param = "BadRequestError", HTTPStatus.BAD_REQUEST, exc.parameter
         elif isinstance(exc, ModelNotFoundError):
             err_type, status_code, param = "NotFoundError", HTTPStatus.NOT_FOUND, "model"
-        elif isinstance(exc, EngineDeadError):
+        elif isinstance(exc, (EngineDeadError, EngineOverloadedError)):
             err_type, status_code = "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE
         elif isinstance(exc, EngineGenerateError):
             err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
@@ -160,6 +175,9 @@ class OpenAIServing:
             for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
             if config.get(theirs) is not None and ours != "max_tokens"
         }
+        # max_new_tokens caps only requests that leave max_tokens open (vLLM's
+        # get_max_tokens); None lets them run to the end of the context.
+        self.default_max_tokens: int | None = config.get("max_new_tokens")
 
     # -- errors ------------------------------------------------------------------
     @staticmethod
@@ -178,29 +196,52 @@ class OpenAIServing:
     def _check_model(self, request: SamplingFields) -> None:
         if request.model is None or self.models.is_base_model(request.model):
             return
-        raise ModelNotFoundError(f"The model `{request.model}` does not exist.")
+        raise ModelNotFoundError(model_not_found_message(request.model))
 
     def _base_request_id(self, request: SamplingFields, raw_request_id: str | None) -> str:
         return request.request_id or raw_request_id or f"{self.request_id_prefix}-{random_uuid()}"
+
+    def check_capacity(self, num_sequences: int) -> None:
+        """Refuse a request the engine has no room to queue before anything is
+        sent, so a streaming request gets its 503 (or 400) as a status code.
+        ``add_request`` checks again, for requests that raced this one."""
+        try:
+            self.engine_client.check_capacity(num_sequences)
+        except ValueError as e:
+            raise GlassboxValidationError(str(e), "n") from e
 
     def render_prompt(
         self,
         request_id: str,
         prompt: Any,
         params: SamplingParams,
-        priority: int,
+        request: SamplingFields,
         prompt_field: str,
+        max_tokens_field: str,
     ) -> dict[str, Any]:
         """Tokenize and validate one prompt before anything is sent, so a bad
         prompt is a 400 even for a streaming request (vLLM: the render step).
         Returns the tokenized prompt ``generate()`` takes."""
         try:
             prompt_text, core_request = self.engine_client.input_processor.process_inputs(
-                request_id, prompt, params, priority=priority
+                request_id, prompt, params, priority=request.priority
             )
         except ValueError as e:
-            param = "priority" if "priority" in str(e) else prompt_field
-            raise GlassboxValidationError(str(e), param) from e
+            # The input processor's messages start with the field they are
+            # about (min_tokens, allowed_token_ids, logit_bias, priority...);
+            # anything else is about the prompt itself.
+            field = param_from_message(str(e), set(type(request).model_fields))
+            raise GlassboxValidationError(str(e), field or prompt_field) from e
+        num_prompt_tokens = len(core_request.prompt_token_ids)
+        requested = getattr(request, max_tokens_field) or 0
+        if num_prompt_tokens + requested > self.max_model_len:
+            raise GlassboxValidationError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"the {num_prompt_tokens}-token prompt plus {max_tokens_field}={requested} "
+                f"needs {num_prompt_tokens + requested}; shorten the prompt or lower "
+                f"{max_tokens_field}.",
+                prompt_field,
+            )
         rendered: dict[str, Any] = {"prompt_token_ids": core_request.prompt_token_ids}
         if prompt_text is not None:
             rendered["prompt"] = prompt_text
@@ -213,11 +254,26 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         output_kind: RequestOutputKind,
+        *,
+        max_tokens_field: str = "max_tokens",
+        logprobs_field: str = "logprobs",
     ) -> SamplingParams:
+        """``max_tokens`` / ``logprobs`` are the request's values, which the
+        two endpoints take from differently named fields (named for errors)."""
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            # Checked before tokenizing: no prompt can make such a request fit.
+            raise GlassboxValidationError(
+                f"{max_tokens_field}={max_tokens} is more than max_model_len="
+                f"{self.max_model_len}, the most tokens a request can hold (prompt and "
+                "output together); ask for fewer output tokens.",
+                max_tokens_field,
+            )
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise GlassboxValidationError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs"
+                f"{logprobs_field} must be in [0, {MAX_LOGPROBS}], got {logprobs}", logprobs_field
             )
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens
         kwargs = request.sampling_kwargs()
         for key, value in self.default_sampling_params.items():
             if kwargs.get(key) is None:
@@ -230,9 +286,14 @@ class OpenAIServing:
                 **kwargs, max_tokens=max_tokens, logprobs=logprobs, output_kind=output_kind
             )
         except ValueError as e:
-            raise GlassboxValidationError(
-                str(e), param_from_message(str(e), set(type(request).model_fields))
-            ) from e
+            message = str(e)
+            param = param_from_message(message, set(type(request).model_fields))
+            # SamplingParams knows these two by one name only.
+            renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+            if param in renamed and renamed[param] != param:
+                message = renamed[param] + message.removeprefix(param)
+                param = renamed[param]
+            raise GlassboxValidationError(message, param) from e
 
 
 def logprob_token(logprob: Logprob, token_id: int) -> str:

@@ -6,6 +6,10 @@ a request's ``model`` must be one of ``--served-model-name`` (by default the
 model path given to ``glassbox serve``). Sessions: 01.
 
 Simpler than vLLM: no LoRA adapters, so the list is fixed at start-up.
+
+Differs from vLLM on purpose: the 404 for an unknown model quotes at most
+``MAX_ECHOED_MODEL_NAME_CHARS`` characters of the name (vLLM echoes all of it),
+so a client cannot make the server send back a megabyte of its own input.
 """
 
 from __future__ import annotations
@@ -13,6 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.entrypoints.openai.engine.protocol import ModelCard, ModelList, ModelPermission
+
+MAX_ECHOED_MODEL_NAME_CHARS = 100
+
+
+def model_not_found_message(model_name: str) -> str:
+    """The 404 text, with a long name cut to its first characters + "..."."""
+    if len(model_name) > MAX_ECHOED_MODEL_NAME_CHARS:
+        model_name = model_name[:MAX_ECHOED_MODEL_NAME_CHARS] + "..."
+    return f"The model `{model_name}` does not exist."
 
 
 @dataclass
