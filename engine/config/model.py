@@ -8,12 +8,20 @@ Sessions: 01, 04.
 
 Simpler than vLLM: the HF ``config.json`` is read as a plain dict (no
 transformers import on the scheduler path); only decoder-only text models.
+
+Differs from vLLM on purpose: a Hub name (``org/model``) as the model or the
+tokenizer is used only when it is already in the Hugging Face cache
+(``resolve_model_path``); Glassbox never downloads. It must run without a
+network, and a mistyped name should fail at once with one line rather than
+after the hub client's retries. ``hf download NAME`` fetches a model into that
+cache.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -35,14 +43,57 @@ LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "proc
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
+def model_not_found_message(model: str, field: str = "model") -> str:
+    """The one line every entry point (``LLM``, ``glassbox serve/trace/bench``) prints."""
+    if not _looks_like_hub_name(model):
+        return f"{field}={model!r} is not a local folder"
+    return (
+        f"{field}={model!r} is not a local folder and is not in the Hugging Face cache; "
+        f"Glassbox does not download models (fetch it first with: hf download {model})"
+    )
+
+
+def _looks_like_hub_name(model: str) -> bool:
+    """``org/name`` or ``name``: no path syntax (``/x``, ``./x``, ``~``, ``a/b/c``)."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model)) and not model.startswith(".")
+
+
+def _hub_cache_snapshot(model: str) -> str | None:
+    """The cached snapshot folder of Hub repo ``model`` (its ``main``), or None.
+
+    Reads the local cache only (``HF_HUB_CACHE``): no network, whatever
+    ``HF_HUB_OFFLINE`` says."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
+        return None
+    # A tokenizer-only repo has no config.json.
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            cached = try_to_load_from_cache(model, name)
+        except Exception:  # not a valid repo id
+            return None
+        if isinstance(cached, str):
+            return os.path.dirname(cached)
+    return None
+
+
+def resolve_model_path(model: str, field: str = "model") -> str:
+    """The checkpoint folder for ``model``: a local folder as given, or the
+    cached snapshot of a Hub name. Anything else fails at once with
+    ``model_not_found_message`` (naming ``field``: model or tokenizer)."""
+    if os.path.isdir(model):
+        return model
+    if _looks_like_hub_name(model) and (snapshot := _hub_cache_snapshot(model)):
+        return snapshot
+    raise ValueError(model_not_found_message(model, field))
+
+
 def load_hf_config_dict(model: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read ``config.json`` from a local checkpoint folder and apply overrides."""
     path = os.path.join(model, "config.json")
     if not os.path.isdir(model):
-        raise ValueError(
-            f"model={model!r} is not a local folder. Glassbox reads HF checkpoint "
-            "folders that contain config.json."
-        )
+        raise ValueError(model_not_found_message(model))
     if not os.path.isfile(path):
         raise ValueError(f"model={model!r}: no config.json in that folder")
     try:
@@ -78,12 +129,15 @@ class ModelConfig:
             raise ValueError(
                 f"logprobs_mode must be one of {get_args(LogprobsMode)}, got {self.logprobs_mode!r}"
             )
-        if self.tokenizer is None:
-            self.tokenizer = self.model
         if not self.hf_config:
+            self.model = resolve_model_path(self.model)
             self.hf_config = load_hf_config_dict(self.model, self.hf_overrides)
         elif self.hf_overrides:
             self.hf_config = {**self.hf_config, **self.hf_overrides}
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        elif not self.skip_tokenizer_init:
+            self.tokenizer = resolve_model_path(self.tokenizer, field="tokenizer")
         derived = self.get_derived_max_model_len()
         if self.max_model_len is None:
             self.max_model_len = derived

@@ -27,38 +27,85 @@ from engine.config import (
 
 @dataclass
 class EngineArgs:
-    # None (or "default") = the embedded SmolLM2-135M-Instruct, converted once.
+    # The docstring under each field is its --help line in `glassbox serve` / `bench`.
     model: str | None = None
+    """HF checkpoint folder, or a Hub name already in the Hugging Face cache;
+    None or "default": the embedded SmolLM2-135M-Instruct, converted once."""
     tokenizer: str | None = None
+    """Tokenizer folder, or a Hub name already in the Hugging Face cache; None: the model's."""
     skip_tokenizer_init: bool = False
+    """Load no tokenizer: prompts must be token ids, and outputs carry token ids only."""
     dtype: str = "auto"
+    """Weights and activations dtype: auto (float32 on the CPU, bfloat16 on CUDA),
+    float32, float16 or bfloat16."""
     seed: int = 0
+    """Seed of the worker's global random generator (requests may bring their own)."""
     max_model_len: int | None = None
+    """Tokens per sequence (prompt + output) at most; None: the model's own limit
+    from config.json."""
     block_size: int = 16
+    """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of earlier prompts that share a prefix (hash lookup)."""
     num_gpu_blocks_override: int | None = None
+    """Number of KV blocks, the null block included, instead of sizing the pool
+    from memory."""
     gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of GPU memory the engine may use (weights, activations, KV cache)."""
     kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes; None: from gpu_memory_utilization on CUDA, from
+    GLASSBOX_CPU_KVCACHE_SPACE (GiB, default 1) on the CPU."""
     max_num_batched_tokens: int | None = None
+    """Token budget of one scheduler step; None: 2048 (at least max_model_len
+    without chunked prefill)."""
     max_num_seqs: int | None = None
+    """Requests running at once at most; None: 128."""
     enable_chunked_prefill: bool = True
+    """Split a long prompt's prefill over several steps to fit the token budget."""
     long_prefill_token_threshold: int = 0
+    """When > 0, no request gets more than this many new tokens in one step."""
     scheduling_policy: str = "fcfs"
+    """Order of the waiting queue: fcfs (arrival) or priority (request priority,
+    then arrival)."""
     scheduler_reserve_full_isl: bool = True
+    """Admit a waiting request only if the KV cache can hold its whole prompt,
+    not just its first chunk."""
     stream_interval: int = 1
+    """Streamed outputs go out every this many tokens (and at the first and last)."""
+    # Glassbox's own (see SchedulerConfig.max_waiting_requests); -1: no limit.
+    max_waiting_requests: int = SchedulerConfig.DEFAULT_MAX_WAITING_REQUESTS
+    """Sequences that may wait beyond a full batch before the API server answers
+    503 (a request with n samples counts n); -1: no limit."""
     load_format: str = "auto"
+    """How weights are loaded: auto or safetensors (from the checkpoint), dummy
+    (random weights, for benchmarks)."""
     hf_overrides: dict[str, Any] | None = None
+    """JSON object whose keys replace those of the model's config.json."""
     enforce_eager: bool = False
+    """CUDA: run every step eagerly, without CUDA graphs."""
     tensor_parallel_size: int = 1
+    """Number of tensor-parallel workers; Glassbox runs one (must be 1)."""
     distributed_executor_backend: str | type | None = None
+    """Executor that runs the worker: uni (in-process), or the import path of an
+    Executor subclass (module.Class); None: uni."""
     device: str = "auto"
+    """Where the model runs: auto (CUDA when torch sees a GPU, else cpu), cpu or cuda."""
     disable_log_stats: bool = False
+    """Collect no engine statistics (the glassbox: metrics behind /metrics)."""
     trace_path: str | None = None
-    # {"cudagraph_mode": "FULL_DECODE_ONLY" | "NONE", "cudagraph_capture_sizes": [...]}
+    """Write the event trace (JSONL) to this file; a path alone means trace_level
+    lifecycle."""
     compilation_config: dict[str, Any] | None = None
+    """CUDA graphs, as a JSON object: {"cudagraph_mode": "FULL_DECODE_ONLY" or
+    "NONE", "cudagraph_capture_sizes": [1, 2, 4, ...]}."""
     trace_level: str = "off"
+    """How much the trace records: off, lifecycle (requests, scheduler, KV
+    cache), or full (plus the sampler's candidates)."""
     logprobs_mode: str = "raw_logprobs"
+    """What logprobs return: raw_logprobs, raw_logits (of the model's output), or
+    processed_logprobs, processed_logits (after penalties, temperature, top-k/p)."""
     logits_processors: list[str | type] | None = None
+    """Custom logits processors, as module:Class names (or classes, from Python)."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -121,6 +168,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
                 scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
                 stream_interval=self.stream_interval,
+                max_waiting_requests=self.max_waiting_requests,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             parallel_config=ParallelConfig(

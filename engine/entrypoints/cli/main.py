@@ -1,18 +1,25 @@
 """The ``glassbox`` command line (vLLM twin: ``vllm/entrypoints/cli/main.py``).
 
 Sub-commands register themselves in ``COMMANDS`` as they are built; running
-``glassbox`` with none prints what exists.
+``glassbox`` with none prints what exists. Every sub-command's ``--help``
+shows each option's default (``DefaultsHelpFormatter``, as vLLM's CLI does).
+``command_name()`` is how the CLI names itself in the commands it suggests:
+``make setup`` puts ``glassbox`` in ``.venv/bin``, which is on the PATH only
+once the venv is activated.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from collections.abc import Callable
 
 import engine
 from engine.entrypoints.cli import serve, trace, trace_export, tui
 from engine.entrypoints.cli.benchmark import main as bench
+from engine.entrypoints.openai.cli_args import DefaultsHelpFormatter
 
 # name -> (help, function(argparse namespace) -> exit code, add_arguments)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] = {
@@ -32,8 +39,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"glassbox {engine.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, _, add_arguments) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        add_arguments(
+            sub.add_parser(
+                name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter
+            )
+        )
     return parser
+
+
+def command_name() -> str:
+    """``glassbox`` when that name on the PATH is this program, else the path it
+    was started by (``.venv/bin/glassbox`` from ``make run``), so a suggested
+    command works when pasted."""
+    started_as = sys.argv[0] if sys.argv else ""
+    if os.path.basename(started_as) != "glassbox":
+        return "glassbox"  # python -m ..., or a test
+    on_path = shutil.which("glassbox")
+    try:
+        if on_path and os.path.samefile(on_path, started_as):
+            return "glassbox"
+    except OSError:
+        pass
+    relative = os.path.relpath(started_as)
+    return started_as if relative.startswith("..") else relative
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,11 @@ loaded), then EngineCore starts in its own process, then uvicorn serves until
 Ctrl-C, and the engine process is stopped on the way out. Binds to 127.0.0.1
 unless ``--host`` says otherwise.
 Sessions: 01.
+
+Differs from vLLM on purpose: a bad engine argument or model name (a
+``ValueError`` while the engine config is built) ends the command with one
+line on stderr and exit code 2, where ``vllm serve`` shows a traceback: the
+message already names the field or the model, and a new user reads one line.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(run_server(args, sock))
     except KeyboardInterrupt:
         pass
+    except ValueError as e:
+        # A bad engine argument or model name, found while building the config:
+        # one line, as for the flags checked above.
+        print(f"glassbox serve: error: {e}", file=sys.stderr)
+        return 2
     finally:
         sock.close()
     return 0

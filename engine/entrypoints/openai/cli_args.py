@@ -7,19 +7,29 @@ Read it for the split: server options (``--host``, ``--port``, ``--api-key``,
 ``--served-model-name``) and, generated from the ``EngineArgs`` dataclass, one
 ``--kebab-case`` flag per engine argument (``--block-size``,
 ``--max-num-seqs``, ``--num-gpu-blocks-override``, ...), so every keyword
-``LLM(...)`` takes is a flag here too.
+``LLM(...)`` takes is a flag here too. As in vLLM, each flag's help is the
+docstring under its field (``get_attr_docs``) and ``--help`` shows every
+default (``DefaultsHelpFormatter``).
 Sessions: 01.
+
+Simpler than vLLM: the help comes from ``EngineArgs``' own field docstrings
+(a field without one falls back on the same-named field of a config class);
+vLLM's ``EngineArgs`` fields take theirs from the config classes they mirror.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
+import inspect
 import json
 import os
+import textwrap
 import types
 import typing
+from functools import cache
 from typing import Any
 
 from engine.engine.arg_utils import EngineArgs
@@ -57,21 +67,71 @@ def _is_list(annotation: Any) -> bool:
     return any(typing.get_origin(a) is list for a in options)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with ``(default: ...)``, as in ``vllm serve --help``,
+    unless its text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def get_attr_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` for the string literals placed right under a
+    class's field assignments (the convention of vLLM's config classes)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # no source shipped: no help text, flags still work
+        return {}
+    body = ast.parse(textwrap.dedent(source)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for node, after in zip(body.body, body.body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@cache
+def engine_arg_help() -> dict[str, str]:
+    """One line of ``--help`` per EngineArgs field: the first paragraph of its
+    docstring, else of the same-named field's docstring in a config class."""
+    from engine import config
+
+    docs: dict[str, str] = {}
+    for name in config.__all__:
+        cls = getattr(config, name)
+        if dataclasses.is_dataclass(cls):
+            docs.update(get_attr_docs(cls))
+    docs.update(get_attr_docs(EngineArgs))
+    # argparse expands %-formats in help text.
+    return {k: " ".join(v.split("\n\n")[0].split()).replace("%", "%%") for k, v in docs.items()}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (the fields of EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
+    docs = engine_arg_help()
     for field in dataclasses.fields(EngineArgs):
         if field.name == "model":
             continue  # the positional MODEL (or --model below)
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(hints[field.name])
+        kwargs: dict[str, Any] = {"default": field.default, "help": docs.get(field.name)}
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif _is_list(hints[field.name]):
             # logits_processors: one or more "module:Class" names.
-            group.add_argument(flag, nargs="+", default=field.default)
+            group.add_argument(flag, nargs="+", **kwargs)
         else:
-            group.add_argument(flag, type=kind, default=field.default)
+            group.add_argument(flag, type=kind, **kwargs)
     group.add_argument(
         "--model", dest="model", default=None, help="the same as the positional MODEL"
     )
@@ -83,10 +143,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="HF checkpoint folder to serve (default: the embedded SmolLM2-135M-Instruct)",
+        help="HF checkpoint folder, or a Hub name already in the Hugging Face cache "
+        "(default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -104,6 +165,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of uvicorn (the HTTP server)",
     )
     add_engine_args(parser)
     return parser

@@ -37,8 +37,8 @@ class SiluAndMul(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         d = self._check(x)
-        kernels = cpu_kernels()
-        if kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+        # Dtype first: asking for the kernels may compile them (minutes).
+        if x.dtype == torch.float32 and x.is_contiguous() and (kernels := cpu_kernels()):
             out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
             kernels.silu_and_mul(out, x)  # csrc/cpu/activation.cpp: one pass
             return out
