@@ -59,6 +59,7 @@ _MAIN_SCREEN_ACTIONS = frozenset(
         "follow_next",
         "follow_previous",
         "zoom",
+        "unzoom",
         "focus_panel",
     }
 )
@@ -168,7 +169,6 @@ class TraceApp(App[None]):
         Binding("p", "previous_event", "Prev event", show=False),
         Binding("f", "follow_next", "Follow next"),
         Binding("F", "follow_previous", "Follow prev", show=False),
-        Binding("z", "zoom", "Zoom"),
         Binding("t", "toggle_theme", "Theme", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
@@ -287,6 +287,9 @@ class TraceApp(App[None]):
         assert session is not None
         self._freeze_gc()
         self.sub_title = f"{session.path or 'trace'} · {session.num_steps - 1} steps"
+        if session.truncated:
+            # The step line (the scrubber) says "⚠ truncated" for as long as the app runs.
+            self.notify(session.truncated, title="Truncated trace", severity="warning", timeout=20)
         follow = self._initial_follow
         if follow is not None:
             # The user's id (or the list's label) names the request by its internal id.
@@ -373,6 +376,12 @@ class TraceApp(App[None]):
         # take ←/→); under a modal screen (help, palette) they do nothing.
         if action in _MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
             return False
+        # Each focusable panel binds z twice (``zoom_bindings``): the footer
+        # shows "Zoom <panel>", or "Unzoom" while a panel is zoomed.
+        if action == "zoom":
+            return self.screen.maximized is None
+        if action == "unzoom":
+            return self.screen.maximized is not None
         return True
 
     def action_step(self, delta: int) -> None:
@@ -456,17 +465,19 @@ class TraceApp(App[None]):
             self.query_one(f"#{panel_id}").focus()
 
     def action_zoom(self) -> None:
-        screen = self.screen
-        if screen.maximized is not None:
-            screen.minimize()
-            self.call_after_refresh(self.refresh_panels)
-            return
+        """Fill the screen with the focused panel (the footer names it)."""
         focused = self.focused
         while focused is not None and focused.id not in PANEL_IDS:
             focused = focused.parent if isinstance(focused.parent, Widget) else None
         if focused is not None:
-            screen.maximize(focused, container=False)
+            self.screen.maximize(focused, container=False)
+            self.refresh_bindings()
             self.call_after_refresh(self.refresh_panels)
+
+    def action_unzoom(self) -> None:
+        self.screen.minimize()
+        self.refresh_bindings()
+        self.call_after_refresh(self.refresh_panels)
 
     def action_toggle_theme(self) -> None:
         self.theme = LIGHT_THEME if self.theme != LIGHT_THEME else DARK_THEME

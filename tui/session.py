@@ -8,10 +8,13 @@ module adds what a viewer needs on top -- the per-request lifecycles
 stalled, was preempted, finished), token texts, colours, and a cache of step
 views so scrubbing back and forth never replays the same step twice.
 
-The TUI reads runs only through ``engine.tracing`` (``load_trace``,
+The TUI reads runs only through ``engine.tracing`` (``load_trace_checked``,
 ``TraceReplay`` and the typed event classes); everything here is derived from
-the events. Requests are keyed by their internal ids, as in the trace;
-``resolve_request_id`` also takes the id the user gave.
+the events. ``highlights`` names where the run shows what it was built to
+teach (a preemption, a prefix hit, a chunked prefill), so a viewer can say
+where to look when the followed request shows none of it. Requests are
+keyed by their internal ids, as in the trace; ``resolve_request_id`` also
+takes the id the user gave.
 Sessions: all (the tracer TUI follows one request through every subsystem).
 """
 
@@ -39,7 +42,7 @@ from engine.tracing import (
     TraceVersionError,
     check_trace_version,
     gc_paused,
-    load_trace,
+    load_trace_checked,
 )
 from tui.timelines import (
     REQUEST_COLOURS,
@@ -55,6 +58,21 @@ from tui.timelines import (
 
 class TraceLoadError(Exception):
     """A trace that cannot be shown; the message says why, in one sentence or two."""
+
+
+@dataclass(frozen=True)
+class Highlight:
+    """Where a run shows one thing worth seeing: ``what`` (``HIGHLIGHTS``)
+    happens to ``request_id`` at ``step``; ``text`` says it in a few words."""
+
+    what: str
+    request_id: str
+    step: int
+    text: str
+
+
+# What ``TraceSession.highlights`` looks for, in the order it lists them.
+HIGHLIGHTS = ("preemption", "prefix hit", "chunked prefill")
 
 
 @dataclass
@@ -84,8 +102,12 @@ class TraceSession:
         path: str | None = None,
         view_cache_size: int = 512,
         snapshot_interval: int | None = None,
+        truncated: str | None = None,
     ) -> None:
         self.path = path
+        # Why the trace is incomplete (``find_truncation``), or None: shown by
+        # the app and the summary, as the last steps and texts may be missing.
+        self.truncated = truncated
         if snapshot_interval is None:
             # Fewer snapshots for long runs: building is a copy per snapshot,
             # a view is a copy plus at most snapshot_interval steps of events.
@@ -118,6 +140,7 @@ class TraceSession:
         assert kv_init is not None  # TraceReplay refuses a trace without one
         self.timelines: dict[str, RequestTimeline] = build_timelines(self.replay, self.token_texts)
         self.request_ids: list[str] = sorted(self.timelines, key=lambda r: self.timelines[r].index)
+        self._highlights: dict[str, Highlight] | None = None
         # Traces before format 1.2 name the followed request by the user's id.
         followed = self.resolve_request_id(cli.follow_request_id) if cli is not None else None
         if followed is None:
@@ -150,6 +173,66 @@ class TraceSession:
                 if getattr(self.timelines[rid], attribute) == request_id:
                     return rid
         return None
+
+    # -- highlights ----------------------------------------------------------------
+    def highlights(self) -> dict[str, Highlight]:
+        """For each of ``HIGHLIGHTS`` the run shows, where to see it: the first
+        preemption, the largest prefix hit, the prompt prefilled in the most
+        chunks. Computed once."""
+        if self._highlights is None:
+            found: dict[str, Highlight] = {}
+            preempted = [
+                (ev.step, tl.index, rid)
+                for rid, tl in self.timelines.items()
+                for ev in tl.events
+                if ev.kind == "preempted"
+            ]
+            if preempted:
+                step, _, rid = min(preempted)
+                found["preemption"] = Highlight(
+                    "preemption", rid, step, f"preempted at step {step}"
+                )
+            hits = [(tl.num_cached_tokens, -tl.index, rid) for rid, tl in self.timelines.items()]
+            best = max(hits, default=None)
+            if best is not None and best[0] > 0:
+                tl = self.timelines[best[2]]
+                step = next((e.step for e in tl.events if e.kind == "admitted"), tl.queued_step)
+                found["prefix hit"] = Highlight(
+                    "prefix hit",
+                    tl.request_id,
+                    step,
+                    f"prefix hit of {tl.num_cached_tokens}/{tl.num_prompt_tokens} prompt tokens "
+                    f"at step {step}",
+                )
+            chunks = [
+                ([e.step for e in tl.events if e.kind == "prefill"], -tl.index, rid)
+                for rid, tl in self.timelines.items()
+            ]
+            most = max(chunks, key=lambda c: (len(c[0]), c[1]), default=None)
+            if most is not None and len(most[0]) > 1:
+                steps = most[0]
+                found["chunked prefill"] = Highlight(
+                    "chunked prefill",
+                    most[2],
+                    steps[0],
+                    f"prefill in {len(steps)} chunks, steps {steps[0]}-{steps[-1]}",
+                )
+            self._highlights = found
+        return self._highlights
+
+    def highlights_elsewhere(self, request_id: str | None) -> list[Highlight]:
+        """The highlights of the run that ``request_id``'s own lifecycle lacks
+        (each shown by another request), in ``HIGHLIGHTS`` order."""
+        tl = self.timelines.get(request_id) if request_id is not None else None
+        if tl is None:
+            return []
+        has = {
+            "preemption": tl.num_preemptions > 0,
+            "prefix hit": tl.num_cached_tokens > 0,
+            "chunked prefill": sum(e.kind == "prefill" for e in tl.events) > 1,
+        }
+        found = self.highlights()
+        return [found[what] for what in HIGHLIGHTS if what in found and not has[what]]
 
     def request_label(self, request_id: str) -> str:
         """What the request list calls ``request_id`` (an internal id): the
@@ -230,14 +313,14 @@ def open_session(path: str, **kwargs: Any) -> TraceSession:
     whose message a user can act on (never a traceback)."""
     check_trace_file(path)
     try:
-        events = load_trace(path)
+        events, truncated = load_trace_checked(path)
     except TraceVersionError as e:
         raise TraceLoadError(str(e)) from None
     except ValueError as e:
         raise TraceLoadError(_describe_bad_line(path, e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise TraceLoadError(f"cannot read {path}: {e}") from None
-    return session_from_events(events, path=path, **kwargs)
+    return session_from_events(events, path=path, truncated=truncated, **kwargs)
 
 
 def session_from_events(
@@ -263,6 +346,9 @@ def session_from_events(
         with gc_paused():
             return TraceSession(events, path=path, **kwargs)
     except ReplayError as e:
+        truncated = kwargs.get("truncated")
+        if truncated:
+            raise TraceLoadError(f"{truncated}; what is left cannot be replayed: {e}") from None
         raise TraceLoadError(
             f"{where} cannot be replayed: {e}. It may be incomplete, or written by another "
             "version of Glassbox"

@@ -2,7 +2,10 @@
 
 vLLM twin: none. Read it for a plain-text walk through what the engine did to
 one request -- the same lifecycle the TUI's timeline panel shows, for a
-terminal without a TUI, a CI log, or a test.
+terminal without a TUI, a CI log, or a test. A truncated trace says so on
+its first line; what the run shows that the request does not (a
+preemption, a prefix hit, a chunked prefill) is named with the request to
+follow to see it.
 Sessions: 01 (the engine loop, end to end), 02 (scheduling), 03 (KV cache).
 """
 
@@ -54,6 +57,8 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
     tl = session.timelines[rid]
     info = session.info
     lines: list[str] = []
+    if session.truncated:
+        lines.append(f"WARNING: {session.truncated}.")
     model = (info.model or "?").rstrip("/").rsplit("/", 1)[-1]
     lines.append(
         f"Trace {session.path or ''}: {session.num_steps - 1} engine steps, "
@@ -104,6 +109,12 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
         f"{tl.num_preemptions} preemption(s), "
         f"prefix-cache hit {tl.num_cached_tokens} of {tl.num_prompt_tokens} prompt tokens"
     )
+    elsewhere = session.highlights_elsewhere(rid)
+    if elsewhere:
+        lines.append("  not in this request, but elsewhere in the run:")
+        for h in elsewhere:
+            label = session.request_label(h.request_id)
+            lines.append(f"    {h.what:<16} {label}, {h.text} (--follow {label})")
     others = [r for r in session.request_ids if r != rid]
     if others:
         lines.append("")

@@ -11,7 +11,8 @@ move and sampling step -- so that a run can be replayed). The modules:
     trace objects (``SchedulerTrace``, ``KVCacheTrace``, ``EngineCoreTrace``,
     ``OutputProcessorTrace``, ``ClientTrace``, ``ServerTrace``,
     ``RunnerTrace``, ``SamplerTrace``): where every event is built;
-  * ``reader.py``   -- ``load_trace``, ``merge_trace_parts``, version checks;
+  * ``reader.py``   -- ``load_trace``, ``merge_trace_parts``, version checks,
+    ``find_truncation`` (a writer that did not finish its file);
   * ``replay.py`` / ``replay_state.py`` -- ``TraceReplay``: the engine's state
     at any step; ``perfetto.py`` -- ``export_perfetto``.
 
@@ -29,10 +30,13 @@ from typing import Any
 from engine.tracing.events import *  # noqa: F403 (the event classes)
 from engine.tracing.events import __all__ as _event_names
 from engine.tracing.reader import (
+    TraceTruncatedWarning,
     TraceVersionError,
     check_trace_version,
+    find_truncation,
     gc_paused,
     load_trace,
+    load_trace_checked,
     merge_trace_parts,
     parse_version,
     read_events,
@@ -74,11 +78,14 @@ __all__ = [
     "NULL_TRACER",
     "SubsystemTrace",
     "TraceLevel",
+    "TraceTruncatedWarning",
     "TraceVersionError",
     "Tracer",
     "check_trace_version",
+    "find_truncation",
     "gc_paused",
     "load_trace",
+    "load_trace_checked",
     "merge_trace_parts",
     "parse_version",
     "part_path",

@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.2"
+TRACE_FORMAT_VERSION = "1.3"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,10 +74,33 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.2"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.3"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
+    role: Annotated[
+        str,
+        doc(
+            "the process of a multi-process run that wrote this part (`core`, `frontend`: "
+            "the `<role>` of its part file); empty for a single-process trace and before 1.3"
+        ),
+    ] = ""
+
+
+class TraceEnd(TraceEvent, kw_only=True, tag="trace.end"):
+    """The last line of every file a tracer writes, written when the tracer is
+    closed (``Tracer.close``, or by its finalizer when a process exits without
+    closing it): the writer finished. A merged trace holds one per process.
+    A process that was killed (SIGKILL, ``os._exit``, a crash) leaves none,
+    and a file cut short loses the last; from format 1.3 on, a header
+    without its ``trace.end`` (same ``pid``) means the trace is truncated
+    (``find_truncation``). ``load_trace`` leaves it out of the events it
+    returns, like the header."""
+
+    num_events: Annotated[
+        int,
+        doc("events the writer wrote between its header and this line: a reader checks it has all"),
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -641,7 +664,7 @@ class TraceTokenTexts(TraceEvent, kw_only=True, tag="trace.token_texts"):
 
 # Every kind, grouped by the section of docs/trace_format.md that lists it.
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
-    "The file": (TraceHeader,),
+    "The file": (TraceHeader, TraceEnd),
     "Engine set-up": (EngineConfig, KVInit, RunnerInit, RunnerCudagraphs),
     "Requests (front end)": (RequestAdded, RequestOutputEvent, RequestFinished),
     "Process hops": (
@@ -688,10 +711,12 @@ for _section, _group in EVENT_SECTIONS.items():
 # kind -> class, e.g. EVENT_KINDS["sched.step"] is SchedStep.
 EVENT_KINDS: dict[str, type[TraceEvent]] = {cls.kind: cls for cls in EVENT_TYPES}
 HEADER_KIND = TraceHeader.kind
+END_KIND = TraceEnd.kind
 
 __all__ = [cls.__name__ for cls in EVENT_TYPES] + [
     "EVENT_KINDS",
     "EVENT_SECTIONS",
+    "END_KIND",
     "EVENT_TYPES",
     "HEADER_KIND",
     "TRACE_FORMAT_VERSION",

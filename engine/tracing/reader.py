@@ -1,12 +1,14 @@
 """Reading traces back: typed events from a file, part files merged, versions checked.
 
 vLLM twin: none. Read it for the contract of a trace file: JSON lines, each
-one event of ``events.py``, a ``trace.header`` first per process. ``load_trace``
-returns the events as their classes (``SchedStep``, ``KVAllocated``, ...),
-ordered by time; ``merge_trace_parts`` interleaves the files the processes of
-a multi-process run wrote. Used by the replay model, the Perfetto export, the
-TUI, the notebooks and the CLI; no engine process imports it while it runs
-(except ``glassbox trace``, which reads its own trace back at the end).
+one event of ``events.py``, a ``trace.header`` first and (from format 1.3) a
+``trace.end`` last per process. ``load_trace`` returns the events as their
+classes (``SchedStep``, ``KVAllocated``, ...), ordered by time;
+``merge_trace_parts`` interleaves the files the processes of a multi-process
+run wrote; ``find_truncation`` says whether every writer finished its file.
+Used by the replay model, the Perfetto export, the TUI, the notebooks and
+the CLI; no engine process imports it while it runs (except ``glassbox
+trace``, which reads its own trace back at the end).
 
 Sessions: all.
 """
@@ -20,7 +22,9 @@ import heapq
 import json
 import os
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Union
 
 import msgspec
@@ -30,6 +34,7 @@ from engine.tracing.events import (
     EVENT_TYPES,
     HEADER_KIND,
     TRACE_FORMAT_VERSION,
+    TraceEnd,
     TraceEvent,
     TraceHeader,
 )
@@ -43,6 +48,16 @@ _MAJOR_VERSION = int(TRACE_FORMAT_VERSION.split(".")[0])
 
 class TraceVersionError(ValueError):
     """A trace written in a format version this Glassbox does not read."""
+
+
+class TraceTruncatedWarning(UserWarning):
+    """A trace some of whose writers did not finish it (``find_truncation``)."""
+
+
+# The first format version whose writers end their file with ``trace.end``.
+END_MARKER_VERSION = (1, 3)
+# What the truncation message calls a process, by its header's ``role``.
+_ROLE_NAMES = {"core": "the engine core", "frontend": "the front end"}
 
 
 @contextlib.contextmanager
@@ -165,17 +180,114 @@ def load_trace(path: str, include_header: bool = False) -> list[TraceEvent]:
     """All events of a trace, ordered by time (then process, then sequence).
 
     The ``trace.header`` line(s) are checked (``check_trace_version``) and
-    left out unless ``include_header``. Raises ``FileNotFoundError``,
+    left out unless ``include_header``; the ``trace.end`` lines are always
+    left out (``read_events`` returns them). Raises ``FileNotFoundError``,
     ``ValueError`` for a line that is not an event (naming the line), and
-    ``TraceVersionError`` (a ``ValueError``) for another major version."""
+    ``TraceVersionError`` (a ``ValueError``) for another major version.
+
+    Warns (``TraceTruncatedWarning``) when some writer finished the trace
+    and another did not, or lines are missing (``find_truncation``). A
+    trace no writer has finished yet is not warned about: it may still be
+    being written (a live engine flushes every step, and notebooks read it
+    then); ``load_trace_checked`` reports it too."""
+    events, problem = _load(path, include_header)
+    if problem is not None and problem.finished_by_some:
+        warnings.warn(problem.message, TraceTruncatedWarning, stacklevel=2)
+    return events
+
+
+def load_trace_checked(path: str) -> tuple[list[TraceEvent], str | None]:
+    """``load_trace(path)``'s events and, instead of a warning, what
+    ``find_truncation`` says (None: every writer finished the file). For
+    viewers of recorded runs (the TUI, ``--summary``), where a file nobody
+    finished was cut short or its process killed."""
+    events, problem = _load(path, include_header=False)
+    return events, problem.message if problem is not None else None
+
+
+def _load(path: str, include_header: bool) -> tuple[list[TraceEvent], _Truncation | None]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no trace at {path}")
     with gc_paused():
         events = read_events(path, check_version=True)
-        if not include_header:
-            events = [e for e in events if type(e) is not TraceHeader]
+        problem = _truncation(events, path)
+        events = [
+            e
+            for e in events
+            if type(e) is not TraceEnd and (include_header or type(e) is not TraceHeader)
+        ]
         events.sort(key=_order_key)
-    return events
+    return events, problem
+
+
+def find_truncation(events: Iterable[TraceEvent], where: str = "the trace") -> str | None:
+    """Why the trace is incomplete, in a sentence naming the process(es), or
+    None. From format 1.3 every writer ends its file with ``trace.end``
+    (``Tracer.close``): a header of 1.3 or later without one from the same
+    process means that process was killed, or the file was cut short (or
+    is still being written). A ``trace.end`` whose ``num_events`` exceeds
+    the process's events in the file means lines are missing. Headers of
+    earlier versions are never called truncated. ``events``: every line of
+    the file, as ``read_events`` returns them."""
+    problem = _truncation(events, where)
+    return problem.message if problem is not None else None
+
+
+@dataclass
+class _Truncation:
+    message: str
+    finished_by_some: bool  # some writer's trace.end is there: the file is not being written
+
+
+def _truncation(events: Iterable[TraceEvent], where: str) -> _Truncation | None:
+    events = events if isinstance(events, list) else list(events)
+    headers: dict[int, list[TraceHeader]] = {}
+    for e in events:
+        if type(e) is TraceHeader:
+            headers.setdefault(e.pid, []).append(e)
+    checked = {}  # pid -> its headers, for writers that end their files
+    for pid, written in headers.items():
+        try:
+            if min(parse_version(h.trace_format_version) for h in written) >= END_MARKER_VERSION:
+                checked[pid] = written
+        except TraceVersionError:
+            pass  # the version check reports it
+    if not checked:
+        return None  # written before writers ended their files: nothing to check
+    ends = [e for e in events if type(e) is TraceEnd]
+    expected: dict[int, int] = {}
+    for end in ends:
+        expected[end.pid] = expected.get(end.pid, 0) + end.num_events
+    found = Counter(e.pid for e in events)  # headers and ends included: subtracted below
+    unfinished: list[str] = []
+    short: list[str] = []
+    for pid, written in checked.items():
+        name = _process_name(written[0])
+        num_ends = sum(end.pid == pid for end in ends)
+        here = found[pid] - len(written) - num_ends
+        if num_ends < len(written):
+            unfinished.append(f"{name} (pid {pid}; {here} events here)")
+        elif here < expected.get(pid, 0):
+            short.append(f"{name} (pid {pid}) wrote {expected[pid]} events, {here} are here")
+    if unfinished:
+        who = " and ".join(unfinished)
+        message = (
+            f"{where} is truncated: {who} did not finish writing it (no trace.end line). "
+            "The process was killed, or the file was cut short (or is still being written): "
+            "the last events are missing"
+        )
+        return _Truncation(message, finished_by_some=bool(ends))
+    if short:
+        message = f"{where} is truncated: " + "; ".join(short) + " (lines are missing)"
+        return _Truncation(message, finished_by_some=True)
+    return None
+
+
+def _process_name(header: TraceHeader) -> str:
+    role = header.role
+    if not role:
+        return "the process that wrote it"
+    return _ROLE_NAMES.get(role, f"the {role} process")
 
 
 def merge_trace_parts(path: str) -> str:
@@ -206,11 +318,15 @@ def merge_trace_parts(path: str) -> str:
 
 
 __all__ = [
+    "END_MARKER_VERSION",
     "HEADER_KIND",
+    "TraceTruncatedWarning",
     "TraceVersionError",
     "check_trace_version",
+    "find_truncation",
     "gc_paused",
     "load_trace",
+    "load_trace_checked",
     "merge_trace_parts",
     "parse_version",
     "read_events",

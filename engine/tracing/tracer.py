@@ -19,7 +19,9 @@ Crashes: a process that dies without closing its tracer (SIGKILL,
 ``os._exit``, a segfault) loses the events still in the list, at most
 ``buffer_size`` (in the engine core, about the last step and a half). A
 tracer nobody closed is written out when it is garbage collected or the
-interpreter exits.
+interpreter exits. Closing writes a ``trace.end`` line last (with the
+number of events written), so a reader can tell a finished file from one
+whose writer was killed or that was cut short (``reader.find_truncation``).
 
 Sessions: all.
 """
@@ -36,7 +38,7 @@ from typing import Any, BinaryIO, ClassVar
 
 import msgspec
 
-from engine.tracing.events import TRACE_FORMAT_VERSION, TraceEvent, TraceHeader
+from engine.tracing.events import TRACE_FORMAT_VERSION, TraceEnd, TraceEvent, TraceHeader
 
 # Events kept in memory before they are encoded and written: a crash loses at most these.
 DEFAULT_BUFFER_SIZE = 1024
@@ -104,12 +106,13 @@ class _TraceWriter:
     from any thread, ``write_pending`` encodes and removes a prefix of it.
     """
 
-    def __init__(self, path: str, pid: int, level: TraceLevel) -> None:
+    def __init__(self, path: str, pid: int, level: TraceLevel, role: str = "") -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # Unbuffered: ``events`` is the buffer; every batch is one write() to the OS.
         self.file: BinaryIO | None = open(path, "wb", buffering=0)
         self.pid = pid
         self.seq = 0  # seq of the last event written
+        self.num_written = 0  # event lines written (the header not counted)
         self.events: list[TraceEvent | EventRows] = []
         self.lock = threading.Lock()
         self.encoder = msgspec.json.Encoder(enc_hook=_jsonable)
@@ -119,6 +122,7 @@ class _TraceWriter:
             trace_format_version=TRACE_FORMAT_VERSION,
             glassbox_version=_glassbox_version(),
             trace_level=level.name.lower(),
+            role=role,
         )
         self._write(self.encoder.encode(header) + b"\n")
 
@@ -160,6 +164,7 @@ class _TraceWriter:
         self.seq = seq
         try:
             data = self.encoder.encode_lines(records)
+            self.num_written += len(records)
         except (TypeError, msgspec.EncodeError, OverflowError):
             lines = []
             for event in records:
@@ -168,6 +173,7 @@ class _TraceWriter:
                 except (TypeError, msgspec.EncodeError, OverflowError) as e:
                     failure = failure or (event.kind, e)
             data = b"".join(lines)
+            self.num_written += len(lines)
         if failure is not None:
             self._write(data)
             raise TypeError(f"trace event {failure[0]!r} was not written: {failure[1]}")
@@ -179,20 +185,34 @@ class _TraceWriter:
         finally:
             with self.lock:
                 if self.file is not None:
-                    self.file.close()
-                    self.file = None
+                    try:
+                        # Last: the file is finished (also after an event that could
+                        # not be encoded: ``num_events`` counts the lines written).
+                        self.seq += 1
+                        end = TraceEnd(
+                            ts=time.time_ns(),
+                            pid=self.pid,
+                            seq=self.seq,
+                            num_events=self.num_written,
+                        )
+                        self._write(self.encoder.encode(end) + b"\n")
+                    finally:
+                        self.file.close()
+                        self.file = None
 
 
 class Tracer:
     """Writes the events of one process to ``path``. ``lifecycle`` and ``full``
     say what the level asks for; with level ``off`` nothing is written and
-    no file is created."""
+    no file is created. ``role``: what the header calls the process (default:
+    the ``<role>`` of a ``part_path``, else empty)."""
 
     def __init__(
         self,
         path: str | None = None,
         level: str | TraceLevel = TraceLevel.OFF,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
+        role: str | None = None,
     ) -> None:
         self.level = TraceLevel.parse(level)
         if self.level > TraceLevel.OFF and not path:
@@ -211,7 +231,9 @@ class Tracer:
         self._events: list[TraceEvent | EventRows] | None = None
         if self.lifecycle:
             assert path is not None
-            self._writer = _TraceWriter(path, self.pid, self.level)
+            if role is None:
+                role = part_role(path)
+            self._writer = _TraceWriter(path, self.pid, self.level, role)
             self._events = self._writer.events
             # Written out if the tracer is dropped (or the interpreter exits) unclosed.
             self._finalizer = weakref.finalize(self, self._writer.close)
@@ -280,6 +302,15 @@ def part_path(path: str, role: str, pid: int | None = None) -> str:
     return f"{path}.{role}-{pid or os.getpid()}.part"
 
 
+def part_role(path: str) -> str:
+    """The ``role`` of a ``part_path`` (``run.jsonl.core-12.part`` -> ``core``);
+    empty for any other path."""
+    if not path.endswith(".part"):
+        return ""
+    role, _, pid = path[: -len(".part")].rpartition(".")[2].rpartition("-")
+    return role if role and pid.isdigit() else ""
+
+
 def _do_nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -331,4 +362,5 @@ __all__ = [
     "TraceLevel",
     "Tracer",
     "part_path",
+    "part_role",
 ]

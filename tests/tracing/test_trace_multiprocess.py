@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 
 from engine.sampling_params import SamplingParams
-from engine.tracing import TraceReplay, build_perfetto, load_trace, merge_trace_parts
+from engine.tracing import (
+    TraceReplay,
+    build_perfetto,
+    find_truncation,
+    load_trace,
+    merge_trace_parts,
+    read_events,
+)
 from tests.helpers.engine_fixtures import ids
 from tests.tracing.scenario import REAL_MODEL_ARGS, SCENARIO_ENGINE_ARGS
 from tests.tracing.test_trace_perfetto import validate_trace_events
@@ -46,6 +53,12 @@ def test_multiprocess_trace_replays_and_exports(tiny_model_dir, tmp_path):
     front_pid = (pids - {core_pid}).pop()
     front_kinds = {e.kind for e in events if e.pid == front_pid}
     assert front_kinds >= {"request.added", "request.output"}
+    # Each process closed its part: a header naming its role, and a trace.end.
+    lines = read_events(trace)
+    roles = {e.pid: e.role for e in lines if e.kind == "trace.header"}
+    assert roles == {core_pid: "core", front_pid: "frontend"}
+    assert {e.pid for e in lines if e.kind == "trace.end"} == pids
+    assert find_truncation(lines) is None
     replay = TraceReplay(events)
     assert replay.final_state.unfinished_requests() == {}
     assert {r.status for r in replay.final_state.requests.values()} == {"FINISHED_LENGTH_CAPPED"}

@@ -52,16 +52,18 @@ def _write(path, *records) -> str:
     return str(path)
 
 
-def test_this_glassbox_writes_version_1_2():
-    assert TRACE_FORMAT_VERSION == "1.2"
-    assert parse_version(TRACE_FORMAT_VERSION) == (1, 2)
+def test_this_glassbox_writes_version_1_3():
+    assert TRACE_FORMAT_VERSION == "1.3"
+    assert parse_version(TRACE_FORMAT_VERSION) == (1, 3)
     assert parse_version(1) == (1, 0)  # the first headers' plain integer
     assert parse_version("2") == (2, 0)
     with pytest.raises(TraceVersionError, match="unreadable"):
         parse_version("one.two")
 
 
-@pytest.mark.parametrize("version", ["1.2", "1.1", "1.0", 1], ids=["1.2", "1.1", "1.0", "int-1"])
+@pytest.mark.parametrize(
+    "version", ["1.3", "1.2", "1.1", "1.0", 1], ids=["1.3", "1.2", "1.1", "1.0", "int-1"]
+)
 def test_a_header_of_major_version_1_loads(tmp_path, version):
     path = _write(tmp_path / "t.jsonl", _header(version), KV_INIT)
     (event,) = load_trace(path)

@@ -24,6 +24,7 @@ import torch
 
 from engine.tracing import (
     DEFAULT_BUFFER_SIZE,
+    END_KIND,
     HEADER_KIND,
     TRACE_FORMAT_VERSION,
     KVCacheReset,
@@ -37,11 +38,14 @@ from engine.tracing import (
     SchedQueued,
     SchedStep,
     SchedUpdate,
+    TraceEnd,
     TraceHeader,
     Tracer,
     build_perfetto,
+    find_truncation,
     load_trace,
     merge_trace_parts,
+    read_events,
 )
 from engine.tracing.tensors import HostListsCopy, array_summaries
 from tests.tracing.scenario import internal_ids, make_engine, run_scenario
@@ -66,18 +70,31 @@ def test_the_file_opens_with_a_header(tmp_path):
     tracer = Tracer(str(path), "full")
     tracer.record(_kv_init())
     tracer.close()
-    header, event = _lines(path)
+    header, event, end = _lines(path)
     assert header["kind"] == HEADER_KIND and "seq" not in header  # seq 0: the default
-    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.2"
+    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.3"
     assert header["glassbox_version"] == __import__("engine").__version__
     assert header["trace_level"] == "full" and header["pid"] == event["pid"]
+    assert "role" not in header  # not a part file: no role
     assert header["ts"] <= event["ts"]
-    # load_trace checks the header and leaves it out, unless asked.
+    # Closing ends the file with trace.end, counting the events written.
+    assert end == {
+        "kind": END_KIND,
+        "ts": end["ts"],
+        "pid": event["pid"],
+        "seq": 2,
+        "num_events": 1,
+    }
+    assert event["ts"] <= end["ts"]
+    # load_trace checks the header and leaves it out, unless asked; the end always.
     assert [e.kind for e in load_trace(str(path))] == ["kv.init"]
     with_header = load_trace(str(path), include_header=True)
     assert [e.kind for e in with_header] == [HEADER_KIND, "kv.init"]
     assert type(with_header[0]) is TraceHeader and with_header[0].seq == 0
     assert with_header[1].seq == 1
+    every_line = read_events(str(path))
+    assert type(every_line[-1]) is TraceEnd and every_line[-1].num_events == 1
+    assert find_truncation(every_line) is None
 
 
 def test_events_are_buffered_until_a_flush_point(tmp_path):
@@ -164,11 +181,14 @@ def test_what_a_process_that_never_closes_its_tracer_leaves(tmp_path, crash):
     code = _CHILD.format(root=str(ROOT), path=str(path), crash=crash)
     subprocess.run([sys.executable, "-c", code], check=False, timeout=60)
     events = load_trace(str(path))
+    truncated = find_truncation(read_events(str(path)), "child")
     if crash:
         # The two full buffers were written; the last 5 events (< buffer_size) are lost.
         assert [e.request_id for e in events] == [f"r{i}" for i in range(20)]
+        assert truncated is not None and truncated.startswith("child is truncated")
     else:
-        assert len(events) == 25
+        # The finalizer wrote the rest and the end line.
+        assert len(events) == 25 and truncated is None
 
 
 def _as_item(value):
@@ -248,8 +268,8 @@ def test_the_encoding_is_the_json_json_dumps_writes(tmp_path):
     for event, _ in cases:
         tracer.record(event)
     tracer.close()
-    lines = Path(path).read_text().splitlines()[1:]
-    assert len(lines) == len(cases)
+    *lines, end = Path(path).read_text().splitlines()[1:]
+    assert len(lines) == len(cases) and json.loads(end)["kind"] == END_KIND
     for line, (event, fields), seq in zip(lines, cases, range(1, len(cases) + 1)):
         record = json.loads(line)
         expected = {"kind": event.kind, "ts": record["ts"], "pid": tracer.pid, "seq": seq}
@@ -298,7 +318,9 @@ def test_record_rows_writes_what_a_loop_of_records_writes(tmp_path, buffer_size)
                 tracer.record(SchedFinished(**{k: v[j] for k, v in finished.items()}))
         tracer.record(SchedUpdate(num_running=0))
         tracer.close()
-        written[how] = [{k: v for k, v in e.items() if k != "ts"} for e in _lines(path)[1:]]
+        *events, end = _lines(path)[1:]
+        assert end["kind"] == END_KIND and end["num_events"] == len(events) == 7
+        written[how] = [{k: v for k, v in e.items() if k != "ts"} for e in events]
     assert written["rows"] == written["loop"]
     assert [e["seq"] for e in written["rows"]] == list(range(1, 8))
     assert [e["step"] for e in written["rows"]] == [3, 3, 3, 3, 10, 11, 3]

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.tracing import EVENT_KINDS, TraceEvent, load_trace
+from engine.tracing import EVENT_KINDS, TraceEnd, TraceEvent, TraceHeader, load_trace
 from tui.session import TraceSession, open_session, session_from_events
 
 DATA = Path(__file__).parent / "data"
@@ -87,3 +87,30 @@ def internal_id_trace(small_trace_path: str) -> tuple[list[TraceEvent], dict[str
 @pytest.fixture()
 def internal_id_session(internal_id_trace) -> TraceSession:
     return session_from_events(internal_id_trace[0])
+
+
+def write_as_version_1_3(events: list[TraceEvent], path: Path, drop_last: int = 0) -> str:
+    """``events`` as Glassbox writes a trace since format 1.3 (a header, the
+    events, a ``trace.end`` counting them), without its last ``drop_last``
+    lines: a file cut at a line boundary, as when the run is killed."""
+    pid = events[0].pid
+    header = TraceHeader(
+        ts=events[0].ts - 1,
+        pid=pid,
+        trace_format_version="1.3",
+        glassbox_version="0.1.0",
+        trace_level="full",
+    )
+    end = TraceEnd(ts=events[-1].ts + 1, pid=pid, seq=events[-1].seq + 1, num_events=len(events))
+    lines = msgspec.json.Encoder().encode_lines([header, *events, end]).splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[: len(lines) - drop_last]))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def cut_trace_path(tmp_path_factory, small_trace_path: str) -> str:
+    """The small trace written as format 1.3 and cut before its last two
+    lines (the token texts and the ``trace.end``): it still replays, with
+    token ids where the texts were."""
+    folder = tmp_path_factory.mktemp("cut")
+    return write_as_version_1_3(load_trace(small_trace_path), folder / "cut.jsonl", drop_last=2)

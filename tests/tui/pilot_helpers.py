@@ -84,7 +84,7 @@ def assert_panels_match_replay(app: TraceApp, replay: TraceReplay, session: Trac
     # KV: usage and the followed request's block table, block for block.
     kv = app.query_one(KVBlocksPanel).plain_text(200)
     used = state.num_blocks - 1 - state.num_free_blocks
-    assert f"{used} in use · {state.num_free_blocks} free" in kv
+    assert f"{used} used · {state.num_free_blocks} free" in kv
     req = state.requests.get(follow)
     table = re.findall(r"^\s*(\d+)→\s+(\d+)\s", kv, re.MULTILINE)
     expected = [] if req is None else [(str(i), str(b)) for i, b in enumerate(req.block_ids)]

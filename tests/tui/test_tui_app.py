@@ -24,10 +24,20 @@ from tui.widgets.kv_blocks import KVBlocksPanel
 from tui.widgets.lifecycle import LifecyclePanel
 from tui.widgets.requests import RequestList
 from tui.widgets.runner import RunnerPanel
+from tui.widgets.scrubber import Scrubber
 
 pytestmark = pytest.mark.asyncio
 
 SIZE = (120, 40)
+
+
+def footer_keys(app: TraceApp) -> dict[str, str]:
+    """What the footer shows: key -> description."""
+    return {
+        key: active.binding.description
+        for key, active in app.screen.active_bindings.items()
+        if active.binding.show
+    }
 
 
 def interesting_steps(replay: TraceReplay) -> list[int]:
@@ -203,15 +213,23 @@ async def test_help_zoom_theme_resize_and_quit(fresh_session):
         assert app.step == step
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
-        # z zooms the focused panel (4 = KV blocks) and back.
+        # z zooms the focused panel (4 = KV blocks), which the footer names, and back.
+        assert footer_keys(app)["z"] == "Zoom Requests"  # the request list has the focus
         await pilot.press(str(PANEL_IDS.index("kv") + 1))
+        assert footer_keys(app)["z"] == "Zoom KV blocks"
         await pilot.press("z")
         kv = app.query_one(KVBlocksPanel)
         assert app.screen.maximized is kv
         await pilot.pause()
         assert kv.content_width() > 140
+        assert footer_keys(app)["z"] == "Unzoom"
         await pilot.press("z")
         assert app.screen.maximized is None
+        assert footer_keys(app)["z"] == "Zoom KV blocks"
+        for i, panel_id in enumerate(PANEL_IDS):  # every panel says it
+            await pilot.press(str(i + 1))
+            title = "Requests" if panel_id == "requests" else app.query_one(f"#{panel_id}").TITLE
+            assert footer_keys(app)["z"] == f"Zoom {title}", panel_id
         # t: light theme and back.
         await pilot.press("t")
         assert app.theme == "textual-light"
@@ -256,3 +274,35 @@ async def test_the_app_reports_a_bad_trace_instead_of_crashing(tmp_path):
         shown = str(app.query_one("#error").render())
         assert "trace format version '2.0'; this Glassbox reads version 1" in shown
         assert "9.0.0" in shown and "Traceback" not in shown
+
+
+async def test_the_kv_key_and_the_lifecycle_say_what_they_mean(fresh_session):
+    app = TraceApp(fresh_session, step=4)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ready(app, pilot)
+        kv = app.query_one(KVBlocksPanel).plain_text(200).splitlines()
+        # The counts come first; the key under the grid has no numbers to read as counts.
+        assert kv[0].strip() == "18 used · 0 free (0 cached)"
+        assert kv[-1].strip() == "key: used shared cached free ∅ null"
+        # Your prompt is not preempted and prefills in one chunk: the lifecycle
+        # names the requests that show those, and how to follow them.
+        lifecycle = app.query_one(LifecyclePanel).plain_text(200)
+        assert "Elsewhere (follow: f or ⏎):" in lifecycle
+        assert "bg-5 preempted at step 31" in lifecycle
+        assert "bg-3 prefill in 3 chunks, steps 2-4" in lifecycle
+        await pilot.press("f", "f")  # to bg-5: it shows a preemption
+        assert app.follow == "bg-5"
+        lifecycle = app.query_one(LifecyclePanel).plain_text(200)
+        assert "bg-3 prefill in 3 chunks" in lifecycle and "preempted at step" not in lifecycle
+
+
+async def test_a_truncated_trace_says_so_on_screen(cut_trace_path):
+    app = TraceApp(cut_trace_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_ready(app, pilot)
+        assert app.ready and app.error is None
+        assert app.session is not None and "is truncated" in (app.session.truncated or "")
+        notes = [n.message for n in app._notifications]  # the toast shown at start
+        assert notes == [app.session.truncated]
+        assert "⚠ truncated" in app.query_one(Scrubber).renderable.plain
+        await pilot.press("q")

@@ -5,6 +5,10 @@ a traced run. (Running ``glassbox trace`` on the real model is
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -52,6 +56,69 @@ def test_tui_reports_bad_traces_in_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err
     assert err.startswith("glassbox tui: ") and message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _without_a_terminal(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``glassbox ARGV`` with stdin, stdout and stderr not terminals (as
+    from a script or CI); a TUI started anyway would spin until the timeout."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.entrypoints.cli.main", *argv],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    return result, time.monotonic() - start
+
+
+def test_tui_without_a_terminal_exits_at_once_pointing_at_summary(small_trace_path):
+    result, seconds = _without_a_terminal("tui", small_trace_path)
+    assert result.returncode == 2 and seconds < 15
+    assert result.stderr.startswith("glassbox tui: the TUI needs a terminal (stdin, stdout and ")
+    assert f"glassbox tui {small_trace_path} --summary" in result.stderr
+    assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1
+    # The text summary needs no terminal.
+    result, _ = _without_a_terminal("tui", small_trace_path, "--summary")
+    assert result.returncode == 0 and "Request prompt (followed)" in result.stdout
+
+
+def test_trace_without_a_terminal_stops_before_recording_pointing_at_headless():
+    result, seconds = _without_a_terminal("trace", "Hi")
+    assert result.returncode == 2 and seconds < 15
+    assert "the TUI needs a terminal" in result.stderr and "--headless" in result.stderr
+
+
+def test_missing_terminal_names_the_streams_that_are_not_terminals():
+    from tui.terminal import missing_terminal
+
+    class Stream:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    def streams(*ttys: bool) -> dict:
+        return dict(zip(("stdin", "stdout", "stderr"), (Stream(t) for t in ttys)))
+
+    assert missing_terminal(streams(True, True, True)) is None
+    assert missing_terminal(streams(False, True, True)) == "stdin is not a terminal"
+    assert missing_terminal(streams(True, False, False)) == ("stdout and stderr are not terminals")
+    assert missing_terminal({"stdin": None, "stdout": Stream(True)}) == "stdin is not a terminal"
+
+
+def test_tui_summary_of_a_truncated_trace_says_so_first(capsys, cut_trace_path):
+    assert main(["tui", cut_trace_path, "--summary"]) == 0
+    first, *rest = capsys.readouterr().out.splitlines()
+    assert first.startswith(f"WARNING: {cut_trace_path} is truncated: the process that wrote it")
+    assert "no trace.end line" in first
+    # The token texts were cut off: tokens show as ids, and the warning says why.
+    assert any(line.endswith("first output token: #504") for line in rest)
 
 
 def test_tui_summary_of_the_small_trace(capsys, small_trace_path):

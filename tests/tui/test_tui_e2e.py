@@ -79,6 +79,8 @@ def test_headless_trace_prints_the_prompts_lifecycle(recorded, capsys):
         assert piece in out, piece
     assert session.resolve_request_id("prompt") == followed
     assert session.info.trace_level == "lifecycle"
+    # The engine's shutdown closed the tracer: the file ends with trace.end.
+    assert session.truncated is None and not out.startswith("WARNING")
     sent_under = {session.timelines[r].external_req_id: r for r in session.request_ids}
     assert set(sent_under) == {"prompt", "bg-1", "bg-2"} and len(session.request_ids) == 3
     for sent, rid in sent_under.items():

@@ -26,6 +26,7 @@ from engine.tracing import (
     TraceReplay,
     load_trace,
 )
+from tests.tui.conftest import write_as_version_1_3
 from tui.session import TraceLoadError, TraceSession, open_session, session_from_events
 from tui.summary import compress_phases, request_summary
 from tui.timelines import (
@@ -316,3 +317,51 @@ def test_traces_from_another_version(tmp_path, small_events):
     ]
     with pytest.raises(TraceLoadError, match="cannot be replayed: .*another version"):
         session_from_events(shuffled, path="odd.jsonl")
+
+
+def test_a_trace_cut_at_a_line_boundary_opens_as_truncated(
+    cut_trace_path, small_trace_path, tmp_path
+):
+    """Every line that is left is a whole event, so only the missing
+    ``trace.end`` tells: the session and the summary say it is truncated."""
+    session = open_session(cut_trace_path)
+    assert session.truncated is not None
+    assert session.truncated.startswith(f"{cut_trace_path} is truncated: the process that wrote")
+    assert request_summary(session).splitlines()[0] == f"WARNING: {session.truncated}."
+    # The same run, whole: not truncated; a trace before 1.3 (no end line) never is.
+    whole = write_as_version_1_3(load_trace(small_trace_path), tmp_path / "whole.jsonl")
+    assert open_session(whole).truncated is None
+    assert open_session(small_trace_path).truncated is None
+    assert not request_summary(open_session(whole)).startswith("WARNING")
+
+
+def test_a_truncated_trace_that_cannot_be_replayed_says_truncated_first(small_trace_path, tmp_path):
+    events = load_trace(small_trace_path)
+    # Cut before the kv.init line: nothing to replay.
+    kv_init = next(i for i, e in enumerate(events) if e.kind == "kv.init")
+    path = write_as_version_1_3(events[:kv_init], tmp_path / "early.jsonl", drop_last=1)
+    with pytest.raises(TraceLoadError, match=r"is truncated: .*what is left cannot be replayed"):
+        open_session(path)
+
+
+def test_highlights_say_where_the_run_shows_what_the_followed_request_does_not(
+    small_session: TraceSession,
+):
+    found = small_session.highlights()
+    assert (found["preemption"].request_id, found["preemption"].step) == ("bg-5", 31)
+    # bg-4 repeats your prompt: the largest prefix hit.
+    assert (found["prefix hit"].request_id, found["prefix hit"].step) == ("bg-4", 12)
+    assert found["chunked prefill"].request_id == "bg-3"
+    assert found["chunked prefill"].text == "prefill in 3 chunks, steps 2-4"
+    # Your prompt hits the shared system prompt, in one chunk, and is not preempted.
+    elsewhere = small_session.highlights_elsewhere("prompt")
+    assert [(h.what, h.request_id) for h in elsewhere] == [
+        ("preemption", "bg-5"),
+        ("chunked prefill", "bg-3"),
+    ]
+    assert [h.what for h in small_session.highlights_elsewhere("bg-5")] == ["chunked prefill"]
+    summary = request_summary(small_session)
+    assert "    preemption       bg-5, preempted at step 31 (--follow bg-5)" in summary
+    of_bg5 = request_summary(small_session, "bg-5")
+    assert "    chunked prefill  bg-3, prefill in 3 chunks" in of_bg5
+    assert "    preemption  " not in of_bg5

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from rich.console import Console, RenderableType
 from rich.style import Style
 from rich.text import Text
+from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
@@ -96,6 +97,16 @@ def id_list(ctx: StepContext, request_ids: list[str], empty: str = "none") -> Te
     return out
 
 
+def zoom_bindings(name: str) -> list[Binding]:
+    """``z`` on a focusable panel: the footer names the panel it zooms
+    (``Zoom KV blocks``), and says ``Unzoom`` while one is zoomed
+    (``TraceApp.check_action`` hides the one that does not apply)."""
+    return [
+        Binding("z", "app.zoom", f"Zoom {name}"),
+        Binding("z", "app.unzoom", "Unzoom"),
+    ]
+
+
 def phase_legend() -> Text:
     out = Text()
     for phase, label in PHASE_LABELS.items():
@@ -120,6 +131,12 @@ class Panel(VerticalScroll):
     """
     TITLE = ""
     ALLOW_MAXIMIZE = True  # z zooms the focused panel
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # Before Textual's own hook, which merges each class's BINDINGS.
+        if "BINDINGS" not in cls.__dict__ and cls.TITLE:
+            cls.BINDINGS = zoom_bindings(cls.TITLE)
+        super().__init_subclass__(**kwargs)
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, classes="panel")

@@ -22,7 +22,11 @@ KEYS: list[tuple[str, str]] = [
     ("space", "play / pause;  + - play faster / slower"),
     ("n p", "next / previous event of the followed request"),
     ("f F", "follow the next / previous request (or pick one in Requests, ⏎)"),
-    ("1 … 6", "focus a panel;  z zooms the focused panel (z again: back)"),
+    (
+        "1 … 6",
+        "focus a panel (its border lights up);  z zooms the focused panel, which the footer "
+        "names (z again: back)",
+    ),
     ("t", "light / dark theme"),
     ("ctrl+p", "command palette: follow a request, go to step N (type the number), …"),
     ("?  esc", "this help / close it"),
@@ -32,7 +36,8 @@ KEYS: list[tuple[str, str]] = [
 PANELS: list[tuple[str, str]] = [
     (
         "Step",
-        "the step shown, of how many; the bar is the whole run: ● now, ━ the followed "
+        "the step shown, of how many (⚠ truncated: the file lacks the end of the run, "
+        "e.g. a process was killed); the bar is the whole run: ● now, ━ the followed "
         "request's life, ┃ its events. Click the bar to jump.",
     ),
     ("Requests", "every request and its status after this step (✕n: preempted n times)."),
@@ -40,7 +45,9 @@ PANELS: list[tuple[str, str]] = [
         "Lifecycle",
         "the followed request, one cell per step: ─ waiting, █ prefill chunk, "
         "▓ recompute after a preemption, ▄ decode, ▁ running but not scheduled, ✕ preempted, "
-        "■ finished. Below, its events; highlighted lines happen at this step.",
+        "■ finished. Under it, 'Elsewhere': what the run shows that this request does not "
+        "(a preemption, a prefix hit, a chunked prefill) and the request to follow for it. "
+        "Below, its events; highlighted lines happen at this step.",
     ),
     (
         "Scheduler",
@@ -50,9 +57,11 @@ PANELS: list[tuple[str, str]] = [
     ),
     (
         "KV blocks",
-        "the block pool. A cell is a block id: coloured = in use (its owner's "
-        "colour; underlined = shared by several requests), grey italic = free but still "
-        "holding a cached prefix (hittable until evicted), plain = free, ∅ = the null block. "
+        "the block pool: first the counts (blocks used, free, and how many of the free "
+        "ones still hold a cached prefix), then the grid. A cell is a block, labelled with "
+        "its id: coloured = used (its owner's colour; underlined = shared by several "
+        "requests), grey italic = cached: free but still holding a prefix (hittable until "
+        "evicted), plain = free, ∅ = the null block; the key at the bottom draws each. "
         "Then what the KV manager did this step, the followed request's block table (logical "
         "→ physical block, hash, tokens filled, ref count, the text it holds) and the free "
         "queue (its head is handed out, and evicted, first).",

@@ -30,6 +30,7 @@ from engine.tracing import (
 from tui.widgets.common import DIM, Panel, StepContext, contrast_text, request_chip
 
 CACHED_FREE_BG = "#a8a8a8"  # a free block that still holds a cached prefix
+LEGEND_OWNER_BG = "#1f77b4"  # the key's "in use" cells (the first request's colour)
 FREE_FG = "#8a8a8a"
 # Beyond this many grid rows the grid switches to one character per block.
 MAX_ID_GRID_ROWS = 10
@@ -54,11 +55,20 @@ def _owner_colour(ctx: StepContext, owners: tuple[str, ...]) -> str:
     return ctx.session.request_colour(owners[0])
 
 
+def grid_is_compact(num_blocks: int, width: int) -> bool:
+    """Whether the grid draws one character per block (too many blocks to
+    write their ids in ``MAX_ID_GRID_ROWS`` rows)."""
+    n = min(num_blocks, MAX_GRID_BLOCKS)
+    id_width = len(str(max(n - 1, 0)))
+    per_row = max(1, width // (id_width + 1))
+    return (n + per_row - 1) // per_row > MAX_ID_GRID_ROWS
+
+
 def render_grid(ctx: StepContext, state: EngineState, width: int) -> Text:
     n = min(state.num_blocks, MAX_GRID_BLOCKS)
     id_width = len(str(max(n - 1, 0)))
     per_row = max(1, width // (id_width + 1))
-    compact = (n + per_row - 1) // per_row > MAX_ID_GRID_ROWS
+    compact = grid_is_compact(state.num_blocks, width)
     if compact:
         per_row = max(1, width)
     followed_blocks = set()
@@ -98,18 +108,32 @@ def render_grid(ctx: StepContext, state: EngineState, width: int) -> Text:
     return grid
 
 
-def grid_legend() -> Text:
+def grid_legend(compact: bool = False) -> Text:
+    """The key to the grid: each entry is drawn as a cell of its kind, with a
+    word in it (a sample block id there would read like a count, next to the
+    counts above the grid). ``compact``: the one-character-per-block grid."""
+    used = Style(bgcolor=LEGEND_OWNER_BG, color=contrast_text(LEGEND_OWNER_BG))
     out = Text()
-    out.append("7", style=Style(bgcolor="#1f77b4", color="#ffffff"))
-    out.append(" in use ", style=DIM)
-    out.append("7", style=Style(bgcolor="#1f77b4", color="#ffffff", underline=True))
-    out.append(" shared ", style=DIM)
-    out.append("7", style=Style(bgcolor=CACHED_FREE_BG, color="#000000", italic=True))
-    out.append(" cached ", style=DIM)
-    out.append("7", style=Style(color=FREE_FG))
-    out.append(" free ", style=DIM)
-    out.append("∅", style=DIM)
-    out.append(" null", style=DIM)
+    out.append("key: ", style=DIM)
+    if compact:
+        out.append("█", style=Style(color=LEGEND_OWNER_BG))
+        out.append(" used ", style=DIM)
+        out.append("▓", style=Style(color=LEGEND_OWNER_BG))
+        out.append(" shared ", style=DIM)
+        out.append("▒", style=Style(color=CACHED_FREE_BG))
+        out.append(" cached ", style=DIM)
+        out.append("·", style=Style(color=FREE_FG))
+        out.append(" free ", style=DIM)
+    else:
+        out.append("used", style=used)
+        out.append(" ")
+        out.append("shared", style=used + Style(underline=True))
+        out.append(" ")
+        out.append("cached", style=Style(bgcolor=CACHED_FREE_BG, color="#000000", italic=True))
+        out.append(" ")
+        out.append("free", style=Style(color=FREE_FG))
+        out.append(" ")
+    out.append("∅ null", style=DIM)
     return out
 
 
@@ -230,9 +254,10 @@ def render_kv(ctx: StepContext, width: int) -> RenderableType:
     usable = state.num_blocks - 1
     used = usable - state.num_free_blocks
     head = Text()
-    head.append(f"{used} in use", style=Style(bold=True))
+    head.append(f"{used} used", style=Style(bold=True))
+    # Cached blocks are free ones that still hold a prefix: counted among the free.
     head.append(
-        f" · {state.num_free_blocks} free · {state.num_cached_free_blocks} cached", style=DIM
+        f" · {state.num_free_blocks} free ({state.num_cached_free_blocks} cached)", style=DIM
     )
     parts: list[RenderableType] = [head, render_grid(ctx, state, width)]
     changes = step_changes(ctx)
@@ -240,5 +265,5 @@ def render_kv(ctx: StepContext, width: int) -> RenderableType:
         parts.append(changes)
     parts.append(block_table(ctx, width))
     parts.append(free_queue_line(state, width))
-    parts.append(grid_legend())
+    parts.append(grid_legend(grid_is_compact(state.num_blocks, width)))
     return Group(*parts)

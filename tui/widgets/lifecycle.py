@@ -4,7 +4,10 @@ the current step marked.
 vLLM twin: none; it shows what ``engine/v1/request.py``'s ``RequestStatus``
 goes through inside ``engine/v1/core/sched/scheduler.py``: WAITING ->
 RUNNING (prefill chunks, then one decode token per step) -> PREEMPTED and
-back to WAITING when KV blocks run out -> FINISHED_*.
+back to WAITING when KV blocks run out -> FINISHED_*. Under the strip, what
+the run shows that this request does not (a preemption, a prefix hit, a
+chunked prefill) and which request to follow to see it
+(``TraceSession.highlights_elsewhere``).
 Sessions: 01 (engine loop), 02 (scheduler).
 """
 
@@ -129,7 +132,29 @@ def render_lifecycle_head(ctx: StepContext, width: int) -> RenderableType:
     if ctx.follow is None:
         return Text("No request to follow: the trace has none.", style=DIM)
     tl = ctx.session.timelines[ctx.follow]
-    return Group(render_timeline(tl, ctx.step, width, ctx.session.last_step), phase_legend())
+    parts = [render_timeline(tl, ctx.step, width, ctx.session.last_step), phase_legend()]
+    elsewhere = render_elsewhere(ctx)
+    if elsewhere is not None:
+        parts.append(elsewhere)
+    return Group(*parts)
+
+
+def render_elsewhere(ctx: StepContext) -> Text | None:
+    """Where to see what the followed request does not show (None: it shows
+    it all, or the run has none of it)."""
+    hints = ctx.session.highlights_elsewhere(ctx.follow)
+    if not hints:
+        return None
+    out = Text()
+    out.append("Elsewhere (follow: f or ⏎):", style=DIM)
+    for h in hints:
+        out.append("\n")
+        out.append(
+            ctx.session.request_label(h.request_id),
+            style=Style(color=ctx.session.request_colour(h.request_id), bold=True),
+        )
+        out.append(f" {h.text}", style=DIM)
+    return out
 
 
 def render_lifecycle_events(ctx: StepContext, width: int) -> RenderableType:

@@ -16,7 +16,7 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from tui.widgets.common import DIM, StepContext
+from tui.widgets.common import DIM, StepContext, zoom_bindings
 
 
 def request_status(ctx: StepContext, request_id: str) -> str:
@@ -43,6 +43,7 @@ class RequestList(OptionList):
     """One line per request, in arrival order; Enter (or a click) follows it."""
 
     ALLOW_MAXIMIZE = True
+    BINDINGS = zoom_bindings("Requests")
 
     class Follow(Message):
         def __init__(self, request_id: str) -> None:

@@ -71,6 +71,9 @@ def render_scrubber(ctx: StepContext, playing: bool, speed: float, width: int) -
     out.append("step ", style=DIM)
     out.append(f"{ctx.step:>{len(str(last))}}", style=Style(bold=True))
     out.append(f" / {last}", style=DIM)
+    if session.truncated:
+        # Events the run wrote are missing from the file (the summary says which).
+        out.append(" ⚠ truncated", style=Style(color="#d62728", bold=True))
     out.append("   ")
     out.append("▶ playing" if playing else "■ paused", style=Style(bold=playing))
     out.append(f" {speed:g} steps/s", style=DIM)

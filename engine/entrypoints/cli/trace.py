@@ -21,7 +21,11 @@ gave it -- ``prompt-`` plus 8 hex characters, like every id in the trace) and
 ``trace.token_texts`` (the text of every token id the trace mentions, so the
 TUI can show candidates and block contents without loading a tokenizer).
 Then the TUI opens, following your request; ``--headless`` prints a text
-summary of its lifecycle instead.
+summary of its lifecycle instead (and without a terminal the command stops
+before recording, pointing at ``--headless``). Your request may not show
+everything the run was built for -- a preemption depends on who runs out of
+blocks first -- so the TUI's lifecycle panel and the summary name the
+request that shows what yours does not (``TraceSession.highlights``).
 The engine core runs in this process (``enable_multiprocessing=False``): the
 trace is the same, and start-up is quicker.
 Sessions: 01 (the engine loop, end to end); all (the tracer).
@@ -78,27 +82,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="HF checkpoint folder (default: the embedded SmolLM2-135M-Instruct)",
+        help="HF checkpoint folder, or a Hub name already in the Hugging Face cache "
+        "(default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the model runs (auto: CUDA when torch sees a GPU)",
+    )
     parser.add_argument(
         "--trace-level",
         default="full",
         choices=("lifecycle", "full"),
-        help="full adds the sampler's candidates per stage (default: full)",
+        help="full adds the sampler's candidates per stage",
     )
     parser.add_argument(
         "--concurrent",
         type=int,
         default=DEFAULT_CONCURRENT,
         metavar="N",
-        help=f"background requests run alongside (default {DEFAULT_CONCURRENT})",
+        help="background requests run alongside",
     )
     parser.add_argument(
         "--trace-path",
         default=DEFAULT_TRACE_PATH,
         metavar="P",
-        help=f"where the trace is written (default {DEFAULT_TRACE_PATH})",
+        help="where the trace is written",
     )
     parser.add_argument(
         "--headless",
@@ -110,16 +120,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=48,
         help="new tokens per request at most: your prompt's limit, and a cap on "
-        "the background requests' own (default 48)",
+        "the background requests' own",
     )
     parser.add_argument(
         "--temperature",
         type=float,
         default=0.6,
-        help="your prompt's temperature (0 = greedy; default 0.6)",
+        help="your prompt's temperature (0 = greedy)",
     )
-    parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-p", type=float, default=0.9, help="your prompt's top-p")
+    parser.add_argument("--top-k", type=int, default=40, help="your prompt's top-k")
     parser.add_argument(
         "--seed",
         type=int,
@@ -138,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=64,
-        help="token budget of one step (default 64)",
+        help="token budget of one step",
     )
     engine.add_argument(
         "--num-gpu-blocks-override",
@@ -249,17 +259,16 @@ def _pool_size(planned: list[PlannedRequest], block_size: int, max_model_len: in
 
 def record_trace(args: argparse.Namespace) -> str:
     """Run the planned requests with tracing on; returns the trace path."""
+    from engine.config.model import resolve_model_path
     from engine.engine.arg_utils import EngineArgs
+    from engine.model_executor.model_loader.default_model import resolve_model
     from engine.sampling_params import SamplingParams
     from engine.transformers_utils.tokenizer import get_tokenizer
     from engine.v1.engine.llm_engine import LLMEngine
 
     planned = plan_requests(args)
-    model = args.model
-    if model is None:
-        from engine.model_executor.model_loader.default_model import resolve_model
-
-        model = resolve_model(None)
+    # A folder before the tokenizer looks: a wrong name fails here, without the hub.
+    model = resolve_model_path(resolve_model(args.model))
     tokenizer = get_tokenizer(model)
     _format_prompts(planned, tokenizer, args.raw_prompt)
     longest = max(len(r.prompt_token_ids or []) + r.max_tokens for r in planned)
@@ -326,6 +335,12 @@ def record_trace(args: argparse.Namespace) -> str:
     return trace_path
 
 
+def _missing_terminal() -> str | None:
+    from tui.terminal import missing_terminal
+
+    return missing_terminal()
+
+
 def _token_texts(trace_path: str, tokenizer: Any) -> dict[str, str]:
     """The decoded text of every token id the trace mentions so far."""
     ids: set[int] = set()
@@ -349,13 +364,21 @@ def _token_texts(trace_path: str, tokenizer: Any) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
+        if not args.headless and (missing := _missing_terminal()):
+            # Checked before the run: the TUI could not open at its end.
+            print(
+                f"glassbox trace: the TUI needs a terminal ({missing}). For a text summary, "
+                "add --headless",
+                file=sys.stderr,
+            )
+            return 2
         trace_path = record_trace(args)
     except (ValueError, OSError) as e:
         # Bad arguments, a model folder that is not there, a pool too small...
-        print(f"glassbox trace: {e}", file=sys.stderr)
+        print(f"glassbox trace: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        print(f"glassbox trace: the engine failed: {e}", file=sys.stderr)
+        print(f"glassbox trace: error: the engine failed: {e}", file=sys.stderr)
         return 1
     from tui.session import TraceLoadError, open_session
 
@@ -368,14 +391,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # Your request by the internal id the engine gave it (from trace.cli).
     followed = session.info.followed_request_id
+    from engine.entrypoints.cli.main import command_name
+
+    replay = f"replay it with: {command_name()} tui {trace_path}"
     if args.headless:
         from tui.summary import request_summary
 
         print(request_summary(session, followed))
-        print(f"\nTrace written to {trace_path}; replay it with: glassbox tui {trace_path}")
+        print(f"\nTrace written to {trace_path}; {replay}")
         return 0
     from tui.app import TraceApp
 
     TraceApp(session, follow=followed).run()
-    print(f"Trace written to {trace_path}; replay it with: glassbox tui {trace_path}")
+    print(f"Trace written to {trace_path}; {replay}")
     return 0

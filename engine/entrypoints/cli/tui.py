@@ -7,7 +7,10 @@ clear sentence (exit code 2), never as a traceback: the cheap checks (the
 file exists, is a file, is not empty) run before the app starts; anything found
 while replaying is shown in the app and repeated on stderr when it closes.
 ``--summary`` prints the text summary ``glassbox trace --headless`` prints, for
-any recorded trace.
+any recorded trace. Without a terminal (stdin, stdout or stderr redirected)
+the app is not started: it exits at once pointing at ``--summary``. A
+truncated trace (a process killed, the file cut short) opens with a warning
+on screen, at the top of the summary, and on stderr when the app closes.
 Sessions: all.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import shlex
 import sys
 
 HELP = "Replay a recorded trace (JSONL) step by step in the tracer TUI."
@@ -65,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.tracing import merge_trace_parts
     from tui.session import TraceLoadError, check_trace_file, open_session
+    from tui.terminal import missing_terminal
 
     if glob.glob(glob.escape(args.trace) + ".*.part"):
         # A multi-process run that did not shut down cleanly left its parts.
@@ -93,6 +98,16 @@ def run(args: argparse.Namespace) -> int:
     if args.step is not None and args.step < 0:
         print(f"glassbox tui: --step must be >= 0, got {args.step}", file=sys.stderr)
         return 2
+    if not args.screenshot and (missing := missing_terminal()):
+        from engine.entrypoints.cli.main import command_name
+
+        print(
+            f"glassbox tui: the TUI needs a terminal ({missing}). For text, run: "
+            f"{command_name()} tui {shlex.quote(args.trace)} --summary (or --screenshot "
+            "OUT.svg for a picture)",
+            file=sys.stderr,
+        )
+        return 2
     from tui.app import TraceApp
 
     if args.screenshot:
@@ -106,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if app.error is not None:
             print(f"glassbox tui: {app.error}", file=sys.stderr)
             return 2
+        _warn_if_truncated(app)
         print(f"wrote {args.screenshot}")
         return 0
 
@@ -117,7 +133,14 @@ def run(args: argparse.Namespace) -> int:
     if app.error is not None:
         print(f"glassbox tui: {app.error}", file=sys.stderr)
         return 2
+    _warn_if_truncated(app)
     return 0
+
+
+def _warn_if_truncated(app) -> None:
+    """Repeat the app's truncation warning once the screen is gone."""
+    if app.session is not None and app.session.truncated:
+        print(f"glassbox tui: warning: {app.session.truncated}", file=sys.stderr)
 
 
 def _screenshot_pilot(out_path: str):
