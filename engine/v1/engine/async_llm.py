@@ -310,7 +310,7 @@ class AsyncLLM:
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         to_abort = self.output_processor.abort_requests(request_ids, internal)
         if self.stat_logger is not None:
-            self.stat_logger.forget_requests(to_abort)
+            self.stat_logger.record_aborted(to_abort)
         await self.engine_core.abort_requests_async(to_abort)
         if self.log_requests:
             logger.info("Aborted request(s) %s.", ",".join(request_ids))

@@ -193,7 +193,7 @@ class LLMEngine:
         internal ids (an ``n > 1`` request's id aborts all its children)."""
         to_abort = self.output_processor.abort_requests(list(request_ids), internal)
         if self.stat_logger is not None:
-            self.stat_logger.forget_requests(to_abort)
+            self.stat_logger.record_aborted(to_abort)
         self.engine_core.abort_requests(to_abort)
 
     def step(self) -> list[RequestOutput]:

@@ -152,9 +152,15 @@ class StatLogger:
         self._requests[request_id] = _RequestTimes(arrival_time)
 
     def forget_requests(self, request_ids: Iterable[str]) -> None:
-        """Stop timing aborted requests."""
+        """Stop timing requests that were never really added."""
         for request_id in request_ids:
             self._requests.pop(request_id, None)
+
+    def record_aborted(self, request_ids: Iterable[str]) -> None:
+        """Requests the user aborted end with finished_reason "abort"."""
+        for request_id in request_ids:
+            if self._requests.pop(request_id, None) is not None:
+                self.request_success["abort"] = self.request_success.get("abort", 0) + 1
 
     def record_iteration(
         self,

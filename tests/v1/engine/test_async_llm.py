@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -164,6 +165,7 @@ async def test_cancelled_consumer_aborts_the_request_and_frees_its_blocks(engine
 
 
 async def test_external_abort_ends_the_stream_with_finish_reason_abort(engine):
+    aborted_before = engine.stat_logger.request_success.get("abort", 0)
     outputs = []
 
     async def consume():
@@ -182,6 +184,11 @@ async def test_external_abort_ends_the_stream_with_finish_reason_abort(engine):
     assert 0 < len(streamed) < 240
     assert streamed == list(range(ids("w2")[0], ids("w2")[0] + len(streamed)))
     await wait_idle(engine)
+    # Counted like any other ending (hardening issue: aborts stayed at 0).
+    assert engine.stat_logger.request_success.get("abort") == aborted_before + 1
+    text = engine.render_prometheus()
+    line = re.search(r'request_success_total\{[^}]*reason="abort"[^}]*\} (\S+)', text)
+    assert line is not None and float(line.group(1)) == aborted_before + 1
 
 
 async def test_bad_requests_fail_alone(engine):
