@@ -104,7 +104,10 @@ async def _generation_response(
     """What the two generation routes share: fix the request id (the
     X-Request-Id header's, if sent), run the handler's ``create``, and answer
     with SSE when it returned a stream, JSON otherwise."""
-    request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
+    try:
+        request_id = handler._base_request_id(request, raw_request.headers.get("X-Request-Id"))
+    except ValueError as e:
+        return _error_response(e)
     request.request_id = request_id
     trace: ServerTrace = raw_request.app.state.trace
     trace.request(request_id, endpoint, bool(request.stream))

@@ -326,3 +326,30 @@ def test_max_waiting_requests_option(model_dir):
     assert limit(max_waiting_requests=-1) is None  # no limit, as in vLLM
     with pytest.raises(ValueError, match="max_waiting_requests must be an integer >= 0, or -1"):
         limit(max_waiting_requests=-2)
+
+
+# A client's request id is echoed in responses, logs and traces: short and plain only.
+@pytest.mark.parametrize("endpoint", ["v1/completions", "v1/chat/completions"])
+@pytest.mark.parametrize(
+    "bad_id", ["x" * 8192, "<script>alert(1)</script>", "a b", "ü", "id\nx"], ids=repr
+)
+def test_request_id_is_capped_in_the_body_and_the_header(server, endpoint, bad_id):
+    response = post(server, endpoint, body_for(endpoint, request_id=bad_id))
+    error = assert_error(response, 400, "request_id")
+    assert len(error["message"]) < 200  # the id is not echoed whole
+    if "\n" not in bad_id:  # httpx refuses a newline in a header value itself
+        response = httpx.post(
+            server.url_for(endpoint),
+            json=body_for(endpoint),
+            headers={"X-Request-Id": bad_id.encode("utf-8")},
+            timeout=30,
+        )
+        assert_error(response, 400, "X-Request-Id")
+    assert_nothing_registered(server)
+
+
+def test_a_plain_request_id_is_used(server):
+    good = "run-7.a_b:c" + "x" * 117  # 128 characters, every allowed kind
+    response = post(server, "v1/completions", body_for("v1/completions", request_id=good))
+    assert response.status_code == 200, response.text
+    assert good in response.json()["id"]

@@ -54,6 +54,12 @@ MAX_LOGPROBS = 20
 T = TypeVar("T")
 
 
+# A client-chosen request id: echoed back, logged and traced, so kept short
+# and free of markup or control characters.
+MAX_REQUEST_ID_LEN = 128
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]+")
+
+
 class GlassboxValidationError(ValueError):
     """A bad request value, with the request field it came from
     (vLLM twin: ``VLLMValidationError``)."""
@@ -199,7 +205,19 @@ class OpenAIServing:
         raise ModelNotFoundError(model_not_found_message(request.model))
 
     def _base_request_id(self, request: SamplingFields, raw_request_id: str | None) -> str:
-        return request.request_id or raw_request_id or f"{self.request_id_prefix}-{random_uuid()}"
+        """The body's ``request_id``, else the X-Request-Id header's, else a
+        fresh one. A given id is echoed in responses and logs, so it must be
+        short and plain (vLLM echoes any id verbatim)."""
+        for value, param in ((request.request_id, "request_id"), (raw_request_id, "X-Request-Id")):
+            if value:
+                if len(value) > MAX_REQUEST_ID_LEN or not _REQUEST_ID_RE.fullmatch(value):
+                    raise GlassboxValidationError(
+                        f"{param} must be at most {MAX_REQUEST_ID_LEN} characters of "
+                        f"A-Z a-z 0-9 . _ : - (got {len(value)} characters: {value[:32]!r}...)",
+                        param,
+                    )
+                return value
+        return f"{self.request_id_prefix}-{random_uuid()}"
 
     def check_capacity(self, num_sequences: int) -> None:
         """Refuse a request the engine has no room to queue before anything is
