@@ -17,7 +17,10 @@ Sessions: 01.
 Differs from vLLM on purpose: a prompt too long for the ``max_tokens`` asked
 names the prompt's own field (``prompt`` / ``messages``) as ``param``, where
 vLLM names ``input_tokens``, which is not a request field; and a bad
-``max_completion_tokens`` is reported under that name, not as ``max_tokens``.
+``max_completion_tokens`` is reported under that name, not as ``max_tokens``;
+a client's request id (body or ``X-Request-Id``) longer than 128 characters or
+outside ``A-Z a-z 0-9 . _ : -`` is a 400, where vLLM echoes any id verbatim
+into responses and logs.
 """
 
 from __future__ import annotations
