@@ -40,7 +40,7 @@ from engine.entrypoints.openai.engine.protocol import (
     UsageInfo,
     random_uuid,
 )
-from engine.entrypoints.openai.models.serving import OpenAIServingModels, model_not_found_message
+from engine.entrypoints.openai.models.serving import OpenAIServingModels, unknown_model_message
 from engine.logprobs import Logprob
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.async_llm import AsyncLLM
@@ -205,7 +205,7 @@ class OpenAIServing:
     def _check_model(self, request: SamplingFields) -> None:
         if request.model is None or self.models.is_base_model(request.model):
             return
-        raise ModelNotFoundError(model_not_found_message(request.model))
+        raise ModelNotFoundError(unknown_model_message(request.model))
 
     def _base_request_id(self, request: SamplingFields, raw_request_id: str | None) -> str:
         """The body's ``request_id``, else the X-Request-Id header's, else a

@@ -21,7 +21,7 @@ from engine.entrypoints.openai.engine.protocol import ModelCard, ModelList, Mode
 MAX_ECHOED_MODEL_NAME_CHARS = 100
 
 
-def model_not_found_message(model_name: str) -> str:
+def unknown_model_message(model_name: str) -> str:
     """The 404 text, with a long name cut to its first characters + "..."."""
     if len(model_name) > MAX_ECHOED_MODEL_NAME_CHARS:
         model_name = model_name[:MAX_ECHOED_MODEL_NAME_CHARS] + "..."

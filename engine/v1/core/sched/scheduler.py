@@ -116,6 +116,7 @@ class Scheduler(SchedulerInterface):
         self.prev_step_scheduled_req_ids: set[str] = set()
 
         self.max_num_running_reqs = self.scheduler_config.max_num_seqs
+        self.scheduler_reserve_full_isl = self.scheduler_config.scheduler_reserve_full_isl
         self.max_num_scheduled_tokens = self.scheduler_config.max_num_scheduled_tokens
         self.max_model_len = glassbox_config.model_config.max_model_len
         self.block_size = block_size
@@ -280,7 +281,7 @@ class Scheduler(SchedulerInterface):
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
-                    full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
+                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
                     # Does not fit: stop admitting (never preempt for a waiter).
