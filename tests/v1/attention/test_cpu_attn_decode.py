@@ -166,7 +166,8 @@ def test_decodes_over_layers_and_steps_match_per_request_path(h, h_kv, decode_pa
     step = Step(contexts, num_layers=2, h=h, h_kv=h_kv, seed=0)
     md = run_and_check(step, builder, impl)
     assert isinstance(md.decode.query_rows, slice)  # all rows are decodes
-    assert (md.decode.kernel_block_table is not None) == (decode_path == "kernel")
+    # Prepared on every CPU step; forward decides whether the kernel runs.
+    assert md.decode.kernel_block_table is not None
     first_buffer = builder.gather_buffer.buffer
     # The kernel reads the blocks in place: it never fills the gather buffer.
     assert (first_buffer is None) == (decode_path == "kernel")
@@ -268,3 +269,22 @@ def test_builder_can_be_held_to_the_torch_path():
     common = Step([(3, 1), (9, 1)], 1, 4, 2, seed=6).common
     md = CPUAttentionMetadataBuilder(BS, torch.device("cpu"), use_cpu_kernels=False).build(common)
     assert md.decode is not None and md.decode.kernel_block_table is None
+
+
+def test_a_bfloat16_model_never_asks_for_the_cpu_kernels(monkeypatch):
+    # The kernel is float32-only: a bf16 model must not trigger (or wait for) its build.
+    import engine.v1.attention.backends.cpu_attn as cpu_attn
+
+    def no_kernels():
+        raise AssertionError("cpu_kernels() was called for a bfloat16 model")
+
+    monkeypatch.setattr(cpu_attn, "cpu_kernels", no_kernels)
+    h, h_kv = 4, 2
+    step = Step([(3, 1), (9, 1), (5, 1)], 1, h, h_kv, seed=7)
+    md = CPUAttentionMetadataBuilder(BS, torch.device("cpu")).build(step.common)
+    impl = CPUAttentionBackendImpl(h, D, 1 / math.sqrt(D), h_kv)
+    kv_cache = step.kv_caches[0].to(torch.bfloat16)
+    query = step.q[0].to(torch.bfloat16)
+    out = torch.empty_like(query)
+    impl._batched_decode(query, kv_cache, md.decode, out)
+    assert torch.isfinite(out.float()).all()

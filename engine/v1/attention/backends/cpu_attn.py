@@ -209,7 +209,9 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
         lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
         valid = torch.arange(padded_len, device=device)[None, :] < lens_t[:, None]
         kernel_block_table = kernel_seq_lens = None
-        if self.use_cpu_kernels and device.type == "cpu" and cpu_kernels() is not None:
+        # Whether the kernel exists is asked in forward, where the dtype is known:
+        # a bfloat16 model never needs it, so never waits for its build.
+        if self.use_cpu_kernels and device.type == "cpu":
             kernel_block_table = block_ids.to(torch.int32).contiguous()
             kernel_seq_lens = lens_t
         return CPUDecodeBatch(
@@ -300,7 +302,11 @@ class CPUAttentionBackendImpl(AttentionImpl):
     def _batched_decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, dec: CPUDecodeBatch, output: torch.Tensor
     ) -> None:
-        if dec.kernel_block_table is not None and query.dtype == kv_cache.dtype == torch.float32:
+        if (
+            dec.kernel_block_table is not None
+            and query.dtype == kv_cache.dtype == torch.float32
+            and cpu_kernels() is not None
+        ):
             self._kernel_decode(query, kv_cache, dec, output)
             return
         n, h_kv, d = dec.num_decodes, self.num_kv_heads, self.head_size
