@@ -38,9 +38,15 @@ else
         echo "error: apt-get not found; install graphviz, tmux and g++ by hand" >&2
         exit 1
     fi
-    run "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update
-    run "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends graphviz tmux g++
+    # shellcheck source=scripts/apt_retry.sh
+    source scripts/apt_retry.sh
+    export DEBIAN_FRONTEND=noninteractive
+    if [ ${#SUDO[@]} -gt 0 ]; then
+        # sudo runs apt-get, the retry loop stays in this shell.
+        apt-get() { sudo --preserve-env=DEBIAN_FRONTEND apt-get "$@"; }
+    fi
+    apt_get update
+    apt_get install -y --no-install-recommends graphviz tmux g++
 fi
 
 # --- 2. virtual environment ---------------------------------------------------

@@ -1,0 +1,38 @@
+# apt_get ARGS...: apt-get that waits for another apt/dpkg to let go of its lock.
+#
+# Sourced by scripts/setup.sh. A fresh machine often runs unattended-upgrades
+# at boot; apt-get then fails at once with "Could not get lock". Retry every
+# APT_LOCK_POLL_S seconds for up to GLASSBOX_APT_LOCK_TIMEOUT_S (default 600),
+# then fail with one line that says who holds the lock.
+
+APT_LOCK_POLL_S="${APT_LOCK_POLL_S:-5}"
+
+apt_get() {
+    local timeout="${GLASSBOX_APT_LOCK_TIMEOUT_S:-600}"
+    local start=$SECONDS err rc
+    err="$(mktemp)"
+    while true; do
+        printf '+ apt-get %s\n' "$*"
+        rc=0
+        apt-get "$@" 2> >(tee "$err" >&2) || rc=$?
+        wait  # for tee
+        if [ "$rc" -eq 0 ]; then
+            rm -f "$err"
+            return 0
+        fi
+        if ! grep -qE 'Could not get lock|Unable to acquire the dpkg|is another process using it' "$err"; then
+            rm -f "$err"
+            return "$rc"
+        fi
+        if [ $((SECONDS - start)) -ge "$timeout" ]; then
+            echo "error: apt-get still locked after ${timeout}s by another apt/dpkg" \
+                "($(grep -oE 'held by process [0-9]+ \([^)]*\)' "$err" | head -1 || true));" \
+                "wait for it to finish (or set GLASSBOX_APT_LOCK_TIMEOUT_S) and run make setup again" >&2
+            rm -f "$err"
+            return 1
+        fi
+        echo "apt/dpkg is busy (another install or unattended-upgrades); retrying in" \
+            "${APT_LOCK_POLL_S}s (gives up after ${timeout}s)" >&2
+        sleep "$APT_LOCK_POLL_S"
+    done
+}
