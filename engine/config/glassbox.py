@@ -1,6 +1,10 @@
 """GlassboxConfig: every sub-config in one object handed to each component.
 
 vLLM twin: ``vllm/config/vllm.py`` (``VllmConfig``). Sessions: 01.
+
+``shutdown_timeout`` is vLLM's field: how long a stopping engine lets the
+requests in flight run before it aborts them. 0 (the default, as in vLLM)
+aborts at once; ``glassbox serve`` defaults it to 30.
 """
 
 from __future__ import annotations
@@ -27,3 +31,12 @@ class GlassboxConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    shutdown_timeout: int = 0
+    """Seconds a stopping engine lets the requests in flight finish before it
+    aborts them; 0 aborts them at once."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
+            raise ValueError(
+                f"shutdown_timeout must be an integer >= 0 (seconds), got {self.shutdown_timeout!r}"
+            )

@@ -106,6 +106,9 @@ class EngineArgs:
     processed_logprobs, processed_logits (after penalties, temperature, top-k/p)."""
     logits_processors: list[str | type] | None = None
     """Custom logits processors, as module:Class names (or classes, from Python)."""
+    shutdown_timeout: int = 0
+    """Seconds a stopping engine lets the requests in flight finish (SIGTERM or
+    Ctrl-C) before it aborts them; 0: abort at once."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -180,4 +183,5 @@ class EngineArgs:
             observability_config=ObservabilityConfig(
                 trace_path=self.trace_path, trace_level=self.trace_level
             ),
+            shutdown_timeout=self.shutdown_timeout,
         )

@@ -711,6 +711,7 @@ METRIC_TYPES = {
     "glassbox:prefix_cache_hits": Counter,
     "glassbox:prompt_tokens": Counter,
     "glassbox:generation_tokens": Counter,
+    "glassbox:engine_dead": Gauge,
 }
 
 
@@ -737,6 +738,7 @@ def test_get_metrics(llm, model_dir):
         "glassbox:prefix_cache_hits": 8,
         "glassbox:prompt_tokens": 20,
         "glassbox:generation_tokens": 7,
+        "glassbox:engine_dead": 0.0,
     }
 
 

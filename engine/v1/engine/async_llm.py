@@ -56,6 +56,7 @@ from engine.v1.engine.exceptions import (
     EngineDeadError,
     EngineGenerateError,
     EngineOverloadedError,
+    EngineShuttingDownError,
 )
 from engine.v1.engine.input_processor import InputProcessor, PromptType
 from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -142,21 +143,36 @@ class AsyncLLM:
         if not getattr(self, "_shut_down", True):
             self.shutdown()
 
-    def shutdown(self) -> None:
-        """Stop EngineCore, the output handler and merge the trace parts."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop EngineCore, the output handler, and merge the trace parts.
+
+        New requests are refused from the first line on (``EngineShuttingDownError``).
+        EngineCore lets the requests in flight run for its ``shutdown_timeout``
+        and aborts the rest; ``timeout`` overrides how long this call waits for
+        that drain. Run it off the event loop (``run_in_executor``) to keep
+        streaming while the engine drains. Whatever is still unfinished here
+        afterwards ends with finish_reason "abort"."""
         if self._shut_down:
             return
         self._shut_down = True
         if (engine_core := getattr(self, "engine_core", None)) is not None:
-            engine_core.shutdown()
+            engine_core.shutdown(timeout)
         handler = self.output_handler
         if handler is not None and not handler.done():
             loop = handler.get_loop()
             if not loop.is_closed():
-                loop.call_soon_threadsafe(handler.cancel)
+                loop.call_soon_threadsafe(self._abort_unfinished_and_stop, handler)
         self.tracer.close()
         if self._trace_path is not None:
             merge_trace_parts(self._trace_path)
+
+    def _abort_unfinished_and_stop(self, handler: asyncio.Task) -> None:
+        """On the event loop, after EngineCore exited: finish what it left behind."""
+        leftover = list(self.output_processor.request_states)
+        self.output_processor.abort_requests(leftover, internal=True)
+        if self.stat_logger is not None:
+            self.stat_logger.record_aborted(leftover)
+        handler.cancel()
 
     # -- requests ------------------------------------------------------------------
     async def add_request(
@@ -169,6 +185,8 @@ class AsyncLLM:
     ) -> RequestOutputCollector:
         """Validate, tokenize and send one request; returns its collector
         (whose ``request_id`` is the internal id)."""
+        if self._shut_down:
+            raise EngineShuttingDownError()
         if self.errored:
             raise EngineDeadError()
         if not isinstance(request_id, str) or not request_id:
@@ -356,6 +374,8 @@ class AsyncLLM:
             except Exception as e:
                 if not isinstance(e, EngineDeadError):
                     logger.exception("AsyncLLM output_handler failed.")
+                if stat_logger is not None:
+                    stat_logger.record_engine_dead(output_processor.request_states)
                 # Every waiting generate() raises it.
                 output_processor.propagate_error(e)
 

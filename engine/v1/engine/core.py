@@ -20,11 +20,19 @@ Read it for:
     waits on the network.
 Sessions: 01 (engine loop).
 
+Shutdown (SIGTERM/SIGINT, or the front end's death): new requests are
+refused, the ones in flight run for ``shutdown_timeout`` seconds
+(``_handle_shutdown``; 0 aborts them at once, as in vLLM), the rest are
+aborted, and the loop ends once the scheduler is empty.
+
 Simpler than vLLM: no batch queue / pipelining, no structured-output grammar
-bitmask, no data parallelism, no drain-on-shutdown timeout (a shutdown request
-aborts whatever is still running, vLLM's ``shutdown_timeout=0``), no separate
-aborts queue. ``log_error_detail`` logs a summary of the step instead of
-vLLM's full dump of the config and the scheduler output.
+bitmask, no data parallelism, no separate aborts queue. ``log_error_detail``
+logs a summary of the step instead of vLLM's full dump of the config and the
+scheduler output.
+
+Differs from vLLM on purpose: when the drain time is up, the core aborts what
+is left (finish_reason "abort") and exits by itself; vLLM's front end kills
+the process at that point. A second SIGTERM/SIGINT ends the drain at once.
 
 Tracing (Glassbox's own): ``EngineCoreTrace`` (``engine/tracing/
 engine_trace.py``) writes the process's trace while the device runs each
@@ -218,7 +226,7 @@ PARENT_DEATH_EXIT_GRACE_S = 10.0
 class EngineShutdownState(enum.IntEnum):
     RUNNING = 0
     REQUESTED = 1  # by SIGTERM/SIGINT or the parent's death
-    SHUTTING_DOWN = 2  # requests aborted; finishing the last step
+    SHUTTING_DOWN = 2  # draining (no new requests), then aborting what is left
 
 
 class EngineCoreProc(EngineCore):
@@ -244,6 +252,9 @@ class EngineCoreProc(EngineCore):
         self.engine_index = engine_index
         identity = engine_index.to_bytes(length=2, byteorder="little")
         self.shutdown_state = EngineShutdownState.RUNNING
+        # Set when a shutdown is requested: monotonic time the drain ends.
+        self._drain_deadline = 0.0
+        self._skip_drain = False  # the front end is gone, or a second signal came
         self.output_thread: threading.Thread | None = None
 
         # This process's own trace part; the front end merges the parts.
@@ -334,6 +345,8 @@ class EngineCoreProc(EngineCore):
                 # Still starting up: there is nothing to drain, just leave.
                 raise SystemExit(0)
             # Only flip state and poke the helper thread: see SignalCallback.
+            if engine_core.shutdown_state != EngineShutdownState.RUNNING:
+                engine_core._skip_drain = True  # a second signal ends the drain
             engine_core.shutdown_state = max(
                 engine_core.shutdown_state, EngineShutdownState.REQUESTED
             )
@@ -379,6 +392,7 @@ class EngineCoreProc(EngineCore):
             except (EOFError, OSError):
                 pass
             logger.warning("The front-end process is gone; EngineCore is shutting down.")
+            self._skip_drain = True
             request_shutdown()
             # A clean exit aborts requests and finishes the step in flight;
             # if that takes too long, leave anyway.
@@ -420,17 +434,29 @@ class EngineCoreProc(EngineCore):
         return model_executed
 
     def _handle_shutdown(self) -> bool:
-        """True while the loop should keep going."""
+        """True while the loop should keep going. A requested shutdown lets the
+        requests in flight run for ``shutdown_timeout`` seconds, then aborts
+        the rest; the loop ends once the scheduler is empty."""
         if self.shutdown_state == EngineShutdownState.RUNNING:
             return True
         if self.shutdown_state == EngineShutdownState.REQUESTED:
+            timeout = 0 if self._skip_drain else self.glassbox_config.shutdown_timeout
+            self._drain_deadline = time.monotonic() + timeout
             num_requests = self.scheduler.get_num_unfinished_requests()
-            if num_requests:
-                logger.info("Shutdown requested: aborting %d request(s).", num_requests)
-            aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-            self._send_abort_outputs(aborted)
+            if num_requests and timeout:
+                logger.info(
+                    "Shutdown requested: %d request(s) in flight; draining for up to %d s "
+                    "(shutdown_timeout).",
+                    num_requests,
+                    timeout,
+                )
             self.shutdown_state = EngineShutdownState.SHUTTING_DOWN
-        # One more step lets the worker drop the aborted requests; then exit.
+        drain_over = self._skip_drain or time.monotonic() >= self._drain_deadline
+        if drain_over and self.scheduler.has_unfinished_requests():
+            aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+            logger.info("Shutdown: aborting %d unfinished request(s).", len(aborted))
+            self._send_abort_outputs(aborted)
+        # Aborted requests still need one step to reach the worker; then exit.
         return self.has_work()
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:

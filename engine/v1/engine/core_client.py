@@ -103,7 +103,7 @@ class EngineCoreClient(ABC):
         return AsyncMPClient(glassbox_config, executor_class, log_stats, tracer)
 
     @abstractmethod
-    def shutdown(self) -> None: ...
+    def shutdown(self, timeout: float | None = None) -> None: ...
 
     # Not abstract, as in vLLM: a client implements either the blocking
     # methods (InprocClient, SyncMPClient) or the ``*_async`` ones
@@ -164,7 +164,7 @@ class InprocClient(EngineCoreClient):
     ) -> bool:
         return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self.engine_core.shutdown()
 
 
@@ -182,13 +182,15 @@ class BackgroundResources:
     shutdown_path: str | None = None
     # Set once the core is gone; read by the IO thread/task and every call.
     engine_dead: bool = False
+    # How long a stopping core may drain; None: its shutdown_timeout.
+    shutdown_timeout: float | None = None
 
     def __call__(self) -> None:
-        self.engine_dead = True
         # Stop the process first, while our PULL socket can still take its
-        # last frames.
+        # last frames (and the client can still send aborts while it drains).
         if self.engine_manager is not None:
-            self.engine_manager.shutdown()
+            self.engine_manager.shutdown(self.shutdown_timeout)
+        self.engine_dead = True
         if isinstance(self.output_socket, zmq.asyncio.Socket):
             task = self.output_queue_task
             loop = task.get_loop() if task is not None else None
@@ -303,8 +305,10 @@ class MPClient(EngineCoreClient):
         manager = self.resources.engine_manager
         return [p.pid for p in manager.processes if p.pid is not None] if manager else []
 
-    def shutdown(self) -> None:
-        """Stop the EngineCore process (it aborts what is left) and release the sockets."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the EngineCore process and release the sockets. It drains for
+        ``timeout`` seconds (None: its shutdown_timeout), then aborts the rest."""
+        self.resources.shutdown_timeout = timeout
         self._finalizer()
 
     def _format_exception(self, e: BaseException) -> BaseException:

@@ -4,8 +4,9 @@ vLLM twin: ``vllm/v1/engine/exceptions.py``.
 Read it for the split the API server relies on: ``EngineGenerateError`` is one
 request going wrong (the engine keeps serving others); ``EngineDeadError``
 means the EngineCore process is gone, every pending and future request fails
-with it, and ``/health`` turns unhealthy. ``EngineOverloadedError`` is
-Glassbox's own: the waiting-queue limit refused a request before it was sent.
+with it, and ``/health`` turns unhealthy. ``EngineOverloadedError`` and
+``EngineShuttingDownError`` are Glassbox's own: the waiting-queue limit, or a
+shutdown in progress, refused a request before it was sent.
 Sessions: 01 (engine loop across two processes).
 """
 
@@ -33,3 +34,13 @@ class EngineOverloadedError(Exception):
     """The engine already holds as many unfinished sequences as
     ``max_num_seqs + max_waiting_requests``; nothing was sent. Retrying later
     may succeed (the server answers 503 with ``Retry-After``)."""
+
+
+class EngineShuttingDownError(EngineDeadError):
+    """The engine is shutting down: the requests in flight may still finish,
+    new ones are refused (the server answers 503)."""
+
+    def __init__(self) -> None:
+        Exception.__init__(
+            self, "The engine is shutting down (or has shut down) and takes no new requests."
+        )

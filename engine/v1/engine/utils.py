@@ -62,8 +62,13 @@ DEFAULT_ENGINE_READY_TIMEOUT_S = 600
 # The twin of VLLM_ENABLE_V1_MULTIPROCESSING.
 ENABLE_MULTIPROCESSING_ENV = "GLASSBOX_ENABLE_MULTIPROCESSING"
 STARTUP_POLL_PERIOD_MS = 10_000
-# How long EngineCore gets to exit after SIGTERM before it is SIGKILLed.
-SHUTDOWN_TIMEOUT_S = 10.0
+# The longest one engine step may take (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S).
+# A SIGTERM is handled between steps, so a stopping EngineCore gets this long
+# beyond its drain time before it is SIGKILLed.
+ENGINE_ITERATION_TIMEOUT_S_ENV = "GLASSBOX_ENGINE_ITERATION_TIMEOUT_S"
+DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 60
+# After this long, say why the front end is still waiting.
+SHUTDOWN_NOTICE_AFTER_S = 3.0
 
 
 def multiprocessing_enabled() -> bool:
@@ -77,15 +82,23 @@ def multiprocessing_enabled() -> bool:
     raise ValueError(f"{ENABLE_MULTIPROCESSING_ENV} must be 0 or 1, got {raw!r}")
 
 
-def engine_ready_timeout_s() -> float:
-    raw = os.environ.get(ENGINE_READY_TIMEOUT_S_ENV, str(DEFAULT_ENGINE_READY_TIMEOUT_S))
+def _positive_seconds_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, str(default))
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ValueError(f"{ENGINE_READY_TIMEOUT_S_ENV} must be a positive number, got {raw!r}")
+        raise ValueError(f"{name} must be a positive number, got {raw!r}")
     return value
+
+
+def engine_ready_timeout_s() -> float:
+    return _positive_seconds_env(ENGINE_READY_TIMEOUT_S_ENV, DEFAULT_ENGINE_READY_TIMEOUT_S)
+
+
+def engine_iteration_timeout_s() -> float:
+    return _positive_seconds_env(ENGINE_ITERATION_TIMEOUT_S_ENV, DEFAULT_ENGINE_ITERATION_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------
@@ -200,7 +213,11 @@ class CoreEngineProcManager:
                 daemon=False,
             )
         ]
-        self._finalizer = weakref.finalize(self, shutdown, self.processes, self.death_writer)
+        # EngineCore may drain this long after SIGTERM before it exits.
+        self.shutdown_timeout = float(glassbox_config.shutdown_timeout)
+        self._finalizer = weakref.finalize(
+            self, shutdown, self.processes, self.death_writer, self.shutdown_timeout
+        )
         self.manager_stopped = threading.Event()
         self.failed_proc_name: str | None = None
         try:
@@ -222,9 +239,11 @@ class CoreEngineProcManager:
                 self.shutdown()
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Stop EngineCore; ``timeout``: its drain time (default: shutdown_timeout)."""
         self.manager_stopped.set()
         if self._finalizer.detach() is not None:
-            shutdown(self.processes, self.death_writer, timeout=timeout)
+            drain = self.shutdown_timeout if timeout is None else timeout
+            shutdown(self.processes, self.death_writer, timeout=drain)
 
     def monitor_engine_liveness(self) -> None:
         """Block until a process exits (or ``shutdown`` is called)."""
@@ -249,16 +268,37 @@ class CoreEngineProcManager:
 def shutdown(
     procs: list[BaseProcess], death_writer: Any = None, timeout: float | None = None
 ) -> None:
-    """SIGTERM (the engine aborts what is left and exits), then SIGKILL."""
+    """SIGTERM, wait, then SIGKILL what is left.
+
+    EngineCore handles SIGTERM between two steps: it drains for its
+    ``shutdown_timeout``, aborts the rest and exits. A step cannot be
+    interrupted, and on a busy CPU one long prefill step can take many
+    seconds, so the wait is ``timeout`` (the drain time) plus the longest a
+    step may take. Killing it earlier would lose its trace part."""
     procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if timeout is None else timeout)
+    started = time.monotonic()
+    deadline = started + (timeout or 0.0) + engine_iteration_timeout_s()
+    notice_at = started + (timeout or 0.0) + SHUTDOWN_NOTICE_AFTER_S
     for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        proc.join(timeout=max(0.0, min(notice_at, deadline) - time.monotonic()))
+        if proc.is_alive() and time.monotonic() < deadline:
+            logger.info(
+                "Waiting up to %.0f s more for EngineCore (pid %s) to finish its current step "
+                "(%s).",
+                deadline - time.monotonic(),
+                proc.pid,
+                ENGINE_ITERATION_TIMEOUT_S_ENV,
+            )
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
-            logger.warning("EngineCore (pid %s) did not exit after SIGTERM; killing it", proc.pid)
+            logger.warning(
+                "EngineCore (pid %s) did not exit %.0f s after SIGTERM; killing it",
+                proc.pid,
+                time.monotonic() - started,
+            )
             proc.kill()
             proc.join(timeout=5)
     if death_writer is not None:

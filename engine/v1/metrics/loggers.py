@@ -22,6 +22,7 @@ and the latency histograms (seconds, vLLM's bucket bounds):
   glassbox:e2e_request_latency_seconds  arrival -> the request finished
   glassbox:request_success              counter per finished_reason (stop, length, ...)
   glassbox:cache_config_info            gauge fixed at 1; labels say block_size and num_gpu_blocks
+  glassbox:engine_dead                  gauge 1 once EngineCore is gone (Glassbox's own)
 
 ``render_prometheus()`` writes all of them in the Prometheus text format
 (counters get the ``_total`` suffix there, as prometheus_client writes them),
@@ -33,6 +34,11 @@ front end is one process and renders its own numbers), no per-engine labels,
 no ``num_requests_waiting_by_reason`` split (the two waiting queues are
 summed), and the per-request timing state lives here (keyed by request id)
 instead of in the output processor's ``RequestState``.
+
+Differs from vLLM on purpose: the API server outlives a dead EngineCore (see
+api_server.py), so the numbers must say so: ``record_engine_dead`` zeroes the
+queue and cache gauges, counts the requests that were in flight as
+finished_reason "error", and sets ``glassbox:engine_dead`` to 1.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ _HELP = {
     "glassbox:e2e_request_latency_seconds": "Histogram of end-to-end request latency in seconds.",
     "glassbox:request_success": "Finished requests, by finish reason.",
     "glassbox:cache_config_info": "KV cache configuration (value is always 1).",
+    "glassbox:engine_dead": "1 once the EngineCore process is gone, else 0.",
 }
 
 
@@ -129,6 +136,7 @@ class StatLogger:
         self.request_success: dict[str, int] = {}
         self.cache_config_info: dict[str, str] | None = None
         self._requests: dict[str, _RequestTimes] = {}
+        self.engine_dead = False
 
     # -- recording -----------------------------------------------------------------
     def log_engine_initialized(self, block_size: int, num_gpu_blocks: int | None) -> None:
@@ -161,6 +169,15 @@ class StatLogger:
         for request_id in request_ids:
             if self._requests.pop(request_id, None) is not None:
                 self.request_success["abort"] = self.request_success.get("abort", 0) + 1
+
+    def record_engine_dead(self, request_ids: Iterable[str]) -> None:
+        """EngineCore is gone: nothing runs or waits any more, and the requests
+        that were in flight (``request_ids``) failed."""
+        self.engine_dead = True
+        self.last_scheduler_stats = SchedulerStats()
+        for request_id in request_ids:
+            if self._requests.pop(request_id, None) is not None:
+                self.request_success["error"] = self.request_success.get("error", 0) + 1
 
     def record_iteration(
         self,
@@ -211,6 +228,7 @@ class StatLogger:
             Counter("glassbox:prefix_cache_hits", dict(labels), self.prefix_cache_hits),
             Counter("glassbox:prompt_tokens", dict(labels), self.prompt_tokens),
             Counter("glassbox:generation_tokens", dict(labels), self.generation_tokens),
+            Gauge("glassbox:engine_dead", dict(labels), float(self.engine_dead)),
         ]
 
     def get_histograms(self) -> list[Histogram]:

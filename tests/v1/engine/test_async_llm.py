@@ -20,7 +20,11 @@ import pytest_asyncio
 from engine.engine.arg_utils import EngineArgs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.async_llm import AsyncLLM
-from engine.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+from engine.v1.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineShuttingDownError,
+)
 from tests.entrypoints.openai.utils import SlowCountingExecutor, pid_exited
 from tests.helpers.engine_fixtures import ids
 from tests.helpers.tiny_model import make_tiny_model_dir
@@ -359,9 +363,63 @@ async def test_killed_engine_fails_pending_and_new_requests(model_dir, monkeypat
             await engine.check_health()
         with pytest.raises(EngineDeadError):
             await collect(engine, "w2", greedy(), "after-death")
+        # The gauges tell the truth after the death: nothing runs any more.
+        assert metric(engine, "glassbox:num_requests_running") == 0
+        assert metric(engine, "glassbox:num_requests_waiting") == 0
+        assert metric(engine, "glassbox:engine_dead") == 1
+        text = engine.render_prometheus()
+        assert re.search(r'request_success_total\{finished_reason="error",[^}]*\} 3\.0', text)
     finally:
         engine.shutdown()
     assert pid_exited(pid)
+
+
+async def _shut_down_with(engine: AsyncLLM, max_tokens: list[int]) -> tuple[list, float]:
+    """Start one DELTA stream per entry, shut down off the loop once all
+    streamed a token; returns each stream's (finish_reason, tokens received)
+    and the shutdown's duration."""
+    started = [asyncio.Event() for _ in max_tokens]
+
+    async def consume(i: int, n: int):
+        params = greedy(max_tokens=n, ignore_eos=True, output_kind=DELTA)
+        received = 0
+        async for out in engine.generate("w1", params, f"s{i}"):
+            started[i].set()
+            received += len(out.outputs[0].token_ids)
+        return out.outputs[0].finish_reason, received
+
+    tasks = [asyncio.create_task(consume(i, n)) for i, n in enumerate(max_tokens)]
+    for event in started:
+        await asyncio.wait_for(event.wait(), 10)
+    begun = time.monotonic()
+    await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    return results, time.monotonic() - begun
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_shutdown_aborts_what_is_in_flight_and_refuses_new_requests(model_dir, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_TEST_STEP_DELAY_S", "0.02")
+    engine = make_engine(model_dir)  # shutdown_timeout=0, as vLLM: abort at once
+    pid = engine.engine_core.engine_core_pids[0]
+    results, took = await _shut_down_with(engine, [240, 240])
+    assert [reason for reason, _ in results] == ["abort", "abort"]
+    assert took < 5
+    assert pid_exited(pid)
+    with pytest.raises(EngineShuttingDownError, match="shutting down"):
+        await collect(engine, "w2", greedy(), "too-late")
+    assert 'finished_reason="abort"' in engine.render_prometheus()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_shutdown_drains_for_shutdown_timeout_then_aborts(model_dir, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_TEST_STEP_DELAY_S", "0.02")
+    engine = make_engine(model_dir, shutdown_timeout=1)
+    # 12 tokens finish well within the drain; 240 (4.8 s of steps) do not.
+    results, took = await _shut_down_with(engine, [12, 240])
+    assert results[0] == ("length", 12)
+    assert results[1][0] == "abort" and results[1][1] < 240
+    assert 0.9 < took < 6
 
 
 @pytest.mark.asyncio(loop_scope="function")
