@@ -6,6 +6,12 @@ shows each option's default (``DefaultsHelpFormatter``, as vLLM's CLI does).
 ``command_name()`` is how the CLI names itself in the commands it suggests:
 ``make setup`` puts ``glassbox`` in ``.venv/bin``, which is on the PATH only
 once the venv is activated.
+
+The commands that start an engine (``ENGINE_COMMANDS``) first limit this
+process to one torch thread (``limit_frontend_threads``): as a front end it
+only tokenizes, serves and detokenizes, and its threads would compete with
+EngineCore's for the same cores. When EngineCore runs in this process
+(``glassbox trace``), the worker sizes the threads for it afterwards.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import engine
 from engine.entrypoints.cli import serve, trace, trace_export, tui
 from engine.entrypoints.cli.benchmark import main as bench
 from engine.entrypoints.openai.cli_args import DefaultsHelpFormatter
+from engine.utils.cpu_resource_utils import limit_frontend_threads
 
 # name -> (help, function(argparse namespace) -> exit code, add_arguments)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] = {
@@ -29,6 +36,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], Callable]] =
     "tui": (tui.HELP, tui.run, tui.add_arguments),
     "bench": (bench.HELP, bench.run, bench.add_arguments),
 }
+
+# Sub-commands that start an engine: their process is a front end.
+ENGINE_COMMANDS = ("serve", "trace", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     _, run, _ = COMMANDS[args.command]
+    if args.command in ENGINE_COMMANDS:
+        try:
+            limit_frontend_threads()
+        except ValueError as e:
+            print(f"glassbox {args.command}: error: {e}", file=sys.stderr)
+            return 2
     return run(args)
 
 

@@ -12,6 +12,9 @@ Read it for how the number of KV blocks is decided:
     ``kv_cache_memory_bytes``, else ``GLASSBOX_CPU_KVCACHE_SPACE`` GiB
     (default 1), the twin of vLLM's ``VLLM_CPU_KVCACHE_SPACE``.
 ``num_gpu_blocks_override`` skips all of this (EngineCore never asks).
+On the CPU, ``init_device`` also sizes torch's threads to the cores this
+process may use (``engine/utils/cpu_resource_utils.py``; vLLM does this for its
+``CPUWorker`` in ``vllm/utils/ompmultiprocessing.py``).
 Sessions: 04 (worker).
 """
 
@@ -26,6 +29,7 @@ import torch
 from engine.config import GlassboxConfig
 from engine.tracing import NULL_TRACER, Tracer
 from engine.tracing.worker_trace import RunnerTrace
+from engine.utils.cpu_resource_utils import init_cpu_threads_env
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
 from engine.v1.worker.worker_base import WorkerBase
 
@@ -68,6 +72,8 @@ class Worker(WorkerBase):
             torch.cuda.empty_cache()
         else:
             self.device = torch.device("cpu")
+            # This process runs the model: size torch's threads to its cores.
+            init_cpu_threads_env()
         torch.manual_seed(self.glassbox_config.model_config.seed)
         trace = RunnerTrace.create(self.tracer)
         self.model_runner = GPUModelRunner(self.glassbox_config, self.device, trace=trace)
