@@ -121,8 +121,13 @@ class ModelConfig:
     logits_processors: list[str | type] | None = None
     """Custom logits processors (classes, or ``"module:Class"`` / dotted
     names), built once with the built-in ones when the worker starts."""
+    served_model_name: str | None = None
+    """The name the model goes by in the API and the metrics' model_name label;
+    None: ``model`` as given (before it is resolved to a folder), as in vLLM."""
 
     def __post_init__(self) -> None:
+        if self.served_model_name is None:
+            self.served_model_name = self.model
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.logprobs_mode not in get_args(LogprobsMode):

@@ -106,6 +106,9 @@ class EngineArgs:
     processed_logprobs, processed_logits (after penalties, temperature, top-k/p)."""
     logits_processors: list[str | type] | None = None
     """Custom logits processors, as module:Class names (or classes, from Python)."""
+    served_model_name: str | list[str] | None = None
+    """Name(s) the model answers to in requests; the first also labels the
+    metrics. None: MODEL as given."""
     shutdown_timeout: int = 0
     """Seconds a stopping engine lets the requests in flight finish (SIGTERM or
     Ctrl-C) before it aborts them; 0: abort at once."""
@@ -116,10 +119,17 @@ class EngineArgs:
 
     def create_engine_config(self) -> GlassboxConfig:
         model = self.model
+        served_model_name = self.served_model_name
+        if isinstance(served_model_name, list | tuple):
+            served_model_name = served_model_name[0] if served_model_name else None
         if model is None or model == "default":
-            from engine.model_executor.model_loader.default_model import resolve_model
+            from engine.model_executor.model_loader.default_model import (
+                DEFAULT_MODEL_NAME,
+                resolve_model,
+            )
 
             model = resolve_model(model)
+            served_model_name = served_model_name or DEFAULT_MODEL_NAME
         model_config = ModelConfig(
             model=model,
             tokenizer=self.tokenizer,
@@ -131,6 +141,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
             logits_processors=self.logits_processors,
+            served_model_name=served_model_name,
         )
         max_model_len = model_config.max_model_len
         assert max_model_len is not None

@@ -4,9 +4,10 @@ vLLM twin: ``vllm/entrypoints/openai/cli_args.py`` (``make_arg_parser``,
 ``FrontendArgs``) plus ``EngineArgs.add_cli_args`` from
 ``vllm/engine/arg_utils.py``.
 Read it for the split: server options (``--host``, ``--port``, ``--api-key``,
-``--served-model-name``) and, generated from the ``EngineArgs`` dataclass, one
-``--kebab-case`` flag per engine argument (``--block-size``,
-``--max-num-seqs``, ``--num-gpu-blocks-override``, ...), so every keyword
+``--served-model-name``, the HTTP limits of ``add_http_limit_args``) and,
+generated from the ``EngineArgs`` dataclass, one ``--kebab-case`` flag per
+engine argument (``--block-size``, ``--max-num-seqs``,
+``--num-gpu-blocks-override``, ...), so every keyword
 ``LLM(...)`` takes is a flag here too. As in vLLM, each flag's help is the
 docstring under its field (``get_attr_docs``) and ``--help`` shows every
 default (``DefaultsHelpFormatter``).
@@ -153,12 +154,6 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {API_KEY_ENV})",
     )
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) the model answers to in requests (default: MODEL)",
-    )
     parser.add_argument("--response-role", default="assistant", help="role of chat replies")
     parser.add_argument("--enable-log-requests", action="store_true", help="log every request")
     parser.add_argument(
@@ -167,8 +162,80 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="log level of uvicorn (the HTTP server)",
     )
+    parser.add_argument(
+        "--keep-alive-on-engine-death",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep serving (every request gets 503, /health reports 503) after EngineCore "
+        "dies; --no-keep-alive-on-engine-death stops the server, as vLLM does by default",
+    )
+    add_http_limit_args(parser)
     add_engine_args(parser)
+    # A server lets the streams in flight finish on SIGTERM (vLLM's default: 0).
+    parser.set_defaults(shutdown_timeout=SERVE_SHUTDOWN_TIMEOUT_DEFAULT)
     return parser
+
+
+SERVE_SHUTDOWN_TIMEOUT_DEFAULT = 30
+
+
+# What one client may send (issue 17); each default is far above what a normal
+# request needs. vLLM has the two --h11-* flags (its defaults: 4 MiB, 256).
+MAX_REQUEST_BODY_SIZE_DEFAULT = 8 * 1024 * 1024
+H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT = 64 * 1024
+H11_MAX_HEADER_COUNT_DEFAULT = 256
+LIMIT_CONCURRENCY_DEFAULT = 1024
+HEADER_READ_TIMEOUT_DEFAULT = 20.0
+BODY_READ_TIMEOUT_DEFAULT = 60.0
+
+
+def add_http_limit_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP limits (what one client may send)")
+    group.add_argument(
+        "--max-request-body-size",
+        type=int,
+        default=MAX_REQUEST_BODY_SIZE_DEFAULT,
+        help="largest request body in bytes; a larger one gets 413 before it is parsed",
+    )
+    group.add_argument(
+        "--max-input-chars",
+        type=int,
+        default=None,
+        help="most characters a prompt (or the messages) may have; a longer one gets 400 "
+        "before tokenizing (default: none beyond vLLM's own bound, max_model_len times the "
+        "longest token in the vocabulary)",
+    )
+    group.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT,
+        help="largest request head (request line + headers) in bytes; a larger one gets 431",
+    )
+    group.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=H11_MAX_HEADER_COUNT_DEFAULT,
+        help="most headers a request may have; more get 431",
+    )
+    group.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=LIMIT_CONCURRENCY_DEFAULT,
+        help="most open connections (or requests in progress); beyond it a request gets 503",
+    )
+    group.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=HEADER_READ_TIMEOUT_DEFAULT,
+        help="seconds a client has to send a request's headers (from connecting, or from the "
+        "end of its previous response); then 408 and the connection closes",
+    )
+    group.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=BODY_READ_TIMEOUT_DEFAULT,
+        help="seconds a client has to send a request's body once its headers are in; then 408",
+    )
 
 
 def resolve_executor_backend(value: Any) -> Any:
@@ -205,5 +272,17 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for name in (
+        "max_request_body_size",
+        "max_input_chars",
+        "h11_max_incomplete_event_size",
+        "h11_max_header_count",
+        "limit_concurrency",
+        "header_read_timeout",
+        "body_read_timeout",
+    ):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")

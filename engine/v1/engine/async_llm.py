@@ -103,7 +103,7 @@ class AsyncLLM:
             stream_interval=glassbox_config.scheduler_config.stream_interval,
             trace=OutputProcessorTrace.create(self.tracer),
         )
-        self.stat_logger = StatLogger(model_config.model) if log_stats else None
+        self.stat_logger = StatLogger(model_config.served_model_name) if log_stats else None
         try:
             # EngineCore starts in its own process here (vLLM: always, for AsyncLLM).
             self.engine_core: AsyncMPClient = EngineCoreClient.make_async_mp_client(

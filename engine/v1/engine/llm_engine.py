@@ -89,7 +89,7 @@ class LLMEngine:
             stream_interval=glassbox_config.scheduler_config.stream_interval,
             trace=OutputProcessorTrace.create(self.tracer),
         )
-        self.stat_logger = StatLogger(model_config.model) if log_stats else None
+        self.stat_logger = StatLogger(model_config.served_model_name) if log_stats else None
         try:
             self.engine_core = EngineCoreClient.make_client(
                 glassbox_config,

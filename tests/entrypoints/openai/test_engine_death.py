@@ -81,6 +81,20 @@ def test_killed_engine_core_fails_requests_fast_and_health_turns_503(model_dir, 
             )
         assert excinfo.value.status_code == 503
         assert time.monotonic() - started < 2
+        # A new stream gets the same 503, not a 200 whose first event is the error.
+        for path, body in (
+            ("v1/completions", {"prompt": "w1"}),
+            ("v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}]}),
+        ):
+            response = httpx.post(
+                server.url_for(path), json={"model": model, "stream": True, **body}
+            )
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["type"] == "ServiceUnavailableError"
+        # The metrics say the engine is gone and nothing runs.
+        metrics = server.metrics()
+        assert metrics["glassbox:engine_dead"] == 1
+        assert metrics["glassbox:num_requests_running"] == 0
         # The HTTP side keeps answering.
         assert httpx.get(server.url_for("v1/models")).status_code == 200
         assert pid_exited(pid)

@@ -35,6 +35,7 @@ from engine.entrypoints.openai.engine.serving import (
     OpenAIServing,
     aclose_generator,
     logprob_token,
+    make_async,
     make_usage_info,
     merge_async_iterators,
     top_logprobs_by_rank,
@@ -54,6 +55,9 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request_id: str | None = None
     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         self._check_model(request)
+        # A stream answers 200 before its first token: fail a dead engine here (503).
+        if self.engine_client.errored:
+            raise self.engine_client.dead_error
         if request.tools:
             raise GlassboxValidationError("tools are not supported by Glassbox", "tools")
         if request.response_format and request.response_format.get("type", "text") != "text":
@@ -81,8 +85,10 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens_field=max_tokens_field,
             logprobs_field="top_logprobs",
         )
-        prompt = self.render_chat(request)
-        rendered = self.render_prompt(
+        prompt = await self.render_chat_async(
+            request, getattr(request, max_tokens_field) or 0, max_tokens_field
+        )
+        rendered = await self.render_prompt(
             request_id, prompt, params, request, "messages", max_tokens_field
         )
         self.check_capacity(request.n)
@@ -104,7 +110,26 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None
         return self.chat_completion_full_response(request, final, request_id, model_name)
 
-    def render_chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
+    async def render_chat_async(
+        self,
+        request: ChatCompletionRequest,
+        max_tokens: int = 0,
+        max_tokens_field: str | None = None,
+    ) -> dict[str, Any]:
+        """``render_chat`` on the renderer thread, after a length check of the
+        messages' text (a lower bound of the rendered prompt's) on the loop."""
+        num_chars = sum(_content_chars(m.content) for m in request.messages)
+        self.check_input_chars(num_chars, "messages", max_tokens, max_tokens_field)
+        return await make_async(self.render_chat, self._executor)(
+            request, max_tokens, max_tokens_field
+        )
+
+    def render_chat(
+        self,
+        request: ChatCompletionRequest,
+        max_tokens: int = 0,
+        max_tokens_field: str | None = None,
+    ) -> dict[str, Any]:
         """messages -> chat template text -> token ids (as ``LLM.chat``)."""
         tokenizer = self.engine_client.get_tokenizer()
         if not request.messages:
@@ -144,6 +169,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as e:  # jinja errors, bad template kwargs
             raise GlassboxValidationError(f"the chat template failed: {e}", "messages") from e
+        self.check_input_chars(len(text), "messages", max_tokens, max_tokens_field)
         # The template already wrote any BOS; don't let encode() add another.
         return {
             "prompt": text,
@@ -288,3 +314,12 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionLogProbs(content=content)
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a message's text (a string or a list of text parts)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(getattr(part, "text", None) or "") for part in content)
+    return 0

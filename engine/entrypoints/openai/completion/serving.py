@@ -48,6 +48,9 @@ class OpenAIServingCompletion(OpenAIServing):
         """A response, or an SSE generator when ``stream`` is set. Bad input
         raises (the API server turns it into an error response)."""
         self._check_model(request)
+        # A stream answers 200 before its first token: fail a dead engine here (503).
+        if self.engine_client.errored:
+            raise self.engine_client.dead_error
         for field, unsupported in (
             ("echo", bool(request.echo)),
             ("suffix", request.suffix is not None),
@@ -61,7 +64,9 @@ class OpenAIServingCompletion(OpenAIServing):
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = self.build_sampling_params(request, request.max_tokens, request.logprobs, kind)
         rendered = [
-            self.render_prompt(f"{request_id}-{i}", prompt, params, request, "prompt", "max_tokens")
+            await self.render_prompt(
+                f"{request_id}-{i}", prompt, params, request, "prompt", "max_tokens"
+            )
             for i, prompt in enumerate(prompts)
         ]
         self.check_capacity(len(prompts) * request.n)

@@ -11,12 +11,17 @@ does -- and the length rules of vLLM's render step (``TokenizeParams`` in
 ``max_tokens`` above ``max_model_len`` is a 400, so is a prompt that leaves less
 room than ``max_tokens`` asks for, and a request without ``max_tokens`` may
 generate up to the end of the context (or ``generation_config``'s
-``max_new_tokens``).
+``max_new_tokens``). Tokenizing runs on one renderer thread
+(``make_renderer_executor``; vLLM: ``BaseRenderer._executor``), never on the
+event loop, and a prompt text longer than the tokens left for it could hold
+(room x the longest token text, vLLM's ``_text_len_check``) is a 400 before
+tokenizing.
 Sessions: 01.
 
 Differs from vLLM on purpose: a prompt too long for the ``max_tokens`` asked
 names the prompt's own field (``prompt`` / ``messages``) as ``param``, where
-vLLM names ``input_tokens``, which is not a request field; and a bad
+vLLM names ``input_tokens`` or ``input_text``, which are not request fields;
+``--max-input-chars`` adds a server-wide cap on prompt characters (vLLM has none); and a bad
 ``max_completion_tokens`` is reported under that name, not as ``max_tokens``;
 a client's request id (body or ``X-Request-Id``) longer than 128 characters or
 outside ``A-Z a-z 0-9 . _ : -`` is a 400, where vLLM echoes any id verbatim
@@ -26,11 +31,13 @@ into responses and logs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from engine.entrypoints.llm import _GENERATION_DEFAULT_KEYS
 from engine.entrypoints.openai.engine.protocol import (
@@ -55,6 +62,7 @@ from engine.v1.engine.input_processor import load_generation_config
 MAX_LOGPROBS = 20
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 # A client-chosen request id: echoed back, logged and traced, so kept short
@@ -74,6 +82,30 @@ class GlassboxValidationError(ValueError):
 
 class ModelNotFoundError(Exception):
     """The request named a model this server does not serve."""
+
+
+def make_async(func: Callable[P, T], executor: Executor | None) -> Callable[P, Awaitable[T]]:
+    """``func`` run on ``executor``'s threads, awaited from the event loop
+    (vLLM twin: ``make_async`` in ``vllm/utils/async_utils.py``)."""
+
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> Awaitable[T]:
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(executor, functools.partial(func, *args, **kwargs))
+
+    return wrapper
+
+
+def make_renderer_executor() -> ThreadPoolExecutor:
+    """The thread that tokenizes prompts and renders chat templates, so a long
+    prompt never stalls the event loop (vLLM: ``BaseRenderer._executor``, one
+    worker by default, ``renderer_num_workers``)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="glassbox-renderer")
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest token text in the vocabulary: no prompt of N tokens can have
+    more than N times this many characters (vLLM: ``max_chars_per_token``)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 def create_error_response(
@@ -172,11 +204,24 @@ async def merge_async_iterators(
 class OpenAIServing:
     request_id_prefix = "req"
 
-    def __init__(self, engine_client: AsyncLLM, models: OpenAIServingModels) -> None:
+    def __init__(
+        self,
+        engine_client: AsyncLLM,
+        models: OpenAIServingModels,
+        *,
+        executor: Executor | None = None,
+        max_input_chars: int | None = None,
+    ) -> None:
         self.engine_client = engine_client
         self.models = models
         self.model_config = engine_client.model_config
         self.max_model_len = engine_client.model_config.max_model_len
+        # Shared by the endpoints of one server (see make_renderer_executor).
+        self._executor = executor if executor is not None else make_renderer_executor()
+        tokenizer = engine_client.tokenizer
+        self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
+        # --max-input-chars: a cap on every prompt text, checked before tokenizing.
+        self.max_input_chars = max_input_chars
         config = load_generation_config(engine_client.model_config.model)
         # generation_config.json values used where the request says nothing.
         self.default_sampling_params = {
@@ -231,7 +276,34 @@ class OpenAIServing:
         except ValueError as e:
             raise GlassboxValidationError(str(e), "n") from e
 
-    def render_prompt(
+    def check_input_chars(
+        self, num_chars: int, field: str, max_tokens: int = 0, max_tokens_field: str | None = None
+    ) -> None:
+        """Refuse a prompt text before tokenizing it when it is longer than
+        --max-input-chars, or than the most characters the tokens left for the
+        prompt could hold (vLLM's rule: room x the longest token in the vocabulary)."""
+        if self.max_input_chars is not None and num_chars > self.max_input_chars:
+            raise GlassboxValidationError(
+                f"{field} has {num_chars} characters, more than --max-input-chars="
+                f"{self.max_input_chars}; shorten it.",
+                field,
+            )
+        if self.max_chars_per_token is None:
+            return
+        room = self.max_model_len - max_tokens
+        limit = max(room, 0) * self.max_chars_per_token
+        if num_chars > limit:
+            asked = f", and {max_tokens_field}={max_tokens} leaves {room} of them for the prompt"
+            raise GlassboxValidationError(
+                f"This model's maximum context length is {self.max_model_len} tokens"
+                f"{asked if max_tokens_field else ''}: at most {limit} characters (no token is "
+                f"longer than {self.max_chars_per_token}), but {field} has {num_chars} "
+                "characters; shorten the prompt"
+                + (f" or lower {max_tokens_field}." if max_tokens_field else "."),
+                field,
+            )
+
+    async def render_prompt(
         self,
         request_id: str,
         prompt: Any,
@@ -242,7 +314,24 @@ class OpenAIServing:
     ) -> dict[str, Any]:
         """Tokenize and validate one prompt before anything is sent, so a bad
         prompt is a 400 even for a streaming request (vLLM: the render step).
+        The tokenizer runs on the renderer thread, never on the event loop.
         Returns the tokenized prompt ``generate()`` takes."""
+        if isinstance(prompt, str):
+            requested = getattr(request, max_tokens_field) or 0
+            self.check_input_chars(len(prompt), prompt_field, requested, max_tokens_field)
+        return await make_async(self._render_prompt, self._executor)(
+            request_id, prompt, params, request, prompt_field, max_tokens_field
+        )
+
+    def _render_prompt(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        request: SamplingFields,
+        prompt_field: str,
+        max_tokens_field: str,
+    ) -> dict[str, Any]:
         try:
             prompt_text, core_request = self.engine_client.input_processor.process_inputs(
                 request_id, prompt, params, priority=request.priority
