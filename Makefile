@@ -5,6 +5,9 @@
 #   make lint    ruff only
 #   make run     the main job
 #   make test-gpu  GPU tests + GPU benchmarks, on a CUDA machine (results under $$OUT)
+#   make fuzz    the full schemathesis run (~5 min on 2 cores; docs/reliability.md)
+#   make soak    5,000 mixed requests against glassbox serve, memory sampled (~30 min on 2 cores)
+#   make bench-cpu-threads  torch thread counts on this machine's cores (docs/reliability.md)
 
 PYTHON := .venv/bin/python
 # Session notebooks, run top to bottom by nbval (only when at least one exists).
@@ -18,7 +21,7 @@ NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env --nbval
 # What ruff checks (line length 100, rules in pyproject.toml).
 LINT_PATHS := engine tui tests benchmarks scripts
 
-.PHONY: setup test lint run test-gpu
+.PHONY: setup test lint run test-gpu fuzz soak bench-cpu-threads
 
 setup:
 	bash scripts/setup.sh
@@ -36,3 +39,12 @@ run:
 
 test-gpu:
 	bash scripts/gpu_run.sh all
+
+fuzz:
+	GLASSBOX_SCHEMATHESIS_MAX_EXAMPLES=1000 $(PYTHON) -m pytest -q -p no:cacheprovider tests/reliability/test_schemathesis.py
+
+soak:
+	$(PYTHON) -m tests.reliability.soak --requests 5000 --out soak_cpu.json
+
+bench-cpu-threads:
+	$(PYTHON) -m benchmarks.cpu_threads --repeats 3 --out cpu_threads/

@@ -2,7 +2,11 @@
 # Only for a GPU machine without network (the project's H200, reached through a device tool;
 # the header of scripts/gpu_run.sh says how such a call works). Run here, with network,
 # before the call. Build what a GPU call carries (the GPU image has no network and lacks these):
-#   .whl/                     msgspec + pyzmq wheels (cp312, ~1 MB)
+#   .whl/                     msgspec + pyzmq wheels (cp312, ~1 MB), and what `glassbox serve`
+#                             and its clients need there (fastapi, starlette, pydantic,
+#                             uvicorn, openai and their missing dependencies, ~6 MB): the CPU
+#                             runs of the reliability soak and the thread benchmark
+#                             (make reliability-device) start the real server
 #   .gpu_carry/fi_site.tar.xz flashinfer-python 0.7.2.post1 + apache-tvm-ffi 0.1.11, unpacked
 #                             and xz-compressed (19 MB; the wheels themselves are 62 MB and
 #                             with the tree would pass the 64 MiB carry limit)
@@ -19,6 +23,9 @@ dl() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
 }
 dl .whl msgspec==0.23.0 pyzmq==27.1.0
+dl .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+  uvicorn==0.55.0 annotated-types==0.8.0 typing-inspection==0.4.5 openai==3.60.0 jiter==0.19.0 \
+  sniffio==1.3.1 distro==1.9.0 opentelemetry-api==1.45.2
 tmp=$(mktemp -d)
 dl "$tmp/wheels" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.11
 mkdir -p "$tmp/site" .gpu_carry
