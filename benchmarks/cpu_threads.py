@@ -117,6 +117,10 @@ def _mode_env(mode: str) -> dict[str, str | None]:
     raise ValueError(f"unknown mode {mode!r}")
 
 
+BENCH_MODEL_ENV = "GLASSBOX_CPU_THREADS_MODEL"
+BENCH_LOAD_FORMAT_ENV = "GLASSBOX_CPU_THREADS_LOAD_FORMAT"
+
+
 def child_env(mode: str) -> dict[str, str]:
     env = dict(os.environ)
     for key, value in mode_env(mode).items():
@@ -204,7 +208,11 @@ def batch_child(n: int) -> None:
     from engine.entrypoints.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM()
+    # --model / --load-format reach this child through the environment.
+    llm = LLM(
+        model=os.environ.get(BENCH_MODEL_ENV) or None,
+        load_format=os.environ.get(BENCH_LOAD_FORMAT_ENV, "auto"),
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=BATCH_TOKENS, ignore_eos=True)
         llm.generate(BATCH_PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -301,12 +309,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per measurement")
     parser.add_argument("--busy", type=int, default=0, help="busy-looping processes alongside")
     parser.add_argument("--note", default="", help="free text stored with the result")
+    parser.add_argument(
+        "--model", help="batches only: model folder instead of the default (with --skip-trace)"
+    )
+    parser.add_argument(
+        "--load-format", default="auto", help="batches: auto, or dummy (random weights)"
+    )
     parser.add_argument("--_batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._batch is not None:
         batch_child(args._batch)
         return 0
 
+    if args.model:
+        if not args.skip_trace:
+            parser.error("--model needs --skip-trace (the trace runs the default model)")
+        os.environ[BENCH_MODEL_ENV] = args.model
+    os.environ[BENCH_LOAD_FORMAT_ENV] = args.load_format
     cpus = parse_cores(args.cores)
     used = cpus or sorted(os.sched_getaffinity(0))
     modes = [m for m in args.modes.split(",") if m]
@@ -337,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
         },
         "workload": {
-            "model": "default (SmolLM2-135M-Instruct, float32)",
+            "model": args.model or "default (SmolLM2-135M-Instruct, float32)",
+            "load_format": args.load_format,
             "trace": f"glassbox trace --headless {TRACE_PROMPT!r} (EngineCore in-process)",
             "batch": f"LLM.generate of N prompts, {BATCH_TOKENS} tokens, greedy, ignore_eos; "
             "EngineCore in its own process; generate call only",
