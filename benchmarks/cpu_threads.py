@@ -81,6 +81,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import results_store  # noqa: E402
+from benchmarks.cpu_vs_transformers import cpu_model  # noqa: E402
 
 BIND = "GLASSBOX_CPU_OMP_THREADS_BIND"
 TRACE_PROMPT = "What is a KV cache?"
@@ -252,16 +253,6 @@ def summarize(modes: dict[str, Any]) -> dict[str, Any]:
 def series_name(num_cpus: int, busy: int) -> str:
     """The result's series, as ``results_store.current_name`` should name it."""
     return f"cpu_threads_cpu_{num_cpus}c" + (f"_busy{busy}" if busy else "")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 @contextlib.contextmanager

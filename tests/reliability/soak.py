@@ -59,6 +59,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks import results_store
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Plain words for the default model's prompts.
@@ -559,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "script": "tests/reliability/soak.py",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": results_store.commit_id(),
         "config": {
             "requests": args.requests,
             "concurrency": args.concurrency,
@@ -601,17 +603,6 @@ def main(argv: list[str] | None = None) -> int:
         and all(p.get("verdict") == "plateau" for p in plateau.values())
     )
     return 0 if good else 1
-
-
-def _commit() -> str:
-    try:
-        sha = subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True
-        ).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=REPO_ROOT, text=True)
-        return sha + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

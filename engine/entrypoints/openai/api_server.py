@@ -401,7 +401,7 @@ def create_server_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
+def build_server_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
     config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,
@@ -413,7 +413,13 @@ def build_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
     )
     # Read by GlassboxH11Protocol (uvicorn has no header-read timeout).
     config.header_timeout = _arg(args, "header_read_timeout")  # type: ignore[attr-defined]
-    return uvicorn.Server(config)
+    return config
+
+
+def build_server(app: FastAPI, args: argparse.Namespace) -> uvicorn.Server:
+    """A plain uvicorn server (tests run it on a thread); ``run_server`` uses
+    ``GracefulServer`` over the same config."""
+    return uvicorn.Server(build_server_config(app, args))
 
 
 async def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
@@ -430,5 +436,5 @@ async def run_server(args: argparse.Namespace, sock: socket.socket | None = None
             port,
             served_model_names(args)[0],
         )
-        server = GracefulServer(build_server(app, args).config, engine_client)
+        server = GracefulServer(build_server_config(app, args), engine_client)
         await serve_http(server, sock, args.keep_alive_on_engine_death)
