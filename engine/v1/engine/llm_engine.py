@@ -16,8 +16,9 @@ As in vLLM, EngineCore runs in its own process by default (``SyncMPClient``;
 ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` -- the twin of
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` -- to keep it in this process
 (``InprocClient``), where a debugger or a test can reach the scheduler
-directly. Both give the same outputs. In multi-process mode the executor
-class travels to the child by import path, so it must be a top-level class.
+directly. Both give the same outputs. The child is forked by default (so
+it needs no ``__main__`` guard and takes any executor class); when it is
+spawned the executor class travels by import path and must be top-level.
 Sessions: 01 (engine loop).
 
 Differs from vLLM on purpose: ``add_request`` is all-or-nothing -- if a part

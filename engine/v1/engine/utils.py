@@ -21,11 +21,12 @@ says "initialization failed, see above"); if the process dies without a word,
 start-up fails at once with its exit code instead of waiting out a timeout.
 Sessions: 01 (engine loop across two processes).
 
+The process is started as vLLM's: ``fork`` unless CUDA is already
+initialised in this process or ``GLASSBOX_WORKER_MULTIPROC_METHOD=spawn``
+(``get_mp_context`` in ``engine/utils/system_utils.py``).
+
 Simpler than vLLM: one engine (no data parallelism, coordinator or Ray), IPC
-addresses only, and always the ``spawn`` start method: the child imports
-Glassbox afresh, so a forked copy of the parent's torch thread pools and ZMQ
-contexts can never deadlock it (vLLM picks spawn too once CUDA is
-initialised). The parent-death pipe is the trick vLLM's multiproc executor
+addresses only. The parent-death pipe is the trick vLLM's multiproc executor
 uses for its workers, applied here to EngineCore itself.
 """
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import logging
-import multiprocessing
 import os
 import pickle
 import tempfile
@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
+
+from engine.utils.system_utils import get_mp_context
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
@@ -176,10 +178,6 @@ def get_engine_zmq_addresses() -> EngineZmqAddresses:
 # ---------------------------------------------------------------------------
 # The process
 # ---------------------------------------------------------------------------
-def get_mp_context():
-    return multiprocessing.get_context("spawn")
-
-
 class CoreEngineProcManager:
     """Starts the EngineCore process and stops it (SIGTERM, then SIGKILL)."""
 
@@ -194,10 +192,14 @@ class CoreEngineProcManager:
         from engine.v1.engine.core import EngineCoreProc
 
         context = get_mp_context()
+        self.start_method = context.get_start_method()
         # The child holds the read end; this process holds the only write
         # end. When this process dies -- even by SIGKILL -- the OS closes the
         # write end and the child's read fails with EOF: its cue to exit.
         death_reader, self.death_writer = context.Pipe(duplex=False)
+        # A forked child starts with copies of this process's descriptors: it
+        # must close its copy of the write end, or it would never see EOF.
+        inherited_fds = [self.death_writer.fileno()] if self.start_method == "fork" else []
         self.processes: list[BaseProcess] = [
             context.Process(
                 target=EngineCoreProc.run_engine_core,
@@ -208,6 +210,7 @@ class CoreEngineProcManager:
                     "log_stats": log_stats,
                     "handshake_address": handshake_address,
                     "death_pipe": death_reader,
+                    "inherited_fds": inherited_fds,
                     "engine_index": engine_index,
                 },
                 daemon=False,
@@ -355,8 +358,9 @@ def wait_for_engine_startup(
             raise RuntimeError(
                 "EngineCore initialization failed; see the error above. Exited "
                 f"process(es) and exit codes: {proc_manager.finished_procs()}. (The "
-                "process is started with 'spawn': a script that builds an engine "
-                'at import time needs an `if __name__ == "__main__":` guard.)'
+                f"process was started with {proc_manager.start_method!r}; with 'spawn' a "
+                "script that builds an engine at import time needs an "
+                '`if __name__ == "__main__":` guard.)'
             )
         _identity, payload = handshake_socket.recv_multipart()
         message = msgspec.msgpack.decode(payload)

@@ -31,8 +31,8 @@ def free_port() -> int:
 
 
 def engine_core_children(pid: int) -> list[int]:
-    """Children of ``pid`` started by multiprocessing's spawn (EngineCore;
-    not its resource tracker)."""
+    """Children of ``pid`` that multiprocessing started: EngineCore (forked,
+    or spawned), not a resource tracker."""
     children = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -45,7 +45,7 @@ def engine_core_children(pid: int) -> list[int]:
         if int(fields[1]) != pid:
             continue
         with open(f"/proc/{entry}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"resource_tracker" not in f.read():
                 children.append(int(entry))
     return children
 

@@ -336,10 +336,25 @@ def test_multiprocess_trace_merges_both_processes(model_dir, tmp_path, monkeypat
     assert set().union(*(e.request_ids for e in by_kind["output.sent"])) == ids
 
 
-def test_executor_class_must_be_importable_by_path(model_dir, monkeypatch):
+def test_executor_class_must_be_importable_by_path_with_spawn(model_dir, monkeypatch):
     class LocalExecutor(CountingExecutor):
         pass
 
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    # spawn pickles the executor class by name; fork (the default) copies it.
+    monkeypatch.setenv("GLASSBOX_WORKER_MULTIPROC_METHOD", "spawn")
     with pytest.raises(TypeError, match="top-level class"):
         LLM(str(model_dir), distributed_executor_backend=LocalExecutor)
+
+
+def test_forked_engine_core_takes_a_local_executor_class(model_dir, monkeypatch):
+    class LocalExecutor(CountingExecutor):
+        pass
+
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.delenv("GLASSBOX_WORKER_MULTIPROC_METHOD", raising=False)
+    llm = LLM(str(model_dir), distributed_executor_backend=LocalExecutor, skip_tokenizer_init=True)
+    try:
+        assert llm.llm_engine.engine_core.engine_core_pids
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,76 @@
+"""How Glassbox starts its processes: ``fork`` by default, ``spawn`` when it must.
+
+vLLM twin: ``vllm/utils/system_utils.py`` (``get_mp_context``,
+``_maybe_force_spawn``) and ``VLLM_WORKER_MULTIPROC_METHOD`` in
+``vllm/envs.py``. Read it for why a learner's script without an
+``if __name__ == "__main__":`` guard works: the EngineCore process is
+*forked*, so it starts as a copy of the parent and never re-imports the
+script. ``spawn`` starts a fresh interpreter that imports the main module
+again -- and a script that builds an engine at import time would build one
+more in the child, which fails.
+
+Forking a process that has initialised CUDA gives the child a CUDA context it
+cannot use, so then (as vLLM) the method is switched to ``spawn``, with a
+warning saying why. ``GLASSBOX_WORKER_MULTIPROC_METHOD=spawn`` asks for spawn
+always.
+Sessions: 01 (engine loop across two processes), 07 (executor).
+
+Simpler than vLLM: the reasons checked are CUDA only (vLLM also forces spawn
+inside a Ray actor, with NUMA binding, an initialised XPU, or under WSL).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from multiprocessing.context import BaseContext
+
+logger = logging.getLogger(__name__)
+
+# Twin of VLLM_WORKER_MULTIPROC_METHOD: "fork" (default) or "spawn".
+MULTIPROC_METHOD_ENV = "GLASSBOX_WORKER_MULTIPROC_METHOD"
+MULTIPROC_METHODS = ("fork", "spawn")
+
+
+def cuda_is_initialized() -> bool:
+    """True once this process has created a CUDA context (checked without
+    importing torch if it was never imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _maybe_force_spawn() -> None:
+    """Switch the start method to ``spawn`` (in the environment, so children
+    inherit it) when forking would not be safe."""
+    if os.environ.get(MULTIPROC_METHOD_ENV) == "spawn":
+        return
+    reasons = []
+    if cuda_is_initialized():
+        reasons.append("CUDA is initialized")
+    if reasons:
+        logger.warning(
+            "The process start method must be 'spawn'; setting %s=spawn (%s). A script that "
+            'builds an engine at import time now needs an `if __name__ == "__main__":` guard.',
+            MULTIPROC_METHOD_ENV,
+            "; ".join(reasons),
+        )
+        os.environ[MULTIPROC_METHOD_ENV] = "spawn"
+
+
+def get_mp_method() -> str:
+    """The start method asked for in the environment (default ``fork``)."""
+    method = os.environ.get(MULTIPROC_METHOD_ENV, "fork").strip().lower() or "fork"
+    if method not in MULTIPROC_METHODS:
+        raise ValueError(
+            f"{MULTIPROC_METHOD_ENV} must be one of {', '.join(MULTIPROC_METHODS)}, got {method!r}"
+        )
+    return method
+
+
+def get_mp_context() -> BaseContext:
+    """The multiprocessing context processes are started with: ``fork``
+    unless the environment or an initialised CUDA says ``spawn``."""
+    _maybe_force_spawn()
+    return multiprocessing.get_context(get_mp_method())
