@@ -70,6 +70,7 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
         f"{info.max_num_batched_tokens} tokens per step, prefix caching "
         f"{'on' if info.enable_prefix_caching else 'off'}, policy {info.policy}"
     )
+    lines.append(engine_loop_summary(session))
     lines.append("")
     notes = ["followed"] if rid == info.followed_request_id else []
     if tl.label != rid:
@@ -130,6 +131,28 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
                 f"prefix hit {o.num_cached_tokens}/{o.num_prompt_tokens}"
             )
     return "\n".join(lines)
+
+
+def engine_loop_summary(session: TraceSession) -> str:
+    """One line: was the run scheduled asynchronously, how many steps
+    overlapped the one before, how long the host blocked for tokens."""
+    replay = session.replay
+    steps = [p for s, p in replay.step_phases.items() if s > 0 and p.scheduled_ts is not None]
+    waits = [p.wait_ns for p in steps if p.wait_ns is not None]
+    waited = ""
+    if waits:
+        waited = (
+            f"; the host blocked {sum(waits) / 1e6:.1f} ms in all for steps' tokens "
+            f"({sum(waits) / len(waits) / 1e6:.2f} ms per step)"
+        )
+    if replay.async_scheduling:
+        overlapped = len(replay.overlapped_steps)
+        return (
+            f"Engine loop: async scheduling, up to {replay.max_in_flight} steps in flight; "
+            f"{overlapped} of {len(steps)} steps were scheduled and launched before the "
+            f"previous step's tokens were read{waited}"
+        )
+    return f"Engine loop: synchronous, one step in flight at a time ({len(steps)} steps){waited}"
 
 
 def _sampling_text(params: SamplingParamsSummary | None) -> str:

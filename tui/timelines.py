@@ -8,6 +8,14 @@ preempted, finished) and one line per thing that happened to the request.
 own handler (``_TimelineBuilder.HANDLERS``). ``session.py`` opens a trace and
 calls it.
 
+Async scheduling (the engine's default): step n+1 is scheduled before step
+n's tokens are read, so step n's ``sched.update`` and finishes arrive after
+step n+1's ``sched.step``. The builder keeps each request's placeholders
+(tokens coming from steps in flight, as ``AsyncScheduler`` counts them) so a
+decode reads as a decode, lists the lines in step order, and ends a request
+at the step that finished it: a step already scheduled past its end only
+gets a note (its token is dropped).
+
 Ids: the engine knows a request by its internal id (the user's id, ``-``
 and 8 random hex digits, as vLLM's), and so do the timelines; each
 timeline also keeps the id the user gave (``request.added``'s
@@ -174,6 +182,11 @@ class _Live:
     allocated: dict[int, list[int]] = field(default_factory=dict)  # step -> new block ids
     decode_open: LifecycleEvent | None = None
     range_open: LifecycleEvent | None = None  # stalled / blocked run
+    # Async scheduling: tokens coming from steps in flight, frames to drop
+    # after a reset_prefix_cache preemption, the last step that scheduled it.
+    placeholders: int = 0
+    discard: int = 0
+    last_scheduled_step: int | None = None
 
 
 def _fmt_blocks(ids: list[int]) -> str:
@@ -214,6 +227,10 @@ class _TimelineBuilder:
         self.live: dict[str, _Live] = {}
         self.running: set[str] = set()  # admitted and neither preempted nor finished since
         self.timelines: dict[str, RequestTimeline] = {}
+        # Placeholders exist where the engine ran AsyncScheduler (as the replay counts them).
+        self.async_scheduling = replay.config is not None and replay.config.async_scheduling
+        # Async: step in flight -> the requests it samples a token for.
+        self.sampling: dict[int, list[str]] = {}
 
     def build(self) -> dict[str, RequestTimeline]:
         handlers = self.HANDLERS
@@ -337,6 +354,8 @@ class _TimelineBuilder:
         lv.ever_preempted = True
         tl.num_preemptions += 1
         lv.cursor = 0
+        if not e.for_request_id:  # a reset: the frames in flight will be dropped
+            lv.discard, lv.placeholders = lv.placeholders, 0
         self.set_phase(lv, step, PREEMPTED)
         self.close_ranges(lv)
         # No for_request_id: reset_prefix_cache(reset_running_requests=True) preempted it.
@@ -370,14 +389,20 @@ class _TimelineBuilder:
                 lvr.tl.events.append(ev)
                 lvr.decode_open = None
                 lvr.range_open = ev
+        sampling = []
         for r, n in scheduled.items():
             lvr = self.live.get(r)
             if lvr is None:
                 continue
             tl = lvr.tl
-            num_tokens = tl.num_prompt_tokens + lvr.num_output
+            # Tokens known or coming (placeholders are counted, as the scheduler does).
+            num_tokens = tl.num_prompt_tokens + lvr.num_output + lvr.placeholders
             start = lvr.cursor
             lvr.cursor += n
+            lvr.last_scheduled_step = step
+            if self.async_scheduling and lvr.cursor >= num_tokens:
+                lvr.placeholders += 1  # this step samples a token for it
+                sampling.append(r)
             new_blocks = lvr.allocated.pop(step, [])
             if n == 1 and start == num_tokens - 1 and start >= tl.num_prompt_tokens:
                 self._decode(lvr, step, new_blocks)
@@ -395,6 +420,8 @@ class _TimelineBuilder:
                     f"{label}{part}: tokens {start}-{lvr.cursor - 1} ({n} of {num_tokens}){blocks}",
                 )
             )
+        if sampling:
+            self.sampling[step] = sampling
 
     def _decode(self, lvr: _Live, step: int, new_blocks: list[int]) -> None:
         """One decode token: extends the open decode range or starts one."""
@@ -413,6 +440,16 @@ class _TimelineBuilder:
             lvr.decode_open = ev
 
     def on_sched_update(self, e: SchedUpdate, step: int) -> None:
+        # Each token appended retires a placeholder; a frame from before a
+        # reset is dropped instead (the engine's async_tokens_to_discard).
+        for r in self.sampling.pop(step, ()):
+            lvr = self.live.get(r)
+            if lvr is None or lvr.tl.finished_step is not None:
+                continue
+            if lvr.discard:
+                lvr.discard -= 1
+            else:
+                lvr.placeholders = max(0, lvr.placeholders - len(e.new_token_ids.get(r, ())))
         for r, tokens in e.new_token_ids.items():
             lvr = self.live.get(r)
             if lvr is None or not tokens:
@@ -423,7 +460,10 @@ class _TimelineBuilder:
                 lvr.tl.events.append(
                     LifecycleEvent(step, "first_token", f"first output token:{shown}")
                 )
-                lvr.decode_open = None
+                # Decoding starts after the first token (with async scheduling
+                # a decode of a later step may already be open: it stays).
+                if lvr.decode_open is not None and lvr.decode_open.step <= step:
+                    lvr.decode_open = None
             lvr.num_output += len(tokens)
             lvr.tl.output_tokens.extend((step, t) for t in tokens)
 
@@ -438,14 +478,17 @@ class _TimelineBuilder:
         self.set_phase(lv, step, FINISHED)
         self.close_ranges(lv)
         num_output = e.num_output_tokens
-        tl.events.append(
-            LifecycleEvent(
-                step,
-                "finished",
-                f"finished: {_finish_text(e.status, tl.finish_reason)} after {num_output} "
-                f"output token{'s' if num_output != 1 else ''}; its blocks go back to the pool",
-            )
+        text = (
+            f"finished: {_finish_text(e.status, tl.finish_reason)} after {num_output} "
+            f"output token{'s' if num_output != 1 else ''}; its blocks go back to the pool"
         )
+        if lv.last_scheduled_step is not None and lv.last_scheduled_step > step:
+            # Async scheduling: the next step was scheduled before this one's tokens were read.
+            text += (
+                f" (step {lv.last_scheduled_step}, scheduled before this was known, "
+                "computes a token that is dropped)"
+            )
+        tl.events.append(LifecycleEvent(step, "finished", text))
 
     # The engine events a lifecycle is built from.
     HANDLERS: ClassVar[dict[type[TraceEvent], Callable[[_TimelineBuilder, Any, int], None]]] = {
@@ -486,7 +529,19 @@ class _TimelineBuilder:
                 # Still alive when the trace ends: its phase runs on to the last step.
                 self.set_phase(lv, last_step, WAITING)
             else:
-                del tl.phases[tl.finished_step - tl.queued_step + 1 :]
+                end = tl.finished_step
+                del tl.phases[end - tl.queued_step + 1 :]
+                # Async scheduling: a step scheduled past the finish (its
+                # token dropped) is no part of the request's life.
+                kept = []
+                for ev in tl.events:
+                    if ev.step <= end:
+                        if ev.end_step is not None and ev.end_step > end:
+                            ev.end_step = end if end > ev.step else None
+                        kept.append(ev)
+                tl.events = kept
+            # In step order: an async step's update comes after the next schedule.
+            tl.events.sort(key=lambda ev: ev.step)
             for ev in tl.events:
                 n = ev.last_step - ev.step + 1
                 if ev.kind == "decode":

@@ -4,10 +4,16 @@ vLLM twin: ``vllm/benchmarks/latency.py`` (``add_cli_args``, ``main``).
 Read it for what a decode step costs at a given batch size and context: for
 each batch size B it adds B requests whose prompts are ``--input-len``
 tokens, steps the engine until every one of them is decoding, then times
-``EngineCore.step()`` one step at a time -- schedule, model forward (a CUDA
-graph replay when one is captured for B), sampling, outputs -- and reports
-the mean and percentiles in milliseconds. The step syncs with the device (the
-sampled tokens come back to the host), so host timing is the step's time.
+``EngineCore.step_fn()`` one call at a time -- schedule, model forward (a
+CUDA graph replay when one is captured for B), sampling, outputs -- and
+reports the mean and percentiles in milliseconds. Each call waits for one
+step's sampled tokens, so host timing is the step's time: with async
+scheduling (the default) one call launches step N+1 and then reads step N,
+and the host work of one hides behind the device work of the other.
+
+``--client-itl`` also measures what a user sees: the time between a
+request's consecutive tokens as they reach ``LLMEngine`` (EngineCore in its
+own process, as under ``LLM.generate``), median over all gaps.
 
 On CUDA each batch size also gets its floor: reading the weights once plus B
 contexts of K/V, over the copy bandwidth measured in the same run
@@ -74,6 +80,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the bandwidth measurement and floor on CUDA",
     )
+    parser.add_argument(
+        "--client-itl",
+        action="store_true",
+        help="also time the gaps between tokens as the client receives them "
+        "(EngineCore in its own process)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="tokens per request for --client-itl (default 128)",
+    )
     parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
     add_engine_args(parser)
     # Prefix caching would let later batch sizes reuse earlier prompts' KV.
@@ -138,14 +156,14 @@ def run_decode_latency(
             # Prefill (in chunks of the token budget) until every request decodes.
             steps = 0
             while any(r.num_output_tokens == 0 for r in requests):
-                core.step()
+                core.step_fn()
                 steps += 1
                 if steps > MAX_PREFILL_STEPS:
                     raise RuntimeError(
                         f"batch {b}: not every request was decoding after {steps} steps"
                     )
             for _ in range(num_iters_warmup):
-                core.step()
+                core.step_fn()
             scheduler = core.scheduler
             if len(scheduler.running) != b or scheduler.waiting:
                 raise RuntimeError(
@@ -156,9 +174,12 @@ def run_decode_latency(
             times_ms = []
             for _ in range(num_iters):
                 start = time.perf_counter()
-                core.step()
+                core.step_fn()
                 times_ms.append((time.perf_counter() - start) * 1e3)
             core.abort_requests([r.request_id for r in requests])
+            # Tell the worker, and read back any step still in flight.
+            while core.scheduler.has_requests() or core.batch_queue:
+                core.step_fn()
             ordered = sorted(times_ms)
             results[str(b)] = {
                 "batch_size": b,
@@ -173,6 +194,65 @@ def run_decode_latency(
     finally:
         core.shutdown()
     return results
+
+
+def run_client_itl(
+    engine_args: Any,
+    batch_size: int,
+    input_len: int = 512,
+    output_len: int = 128,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Inter-token times as the client sees them: ``batch_size`` requests of
+    ``input_len`` random tokens, ``output_len`` tokens each (EOS ignored),
+    through ``LLMEngine`` with EngineCore in its own process; every new token
+    is stamped when ``step()`` hands it over. Returns the median, mean and
+    p90 of the gaps between a request's consecutive tokens, in ms, and the
+    time to first token."""
+    import random
+
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+    from engine.v1.engine.llm_engine import LLMEngine
+
+    if output_len < 2:
+        raise ValueError(f"output_len must be >= 2 to have a gap, got {output_len}")
+    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        rng = random.Random(seed)
+        vocab = min(10000, engine.glassbox_config.model_config.vocab_size - 1)
+        params = SamplingParams(
+            temperature=0,
+            ignore_eos=True,
+            max_tokens=output_len,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        # A short warm-up request first: kernels and graphs are ready when timing starts.
+        warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
+        engine.add_request("warm-up", {"prompt_token_ids": [1] * min(16, input_len)}, warm)
+        while engine.has_unfinished_requests():
+            engine.step()
+        start = time.perf_counter()
+        for i in range(batch_size):
+            prompt = [rng.randint(0, vocab) for _ in range(input_len)]
+            engine.add_request(f"itl-{i}", {"prompt_token_ids": prompt}, params)
+        stamps: dict[str, list[float]] = {f"itl-{i}": [] for i in range(batch_size)}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                stamps[out.request_id].extend([now] * len(out.outputs[0].token_ids))
+    finally:
+        engine.shutdown()
+    gaps_ms = sorted((b - a) * 1e3 for times in stamps.values() for a, b in zip(times, times[1:]))
+    ttft_ms = statistics.median((times[0] - start) * 1e3 for times in stamps.values())
+    return {
+        "batch_size": batch_size,
+        "context_len": input_len,
+        "output_len": output_len,
+        "median_itl_ms": statistics.median(gaps_ms),
+        "mean_itl_ms": statistics.fmean(gaps_ms),
+        "p90_itl_ms": gaps_ms[min(len(gaps_ms) - 1, int(0.9 * len(gaps_ms)))],
+        "median_ttft_ms": ttft_ms,
+    }
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,6 +298,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             )
             entry["floor_ms"] = floor * 1e3
     result["decode_latency"] = per_batch
+    if args.client_itl:
+        result["client_itl"] = {
+            str(b): run_client_itl(engine_args, b, args.input_len, args.output_len, args.seed)
+            for b in args.batch_size
+        }
+        for b, entry in result["client_itl"].items():
+            print(
+                f"batch {b:>4} ctx {args.input_len}: client inter-token time median "
+                f"{entry['median_itl_ms']:.3f} ms, p90 {entry['p90_itl_ms']:.3f} ms "
+                f"({entry['output_len']} tokens per request)"
+            )
     for b, entry in per_batch.items():
         floor = f", floor {entry['floor_ms']:.3f} ms" if "floor_ms" in entry else ""
         print(

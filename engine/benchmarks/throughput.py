@@ -221,6 +221,7 @@ def describe_engine(engine_args: Any) -> dict[str, Any]:
         "max_model_len": config.model_config.max_model_len,
         "block_size": config.cache_config.block_size,
         "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "async_scheduling": config.scheduler_config.async_scheduling,
     }
 
 

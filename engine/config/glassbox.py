@@ -5,10 +5,16 @@ vLLM twin: ``vllm/config/vllm.py`` (``VllmConfig``). Sessions: 01.
 ``shutdown_timeout`` is vLLM's field: how long a stopping engine lets the
 requests in flight run before it aborts them. 0 (the default, as in vLLM)
 aborts at once; ``glassbox serve`` defaults it to 30.
+
+``__post_init__`` resolves ``scheduler_config.async_scheduling`` as vLLM's
+does: left at None it turns on unless the executor class cannot overlap two
+steps (``Executor.supports_async_scheduling``); set to True with such an
+executor it is an error. The result is logged once per process.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.config.cache import CacheConfig
@@ -19,6 +25,10 @@ from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
+# The resolved async-scheduling setting, once logged (vLLM logs it once).
+_logged_async_scheduling: set[bool] = set()
 
 
 @dataclass
@@ -39,4 +49,32 @@ class GlassboxConfig:
         if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
             raise ValueError(
                 f"shutdown_timeout must be an integer >= 0 (seconds), got {self.shutdown_timeout!r}"
+            )
+        self._resolve_async_scheduling()
+
+    def _resolve_async_scheduling(self) -> None:
+        from engine.v1.executor.abstract import Executor
+
+        scheduler_config = self.scheduler_config
+        backend = self.parallel_config.distributed_executor_backend
+        executor_class = Executor.get_class(self)
+        supported = executor_class.supports_async_scheduling()
+        if scheduler_config.async_scheduling and not supported:
+            name = getattr(backend, "__name__", backend)
+            raise ValueError(
+                f"async_scheduling: the {name!r} executor does not support it; "
+                "use --no-async-scheduling"
+            )
+        if scheduler_config.async_scheduling is None:
+            if not supported:
+                logger.warning(
+                    "Async scheduling is off: the %r executor does not support it.",
+                    getattr(backend, "__name__", backend),
+                )
+            scheduler_config.async_scheduling = supported
+        if scheduler_config.async_scheduling not in _logged_async_scheduling:
+            _logged_async_scheduling.add(scheduler_config.async_scheduling)
+            logger.info(
+                "Asynchronous scheduling is %s.",
+                "enabled" if scheduler_config.async_scheduling else "disabled",
             )

@@ -7,8 +7,12 @@ knob of continuous batching), ``max_num_seqs``, ``enable_chunked_prefill``,
 ``policy``.
 Sessions: 02 (scheduler).
 
-Simpler than vLLM: no async scheduling, no encoder budget, no partial-prefill
-limits, no pause states.
+``async_scheduling`` (None until ``GlassboxConfig`` resolves it, by vLLM's
+rules: on unless the executor cannot overlap steps) picks the scheduler class
+(``get_scheduler_cls``): ``AsyncScheduler`` or ``Scheduler``.
+
+Simpler than vLLM: no encoder budget, no partial-prefill limits, no pause
+states, no custom ``scheduler_cls``.
 
 Differs from vLLM on purpose: ``max_waiting_requests`` (Glassbox's own; vLLM
 queues without limit) bounds how many sequences may wait beyond a full batch
@@ -20,7 +24,10 @@ prompt it is given, as in vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.v1.core.sched.interface import SchedulerInterface
 
 SchedulerPolicy = Literal["fcfs", "priority"]
 
@@ -46,6 +53,10 @@ class SchedulerConfig:
     """Streamed (DELTA) outputs go to the user every this many tokens (and
     at a request's first token and its end). 1 sends each token at once;
     more means fewer, larger chunks and less front-end work per token."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs on the device (vLLM's default); None:
+    on unless the executor cannot overlap steps. --no-async-scheduling runs the
+    serial loop."""
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     """The server refuses new requests (HTTP 503) once max_num_seqs + this many
     sequences are unfinished (a request with n samples counts n); -1 means no
@@ -76,6 +87,10 @@ class SchedulerConfig:
                 "max_waiting_requests must be an integer >= 0, or -1 for no limit, "
                 f"got {self.max_waiting_requests!r}"
             )
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"async_scheduling must be True, False or None, got {self.async_scheduling!r}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -86,6 +101,15 @@ class SchedulerConfig:
                 "such prompts could never be scheduled. Raise max_num_batched_tokens, "
                 "lower max_model_len, or enable chunked prefill."
             )
+
+    def get_scheduler_cls(self) -> type[SchedulerInterface]:
+        if self.async_scheduling:
+            from engine.v1.core.sched.async_scheduler import AsyncScheduler
+
+            return AsyncScheduler
+        from engine.v1.core.sched.scheduler import Scheduler
+
+        return Scheduler
 
     @property
     def max_num_scheduled_tokens(self) -> int:

@@ -109,6 +109,10 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None
     """Name(s) the model answers to in requests; the first also labels the
     metrics. None: MODEL as given."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs on the device (vLLM's default); None:
+    on unless the executor cannot overlap steps; --no-async-scheduling runs the
+    serial loop."""
     shutdown_timeout: int = 0
     """Seconds a stopping engine lets the requests in flight finish (SIGTERM or
     Ctrl-C) before it aborts them; 0: abort at once."""
@@ -183,6 +187,7 @@ class EngineArgs:
                 scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
                 stream_interval=self.stream_interval,
                 max_waiting_requests=self.max_waiting_requests,
+                async_scheduling=self.async_scheduling,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             parallel_config=ParallelConfig(

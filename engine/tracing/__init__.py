@@ -57,6 +57,7 @@ _LAZY = {
     "ReplayBlock": "engine.tracing.replay",
     "ReplayError": "engine.tracing.replay",
     "ReplayRequest": "engine.tracing.replay",
+    "StepPhases": "engine.tracing.replay",
     "StepView": "engine.tracing.replay",
     "TraceReplay": "engine.tracing.replay",
     "build_perfetto": "engine.tracing.perfetto",

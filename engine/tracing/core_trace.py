@@ -180,6 +180,7 @@ class SchedulerTrace(SubsystemTrace):
                 block_size=scheduler.block_size,
                 enable_prefix_caching=scheduler.cache_config.enable_prefix_caching,
                 num_gpu_blocks=scheduler.kv_cache_config.num_blocks,
+                async_scheduling=bool(sc.async_scheduling),
             )
         )
 
@@ -266,7 +267,10 @@ class SchedulerTrace(SubsystemTrace):
             )
         )
 
-    def update_started(self) -> None:
+    def update_started(self, step: int) -> None:
+        """``update_from_output()`` of ``step`` begins; with async scheduling
+        the next step was scheduled meanwhile, so its events are ``step``'s again."""
+        self.tracer.set_step(step)
         self._update_start_ns = time.perf_counter_ns()
 
     def updated(self, scheduler: Any, outputs: dict[int, list[Any]]) -> None:

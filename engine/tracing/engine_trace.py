@@ -12,11 +12,14 @@ Sessions: 01 (engine loop).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from engine.tracing.events import (
     ApiChunk,
     ApiRequest,
+    EngineOutputReady,
+    EngineStepLaunched,
     OutputReceived,
     OutputSent,
     RequestAdded,
@@ -37,14 +40,38 @@ MAX_PROMPT_CHARS = 512
 class EngineCoreTrace(SubsystemTrace):
     """``EngineCore``: when the trace is written, and the process hop's core side."""
 
-    def forward_launched(self) -> None:
-        """Write what the step recorded so far while the device runs the
-        forward just launched (docs/trace_format.md: why every step)."""
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        self._wait_start_ns = 0
+        self._newest_step: int | None = None  # the last step launched
+
+    def step_launched(self, step: int, num_in_flight: int) -> None:
+        """``engine.step_launched``; then write what was recorded so far while
+        the device runs the step (docs/trace_format.md: why every step). The
+        host may wait for a step's tokens from here on."""
+        self._newest_step = step
+        self.tracer.record(EngineStepLaunched(step=step, num_in_flight=num_in_flight))
         self.tracer.flush()
 
-    def step_done(self, scheduler: Any) -> None:
-        """Write the step's last events now if no step follows to carry them."""
-        if not scheduler.has_requests():
+    def waiting_for_output(self) -> None:
+        """The host is about to block until a step's tokens are on the host."""
+        self._wait_start_ns = time.perf_counter_ns()
+
+    def output_ready(self, step: int) -> None:
+        """``engine.output_ready``: ``step``'s tokens are on the host."""
+        self.tracer.set_step(step)
+        now = time.perf_counter_ns()
+        self.tracer.record(EngineOutputReady(step=step, wait_ns=now - self._wait_start_ns))
+
+    def step_done(self, scheduler: Any, batch_queue: Any = ()) -> None:
+        """A step's output was applied. What happens until the next
+        ``schedule()`` (requests added, aborts) belongs to the newest step
+        launched -- with async scheduling not the step just updated, as the
+        next one is already in flight. Write the step's last events now if
+        no step follows to carry them."""
+        if self._newest_step is not None:
+            self.tracer.set_step(self._newest_step)
+        if not scheduler.has_requests() and not batch_queue:
             self.tracer.flush()
 
     def request_received(self, request_type: Any, request: Any) -> None:

@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.3"
+TRACE_FORMAT_VERSION = "1.4"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.3"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.4"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -108,7 +108,8 @@ class TraceEnd(TraceEvent, kw_only=True, tag="trace.end"):
 # ---------------------------------------------------------------------------
 class EngineConfig(TraceEvent, kw_only=True, tag="engine.config"):
     """Written by ``Scheduler.__init__``, once: the settings a replay needs.
-    Replay: ``policy`` decides how the waiting queue is ordered."""
+    Replay: ``policy`` decides how the waiting queue is ordered;
+    ``async_scheduling`` whether scheduled requests get placeholders."""
 
     max_num_seqs: Annotated[int, doc("running requests at most")]
     max_num_batched_tokens: Annotated[int, doc("token budget of one step")]
@@ -121,6 +122,42 @@ class EngineConfig(TraceEvent, kw_only=True, tag="engine.config"):
         bool, doc("full blocks are hashed and shared between requests")
     ]
     num_gpu_blocks: Annotated[int, doc("KV blocks, the null block included")]
+    async_scheduling: Annotated[
+        bool,
+        doc(
+            "steps overlap: step N+1 is scheduled and launched before step N's tokens are read "
+            "(absent, i.e. false, before 1.4)"
+        ),
+    ] = False
+
+
+class EngineStepLaunched(TraceEvent, kw_only=True, tag="engine.step_launched"):
+    """Written by ``EngineCore`` once a step's forward (and, with async
+    scheduling, its sampling) is queued on the device; the host goes on at
+    once. With ``sched.step`` (the end of ``schedule()``) and
+    ``engine.output_ready`` it bounds the step's three phases: scheduled,
+    in flight, consumed. Replay: ``StepView.phases`` (``launched_ts``) and
+    ``StepView.in_flight`` (the steps in flight right after it)."""
+
+    num_in_flight: Annotated[
+        int,
+        doc("steps launched whose tokens the host has not read yet, this one included (1 or 2)"),
+    ]
+
+
+class EngineOutputReady(TraceEvent, kw_only=True, tag="engine.output_ready"):
+    """Written by ``EngineCore`` when a step's sampled tokens are on the host,
+    right before ``update_from_output``. With async scheduling the next step
+    was launched in between. Replay: the step leaves the steps in flight
+    (``StepPhases.output_ready_ts``)."""
+
+    wait_ns: Annotated[
+        int,
+        doc(
+            "how long the host blocked for the tokens (synchronous loop: sampling included, "
+            "as it runs inside the wait)"
+        ),
+    ]
 
 
 class KVInit(TraceEvent, kw_only=True, tag="kv.init"):
@@ -361,7 +398,9 @@ class SchedPreempted(TraceEvent, kw_only=True, tag="sched.preempted"):
 class SchedStep(TraceEvent, kw_only=True, tag="sched.step"):
     """The end of ``schedule()``: one step's decisions. Replay: advances each
     scheduled request's cursor by its tokens (the scheduler does this before
-    the model runs); checks the queue lengths."""
+    the model runs); with async scheduling, each request the step samples a
+    token for gets a placeholder (``num_output_placeholders``); checks the
+    queue lengths."""
 
     token_budget: Annotated[int, doc("the step's budget (`max_num_batched_tokens`)")]
     token_budget_left: Annotated[int, doc("what nobody used")]
@@ -387,7 +426,8 @@ class SchedStep(TraceEvent, kw_only=True, tag="sched.step"):
 
 class SchedUpdate(TraceEvent, kw_only=True, tag="sched.update"):
     """The end of ``update_from_output()``. Replay: adds the tokens to each
-    request; checks the queue lengths."""
+    request (each retires a placeholder); checks the queue lengths. With
+    async scheduling it comes after the next step's ``sched.step``."""
 
     new_token_ids: Annotated[
         dict[str, list[int]],
@@ -595,7 +635,8 @@ class RunnerInputs(TraceEvent, kw_only=True, tag="runner.inputs"):
 class RunnerForward(TraceEvent, kw_only=True, tag="runner.forward"):
     """The model call and ``compute_logits``. On CPU written right after them;
     on CUDA after sampling has waited for the device (timed by a pair of CUDA
-    events), so place it by ``start_ts``."""
+    events; with async scheduling after the next step's launch), so place it
+    by ``start_ts``."""
 
     start_ts: Annotated[
         int | None,
@@ -617,7 +658,8 @@ class SamplerStage(msgspec.Struct, kw_only=True, gc=False):
 class SamplerSampled(TraceEvent, kw_only=True, tag="sampler.sampled"):
     """One per request whose sample is kept (prefill-chunk rows are not
     traced), written after the runner's copy of the sampled tokens, so it
-    follows the step's ``runner.forward``. ``stages`` (``full``), in order:
+    follows the step's ``runner.forward`` (with async scheduling, the next
+    step's launch too). ``stages`` (``full``), in order:
     ``raw`` (softmax of the model's logits), ``processed`` (after allowed-token
     masks, bad words, min-tokens, logit bias and penalties) and, when the batch
     has random rows, ``temperature``, ``min_p`` (only if it changed the logits)
@@ -666,6 +708,7 @@ class TraceTokenTexts(TraceEvent, kw_only=True, tag="trace.token_texts"):
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
     "The file": (TraceHeader, TraceEnd),
     "Engine set-up": (EngineConfig, KVInit, RunnerInit, RunnerCudagraphs),
+    "Engine loop (engine core)": (EngineStepLaunched, EngineOutputReady),
     "Requests (front end)": (RequestAdded, RequestOutputEvent, RequestFinished),
     "Process hops": (
         RequestSent,

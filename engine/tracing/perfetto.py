@@ -15,9 +15,19 @@ Read it for how engine events map onto a timeline:
     prefix-cache lookups and tokens. Front end and core get separate ids
     because their lifetimes overlap without nesting (a stop string ends the
     request in the front end before the core hears of it);
-  * per engine step, complete slices (``ph`` X) that nest on the
-    ``scheduler`` thread: ``step N`` around ``schedule()`` and
-    ``update_from_output()``; the ``model runner`` thread has ``forward``;
+  * per engine step, complete slices (``ph`` X): on the ``scheduler``
+    thread (the host's loop) ``schedule()``, ``wait for tokens`` (the host
+    blocked on the step's sampled tokens) and ``update_from_output()``, each
+    with its ``step`` in the args; on the ``steps in flight`` threads one
+    ``step N`` slice per step, from its launch (``engine.step_launched``) to
+    the moment its tokens were read (``engine.output_ready``; traces before
+    1.4: the end of ``schedule()`` to the start of ``update_from_output()``).
+    With async scheduling step N+1 is launched before step N's tokens are
+    read, so their slices overlap: each goes on the first ``steps in
+    flight`` thread free at its start (two threads then, steps alternating),
+    and step N+1's ``schedule()`` on the host lies inside step N's slice.
+    The ``model runner`` thread has ``forward`` (on CUDA, GPU time placed at
+    the launch, and never before the previous forward's end: one stream);
   * counters (``ph`` C): KV blocks (used / free but still cached / free and
     empty, stacked to the usable pool), queue lengths, scheduled tokens;
   * flow arrows (``ph`` s/f) across the front end <-> engine-core hop, one
@@ -57,6 +67,8 @@ TID_KV = 3
 TID_FRONTEND = 4
 TID_CORE_IO = 5
 TID_API = 6
+# The "steps in flight" threads: 7, 8, ... (two with async scheduling).
+TID_IN_FLIGHT = 7
 _THREAD_NAMES = {
     TID_SCHEDULER: "scheduler",
     TID_RUNNER: "model runner",
@@ -64,6 +76,7 @@ _THREAD_NAMES = {
     TID_FRONTEND: "front end",
     TID_CORE_IO: "engine core io",
     TID_API: "API server",
+    TID_IN_FLIGHT: "steps in flight",
 }
 _FRONTEND_KINDS = ("request.added", "request.output", "request.finished")
 _HOP_KINDS = ("request.sent", "request.received", "output.sent", "output.received")
@@ -156,54 +169,92 @@ class _Builder:
     # -- engine steps -----------------------------------------------------------
     def _steps(self) -> None:
         by_step: dict[tuple[int, int], dict[str, Any]] = defaultdict(dict)
+        kinds = ("sched.step", "sched.update", "engine.step_launched", "engine.output_ready")
         for e in self.events:
-            if e.kind in ("sched.step", "sched.update") and e.step is not None:
+            if e.kind in kinds and e.step is not None:
                 by_step[(e.pid, e.step)][e.kind] = e
+        last_us: dict[int, float] = {}
+        for e in self.events:
+            last_us[e.pid] = self.us(e.ts)
+        # pid -> [(start, end, step, args)] of each step's time in flight.
+        in_flight: dict[int, list[tuple[float, float, int, dict[str, Any]]]] = defaultdict(list)
         for (pid, step), parts in sorted(by_step.items()):
             sched, update = parts.get("sched.step"), parts.get("sched.update")
-            children = []
-            if sched is not None:
-                children.append(
-                    [
-                        *self.span_before(sched),
-                        "schedule()",
-                        {
-                            "num_scheduled_tokens": sched.num_scheduled_tokens,
-                            "new": sched.new_req_ids,
-                            "resumed": sched.resumed_req_ids,
-                            "preempted": sched.preempted_req_ids,
-                            "token_budget_left": sched.token_budget_left,
-                        },
-                    ]
-                )
-            if update is not None:
-                children.append(
-                    [
-                        *self.span_before(update),
-                        "update_from_output()",
-                        {
-                            "new_token_ids": update.new_token_ids,
-                            "finished": update.finished,
-                        },
-                    ]
-                )
-            # Keep children in order and inside their parent despite clock jitter.
-            for a, b in zip(children, children[1:]):
-                b[0] = max(b[0], a[1])
-                b[1] = max(b[1], b[0])
-            start, end = children[0][0], children[-1][1]
-            args = {"step": step}
+            launched, ready = parts.get("engine.step_launched"), parts.get("engine.output_ready")
+            args: dict[str, Any] = {"step": step}
             if sched is not None:
                 args.update(
                     total_num_scheduled_tokens=sched.total_num_scheduled_tokens,
                     num_running=sched.num_running,
                     num_waiting=sched.num_waiting,
                 )
-            self.add_slice(pid, TID_SCHEDULER, start, end, f"step {step}", args)
-            for c in children:
-                self.add_slice(pid, TID_SCHEDULER, c[0], c[1], c[2], c[3])
+                self.add_slice(
+                    pid,
+                    TID_SCHEDULER,
+                    *self.span_before(sched),
+                    "schedule()",
+                    {
+                        "step": step,
+                        "num_scheduled_tokens": sched.num_scheduled_tokens,
+                        "new": sched.new_req_ids,
+                        "resumed": sched.resumed_req_ids,
+                        "preempted": sched.preempted_req_ids,
+                        "token_budget_left": sched.token_budget_left,
+                    },
+                )
+            if ready is not None:
+                end = self.us(ready.ts)
+                self.add_slice(
+                    pid,
+                    TID_SCHEDULER,
+                    end - ready.wait_ns / 1000.0,
+                    end,
+                    "wait for tokens",
+                    {"step": step, "wait_ms": ready.wait_ns / 1e6},
+                )
+            if update is not None:
+                self.add_slice(
+                    pid,
+                    TID_SCHEDULER,
+                    *self.span_before(update),
+                    "update_from_output()",
+                    {
+                        "step": step,
+                        "new_token_ids": update.new_token_ids,
+                        "finished": update.finished,
+                    },
+                )
+            # In flight: launch to tokens read (before 1.4: schedule()'s end to update's start).
+            start = self.us(launched.ts) if launched is not None else None
+            if start is None and sched is not None:
+                start = self.us(sched.ts)
+            end = self.us(ready.ts) if ready is not None else None
+            if end is None and update is not None:
+                end = self.span_before(update)[0]
+            if start is not None and end is None:
+                # Still in flight when the trace ends (e.g. an empty last step
+                # that only told the worker which requests finished).
+                end = last_us[pid]
+                args["in_flight_at_trace_end"] = True
+            if start is not None and end is not None:
+                if launched is not None:
+                    args["num_in_flight"] = launched.num_in_flight
+                if ready is not None:
+                    args["wait_ms"] = ready.wait_ns / 1e6
+                in_flight[pid].append((start, max(start, end), step, args))
+        for pid, spans in in_flight.items():
+            # Each step on the first lane free at its launch: overlapping steps
+            # (async scheduling) get a lane each, so none is clipped into another.
+            lane_ends: list[float] = []
+            for start, end, step, args in sorted(spans, key=lambda s: (s[0], s[2])):
+                lane = next((i for i, t in enumerate(lane_ends) if t <= start), len(lane_ends))
+                if lane == len(lane_ends):
+                    lane_ends.append(end)
+                lane_ends[lane] = end
+                self.add_slice(pid, TID_IN_FLIGHT + lane, start, end, f"step {step}", args)
 
     def _runner(self) -> None:
+        forwards: dict[int, list[list[Any]]] = defaultdict(list)
         for e in self.events:
             if e.kind == "runner.forward":
                 # Placed by start_ts (launch time): on CUDA the event is written
@@ -213,20 +264,28 @@ class _Builder:
                     end = start + e.duration_ns / 1000.0
                 else:  # traces before 1.1: ts is the end
                     start, end = self.span_before(e)
-                self.add_slice(
-                    e.pid,
-                    TID_RUNNER,
-                    start,
-                    end,
-                    "forward",
-                    {
-                        "step": e.step,
-                        "num_tokens": e.num_tokens,
-                        "duration_ms": e.duration_ns / 1e6,
-                    },
+                forwards[e.pid].append(
+                    [
+                        start,
+                        end,
+                        {
+                            "step": e.step,
+                            "num_tokens": e.num_tokens,
+                            "duration_ms": e.duration_ns / 1e6,
+                        },
+                    ]
                 )
             elif e.kind in ("runner.batch", "runner.init", "runner.inputs", "sampler.sampled"):
                 self._instant(e, TID_RUNNER, e.kind, _event_args(e))
+        for pid, items in forwards.items():
+            # Launched while the previous forward still ran (async scheduling on
+            # CUDA), a forward starts on the device when that one ends.
+            previous_end = float("-inf")
+            for start, end, args in sorted(items, key=lambda f: f[0]):
+                shift = max(0.0, previous_end - start)
+                start, end = start + shift, end + shift
+                previous_end = end
+                self.add_slice(pid, TID_RUNNER, start, end, "forward", args)
 
     def _kv_instants(self) -> None:
         for e in self.events:
@@ -615,9 +674,16 @@ class _Builder:
                     "ph": "M",
                     "pid": pid,
                     "tid": tid,
-                    "args": {"name": _THREAD_NAMES.get(tid, f"track {tid}")},
+                    "args": {"name": _thread_name(tid)},
                 }
             )
+
+
+def _thread_name(tid: int) -> str:
+    if tid > TID_IN_FLIGHT:
+        # The second lane holds the steps launched while another was in flight.
+        return f"steps in flight ({tid - TID_IN_FLIGHT + 1})"
+    return _THREAD_NAMES.get(tid, f"track {tid}")
 
 
 def _event_args(event: TraceEvent) -> dict[str, Any]:

@@ -11,10 +11,25 @@ Read it for: how a step of the trace is found and shown (``view``).
 Sessions: all (the TUI and notebooks are built on it).
 
 "State at step n" is the engine as of just before step n+1's ``schedule()``:
-step n has run, and requests added or aborted after it are included (the
-tracer stamps those events with step n). Step 0 is the engine before its
-first step. Building a ``TraceReplay`` replays the whole trace once, so a
-trace the model contradicts raises ``ReplayError`` right away.
+step n has been scheduled, and requests added or aborted after it are
+included (the tracer stamps those events with step n). Step 0 is the engine
+before its first step. Building a ``TraceReplay`` replays the whole trace
+once, so a trace the model contradicts raises ``ReplayError`` right away.
+
+The engine process's events are applied in the order it wrote them (``seq``),
+not grouped by their ``step``. Without async scheduling the two are the
+same: each step is scheduled, run and updated before the next begins. With
+async scheduling (the default) step n+1 is scheduled and launched before
+step n's output is read, so step n's ``sched.update`` (and its
+``runner.forward`` / ``sampler.sampled``, its finishes and frees) come after
+step n+1's ``sched.step``, still stamped n. The state at step n is then the
+engine with step n in flight: step n-1's tokens applied, step n's on their
+way -- each request it samples for holds a placeholder
+(``ReplayRequest.num_output_placeholders``), as in the engine's
+``AsyncScheduler``. ``StepView`` says when each step was scheduled,
+launched, consumed and updated (``StepPhases``) and which steps were in
+flight together; traces before 1.4 have no launch / consume events, and the
+replay takes ``sched.step`` and ``sched.update`` for them.
 
 Random access: it keeps a copy of the state every ``snapshot_interval``
 steps and replays forward from the nearest one, so any step of a run of
@@ -32,13 +47,17 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from engine.tracing.events import (
+    EngineConfig,
+    EngineOutputReady,
+    EngineStepLaunched,
     KVInit,
     RequestAdded,
     RunnerBatch,
+    RunnerForward,
     SamplerSampled,
     SchedStep,
     SchedUpdate,
@@ -72,6 +91,44 @@ class BatchSlot:
 
 
 @dataclass
+class StepPhases:
+    """When one step went through the engine loop (wall-clock ns, the
+    engine process's clock; None where the trace has no event for it).
+
+    scheduled: ``schedule()`` ran from ``schedule_start_ts`` to ``scheduled_ts``
+    (``sched.step``); launched: the forward (and sampling) queued on the
+    device (``engine.step_launched``, format 1.4); consumed: its sampled
+    tokens reached the host after the host waited ``wait_ns`` for them
+    (``engine.output_ready``, 1.4); updated: ``update_from_output()`` ran
+    from ``update_start_ts`` to ``updated_ts`` (``sched.update``). The step is
+    in flight from launch to consumption (``in_flight_span``)."""
+
+    step: int
+    schedule_start_ts: int | None = None
+    scheduled_ts: int | None = None
+    launched_ts: int | None = None
+    # Steps in flight right after the launch, this one included (1 or 2).
+    num_in_flight: int | None = None
+    forward_start_ts: int | None = None
+    forward_ns: int | None = None
+    output_ready_ts: int | None = None
+    wait_ns: int | None = None
+    update_start_ts: int | None = None
+    updated_ts: int | None = None
+
+    @property
+    def in_flight_span(self) -> tuple[int, int] | None:
+        """(start, end) ns of the time the step was in flight: launch to
+        consumption; before format 1.4, the end of ``schedule()`` to the
+        start of ``update_from_output()``. None when either end is missing."""
+        start = self.launched_ts if self.launched_ts is not None else self.scheduled_ts
+        end = self.output_ready_ts if self.output_ready_ts is not None else self.update_start_ts
+        if start is None or end is None:
+            return None
+        return start, max(start, end)
+
+
+@dataclass
 class StepView:
     """Everything the trace says about one step, with the state after it."""
 
@@ -89,6 +146,19 @@ class StepView:
     # Tokens each request received this step (from ``sched.update``).
     new_token_ids: dict[str, list[int]]
     events: list[TraceEvent]
+    # When the step was scheduled, launched, consumed and updated (None for step 0).
+    phases: StepPhases | None = None
+    # Steps in flight right after this one was launched, oldest first, this
+    # one included: [n-1, n] when step n was scheduled before step n-1's
+    # tokens were read (async scheduling), [n] otherwise; [] for step 0.
+    in_flight: list[int] = field(default_factory=list)
+    # Async scheduling, per request scheduled this step: its placeholders at
+    # the end of schedule() (tokens the steps in flight, this one included,
+    # will sample for it), and how many of the tokens it computes this step
+    # are placeholders themselves (the previous step's samples, whose ids the
+    # runner takes on the device). Requests with none are left out.
+    num_output_placeholders: dict[str, int] = field(default_factory=dict)
+    num_placeholder_inputs: dict[str, int] = field(default_factory=dict)
 
     @property
     def waiting(self) -> list[str]:
@@ -128,23 +198,29 @@ class TraceReplay:
             self._replay_all()
 
     def _index(self, events: list[TraceEvent], core: list[TraceEvent]) -> None:
-        """Group the events by step: the state events, and every event (views)."""
+        """Group the events by step: the state events, and every event (views).
+
+        A state event is applied with the newest step scheduled when it was
+        written: with async scheduling step n's update comes after step n+1's
+        schedule (still stamped n) and belongs to the state at step n+1, the
+        order the engine applied it in."""
         state_events: dict[int, list[TraceEvent]] = {}
         starts: list[tuple[int, int]] = []  # (ts, step) where each step's events begin
-        last = None
+        newest = -1
         for e in core:
             if type(e) in STATE_TYPES:
                 step = e.step or 0
-                group = state_events.get(step)
-                if group is None:
-                    group = state_events[step] = []
-                group.append(e)
-                if step != last:
+                if step > newest:
+                    newest = step
                     starts.append((e.ts, step))
-                    last = step
+                group = state_events.get(newest)
+                if group is None:
+                    group = state_events[newest] = []
+                group.append(e)
         self._state_events = state_events
         self._step_starts = starts
         self.last_step = max(state_events, default=0)
+        self._index_phases(core)
         # Every event of a step, any process (for views and exports).
         all_events: dict[int, list[TraceEvent]] = {}
         step_of = self.step_of
@@ -158,16 +234,123 @@ class TraceReplay:
             group.append(e)
         self._all_events = all_events
 
+    def _index_phases(self, core: list[TraceEvent]) -> None:
+        """Each step's ``StepPhases``, and the steps in flight after each
+        launch (from the engine's own order: launch and consumption events,
+        or ``sched.step`` and ``sched.update`` in traces before 1.4)."""
+        phases: dict[int, StepPhases] = {}
+        launched = any(type(e) is EngineStepLaunched for e in core)
+        start_type, end_type = (
+            (EngineStepLaunched, EngineOutputReady) if launched else (SchedStep, SchedUpdate)
+        )
+        in_flight: list[int] = []
+        in_flight_after_launch: dict[int, list[int]] = {}
+        self.config: EngineConfig | None = None
+        for e in core:
+            t = type(e)
+            if t is EngineConfig and self.config is None:
+                self.config = e
+                continue
+            step = e.step
+            if step is None or t not in _PHASE_TYPES:
+                continue
+            p = phases.get(step)
+            if p is None:
+                p = phases[step] = StepPhases(step)
+            if t is SchedStep:
+                p.scheduled_ts = e.ts
+                p.schedule_start_ts = e.ts - e.duration_ns
+            elif t is EngineStepLaunched:
+                p.launched_ts = e.ts
+                p.num_in_flight = e.num_in_flight
+            elif t is RunnerForward:
+                p.forward_ns = e.duration_ns
+                p.forward_start_ts = e.start_ts if e.start_ts is not None else e.ts - e.duration_ns
+            elif t is EngineOutputReady:
+                p.output_ready_ts = e.ts
+                p.wait_ns = e.wait_ns
+            elif t is SchedUpdate:
+                p.updated_ts = e.ts
+                p.update_start_ts = e.ts - e.duration_ns
+            if t is start_type:
+                in_flight.append(step)
+                in_flight_after_launch[step] = list(in_flight)
+            elif t is end_type and step in in_flight:
+                in_flight.remove(step)
+        self.step_phases: dict[int, StepPhases] = phases
+        self._in_flight_after_launch = in_flight_after_launch
+
+    @property
+    def async_scheduling(self) -> bool:
+        """The run scheduled asynchronously: its ``engine.config`` says so
+        (format 1.4), or a step was launched while another was in flight."""
+        if self.config is not None and self.config.async_scheduling:
+            return True
+        return bool(self.overlapped_steps)
+
+    @cached_property
+    def overlapped_steps(self) -> list[int]:
+        """Steps launched while an earlier step was still in flight (its
+        tokens not yet read): every step but the first of a run with async
+        scheduling, none without."""
+        return [s for s, steps in sorted(self._in_flight_after_launch.items()) if len(steps) > 1]
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most steps that were in flight at once (0: no step ran)."""
+        return max((len(steps) for steps in self._in_flight_after_launch.values()), default=0)
+
+    def in_flight_after_launch(self, step: int) -> list[int]:
+        """The steps in flight right after ``step`` was launched, oldest first,
+        ``step`` included ([] for a step that was never launched)."""
+        return list(self._in_flight_after_launch.get(step, ()))
+
+    def in_flight_at(self, ts: int) -> list[int]:
+        """The steps in flight at wall-clock time ``ts`` (ns), oldest first:
+        launched at or before ``ts``, tokens not yet read by then (or never:
+        a step still in flight when the trace ends)."""
+        out = []
+        for step in sorted(self.step_phases):
+            p = self.step_phases[step]
+            start = p.launched_ts if p.launched_ts is not None else p.scheduled_ts
+            end = p.output_ready_ts if p.output_ready_ts is not None else p.update_start_ts
+            # A step whose tokens were never read (the trace ended) stays in flight.
+            if start is not None and start <= ts and (end is None or ts < end):
+                out.append(step)
+        return out
+
     def _replay_all(self) -> None:
-        """One pass over the trace: checks it, keeps the snapshots and the final state."""
+        """One pass over the trace: checks it, keeps the snapshots, each
+        step's placeholders at the end of its schedule() and the final state."""
         self._snapshots: dict[int, EngineState] = {}
+        # Step -> ({request: placeholders}, {request: placeholder inputs}), async only.
+        self._placeholders: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
         state = EngineState()
         interval = self.snapshot_interval
         for step in self.steps:
-            self._advance(state, step)
+            for e in self._state_events.get(step, ()):
+                state.apply(e)
+                if type(e) is SchedStep and state.async_scheduling:
+                    self._note_placeholders(state, e)
+            state.step = step
             if step % interval == 0:
                 self._snapshots[step] = state.copy()
         self._final = state
+
+    def _note_placeholders(self, state: EngineState, sched: SchedStep) -> None:
+        placeholders, inputs = {}, {}
+        for rid in sched.num_scheduled_tokens:
+            req = state.requests[rid]
+            if req.num_output_placeholders:
+                placeholders[rid] = req.num_output_placeholders
+            # Positions past the tokens the host knows hold placeholders.
+            n = req.num_computed_tokens - max(
+                req.num_tokens, req.num_computed_tokens - sched.num_scheduled_tokens[rid]
+            )
+            if n > 0:
+                inputs[rid] = n
+        if placeholders or inputs:
+            self._placeholders[sched.step or 0] = (placeholders, inputs)
 
     @property
     def steps(self) -> range:
@@ -240,6 +423,7 @@ class TraceReplay:
             source = "scheduler"
         else:
             batch, source = [], "none"
+        placeholders, inputs = self._placeholders.get(step, ({}, {}))
         return StepView(
             step=step,
             state=state,
@@ -250,6 +434,10 @@ class TraceReplay:
             sampler=sampler,
             new_token_ids=dict(update.new_token_ids) if update else {},
             events=events,
+            phases=self.step_phases.get(step),
+            in_flight=self.in_flight_after_launch(step),
+            num_output_placeholders=dict(placeholders),
+            num_placeholder_inputs=dict(inputs),
         )
 
     def _batch_from_scheduler(self, step: int, sched: SchedStep) -> list[BatchSlot]:
@@ -263,6 +451,8 @@ class TraceReplay:
             if e is sched:
                 break
         slots = []
+        # Async scheduling: the step samples for the requests it gave a placeholder.
+        sampling = state.sampling_requests(step) if state.async_scheduling else None
         for rid, n in sched.num_scheduled_tokens.items():
             req = state.requests[rid]
             seq_len = req.num_computed_tokens  # already advanced by sched.step
@@ -281,7 +471,7 @@ class TraceReplay:
                     num_computed_tokens=start,
                     seq_len=seq_len,
                     slot_mapping=runs,
-                    sampled=seq_len >= req.num_tokens,
+                    sampled=seq_len >= req.num_tokens if sampling is None else rid in sampling,
                 )
             )
         return slots
@@ -319,6 +509,12 @@ def _seq(event: TraceEvent) -> int:
     return event.seq
 
 
+# The events a step's phases are read from.
+_PHASE_TYPES = frozenset(
+    (SchedStep, EngineStepLaunched, RunnerForward, EngineOutputReady, SchedUpdate)
+)
+
+
 def _names_request(event: TraceEvent, request_id: str) -> bool:
     if getattr(event, "request_id", None) == request_id:
         return True
@@ -337,6 +533,7 @@ __all__ = [
     "ReplayBlock",
     "ReplayError",
     "ReplayRequest",
+    "StepPhases",
     "StepView",
     "TraceReplay",
 ]

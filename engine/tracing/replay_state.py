@@ -12,7 +12,10 @@ re-enacts, event by event, what ``engine/v1/core/sched/scheduler.py``,
     the free queue -- reproduced exactly, by modelling
     ``FreeKVCacheBlockQueue``: ids in order minus the null block at start-up,
     ``popleft`` for new blocks, unlink on a prefix hit of a free block,
-    append at the tail (in the given, tail-first order) on free.
+    append at the tail (in the given, tail-first order) on free;
+  * with async scheduling (``engine/v1/core/sched/async_scheduler.py``),
+    each request's placeholders -- tokens sampled by steps still in flight,
+    ``num_output_placeholders`` -- and the steps in flight (``in_flight``).
 
 Read it for: which event changes which piece of state (``EngineState.apply``
 and the ``_on_*`` handlers). ``replay.py`` (``TraceReplay``) drives it over a
@@ -81,6 +84,11 @@ class ReplayRequest:
     # its first output token (-1: never admitted).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Async scheduling: tokens that steps in flight will sample for it (their
+    # positions are already counted in num_computed_tokens), and frames still
+    # to drop after a reset_prefix_cache preemption (the engine's fields).
+    num_output_placeholders: int = 0
+    async_tokens_to_discard: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # Steps at which it was admitted, preempted, finished.
@@ -98,7 +106,11 @@ class ReplayRequest:
 
     @property
     def is_prefill_chunk(self) -> bool:
-        return self.status == RUNNING and self.num_computed_tokens < self.num_tokens
+        """Running, and the next scheduled tokens are still prompt (or
+        recomputed) tokens: a placeholder's position is not one of them."""
+        return self.status == RUNNING and self.num_computed_tokens < (
+            self.num_tokens + self.num_output_placeholders
+        )
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,12 @@ class EngineState:
         # The last scheduler / update decision applied.
         self.last_sched_step: SchedStep | None = None
         self.last_update: SchedUpdate | None = None
+        # Steps scheduled whose output has not been applied yet, oldest first:
+        # with async scheduling the step just scheduled, and for a moment (from
+        # the next schedule() to this one's update) two.
+        self.in_flight: list[int] = []
+        # Step in flight -> the requests it samples a token for (their placeholders).
+        self._sampling: dict[int, tuple[str, ...]] = {}
 
     # -- copying ----------------------------------------------------------------
     def copy(self) -> EngineState:
@@ -161,7 +179,19 @@ class EngineState:
         new._next = list(self._next)
         new._prev = list(self._prev)
         new.cached = dict(self.cached)  # its lists are replaced, never changed
+        new.in_flight = list(self.in_flight)
+        new._sampling = dict(self._sampling)  # of tuples
         return new
+
+    def sampling_requests(self, step: int) -> tuple[str, ...]:
+        """Async scheduling: the requests step ``step`` (in flight) samples a
+        token for; () once its output is applied, or without async scheduling."""
+        return self._sampling.get(step, ())
+
+    @property
+    def async_scheduling(self) -> bool:
+        """The engine scheduled asynchronously (``engine.config``; False before 1.4)."""
+        return self.config is not None and self.config.async_scheduling
 
     def _mutable(self, rid: str) -> ReplayRequest:
         """Request ``rid``, safe to change in place (a copy if it was shared)."""
@@ -420,18 +450,58 @@ class EngineState:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.preempted_steps.append(self.step)
+        if not e.for_request_id:
+            # reset_prefix_cache: the frames of the steps in flight are stale
+            # (the request recomputes from scratch); its placeholders go.
+            # An ordinary preemption keeps them: those tokens are still valid.
+            req.async_tokens_to_discard = req.num_output_placeholders
+            req.num_output_placeholders = 0
         self._enqueue(rid, front=True)
 
     def _on_step(self, e: SchedStep) -> None:
+        sampling = []
+        placeholders = self.async_scheduling
         for rid, n in e.num_scheduled_tokens.items():
-            self._mutable(rid).num_computed_tokens += n
+            req = self._mutable(rid)
+            # Sampled unless a chunk that ends before the last known (or coming) token.
+            samples = req.num_computed_tokens + n >= req.num_tokens + req.num_output_placeholders
+            req.num_computed_tokens += n
+            if placeholders and samples:
+                req.num_output_placeholders += 1
+                sampling.append(rid)
+        step = e.step if e.step is not None else self.step
+        self.in_flight.append(step)
+        if sampling:
+            self._sampling[step] = tuple(sampling)
         self.last_sched_step = e
         self._check_counts(e)
 
     def _on_update(self, e: SchedUpdate) -> None:
-        for rid, tokens in e.new_token_ids.items():
+        new_token_ids = e.new_token_ids
+        step = e.step if e.step is not None else self.step
+        # Each request the step sampled for retires one placeholder per token
+        # appended, or drops the frame after a reset (async_tokens_to_discard).
+        for rid in self._sampling.pop(step, ()):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue  # finished while the step was in flight: its frame is dropped
+            req = self._mutable(rid)
+            if req.async_tokens_to_discard > 0:
+                req.async_tokens_to_discard -= 1
+                if rid in new_token_ids:
+                    raise ReplayError(
+                        f"step {step}: {rid} got tokens from a frame the engine should "
+                        "have dropped (reset_prefix_cache preempted it in flight)"
+                    )
+            else:
+                req.num_output_placeholders -= len(new_token_ids.get(rid, ()))
+                if req.num_output_placeholders < 0:
+                    raise ReplayError(f"step {step}: {rid} got more tokens than were coming")
+        for rid, tokens in new_token_ids.items():
             if rid in self.requests:
                 self._mutable(rid).num_output_tokens += len(tokens)
+        if step in self.in_flight:
+            self.in_flight.remove(step)
         self.last_update = e
         self._check_counts(e)
 

@@ -69,9 +69,12 @@ class SamplerTrace(SubsystemTrace):
         self._index: torch.Tensor | None = None  # the traced rows on the device; None: all
         self._row_logprobs: torch.Tensor | None = None  # raw logprobs of the traced rows
         self._stages: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        self._pending: _PendingSampled | None = None
-        # Pinned host buffers for the copies, reused every step (HostListsCopy's staging).
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        # Step -> its queued values; with async scheduling two steps are in flight.
+        self._pending: dict[int | None, _PendingSampled] = {}
+        # Pinned host buffers for the copies (HostListsCopy's staging): one set
+        # per step parity, reused every other step, so the copy of the step
+        # still in flight is never overwritten.
+        self._staging: tuple[dict[torch.dtype, torch.Tensor], ...] = ({}, {})
 
     @property
     def reads_filtered_logits(self) -> bool:
@@ -81,8 +84,6 @@ class SamplerTrace(SubsystemTrace):
 
     def begin(self, req_ids: Sequence[str | None]) -> None:
         """The request id of each row of the next call (None: not traced)."""
-        if self._pending is not None:  # the caller never read the last call's tokens
-            self.emit()
         self._req_ids = req_ids
         self._rows = [i for i, rid in enumerate(req_ids) if rid is not None]
 
@@ -158,21 +159,22 @@ class SamplerTrace(SubsystemTrace):
         else:
             values.append(self._select(md.temperature) < _SAMPLING_EPS)
         self._stages, self._row_logprobs = [], None
-        self._pending = _PendingSampled(
+        step = self.tracer.step
+        self._pending[step] = _PendingSampled(
             req_ids=[self._req_ids[r] for r in rows],  # type: ignore[misc]
             rows=rows,
             tokens=tokens,
             greedy=greedy,
-            values=HostListsCopy(*values, staging=self._staging),
+            values=HostListsCopy(*values, staging=self._staging[(step or 0) % 2]),
             stage_names=stage_names,
         )
 
-    def emit(self, sampled_token_ids: Sequence[int] | None = None) -> None:
-        """Record the last call's ``sampler.sampled`` events (one
+    def emit(self, step: int | None = None, sampled_token_ids: Sequence[int] | None = None) -> None:
+        """Record the ``sampler.sampled`` events of ``step``'s call (one
         ``record_rows``). ``sampled_token_ids``: the caller's host copy of the
         sampled tokens, one per batch row (the device has then been waited
         for); without it they are copied here."""
-        pending, self._pending = self._pending, None
+        pending = self._pending.pop(step, None)
         if pending is None:
             return
         if sampled_token_ids is None:
@@ -235,7 +237,7 @@ class _PendingForward:
 
     step: int
     start_ts: int  # wall clock (time.time_ns) at launch
-    end_event: torch.cuda.Event
+    events: tuple[torch.cuda.Event, torch.cuda.Event]  # start, end
     num_tokens: int
     num_logits: int
 
@@ -248,12 +250,14 @@ class RunnerTrace(SubsystemTrace):
         super().__init__(tracer)
         self.sampler = SamplerTrace.create(tracer)
         self._start: tuple[int, int] = (0, 0)  # (wall ns, perf-counter ns) at launch
-        # One pair of CUDA events, reused (the last step's was read), and the
-        # stream the forward runs on, looked up once: record() without it asks
-        # torch.cuda.current_stream(), which costs more host time than the record.
+        # Pairs of CUDA events, reused once read (one per step in flight: two
+        # with async scheduling), and the stream the forward runs on, looked
+        # up once: record() without it asks torch.cuda.current_stream(), which
+        # costs more host time than the record.
+        self._free_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._pending_forward: _PendingForward | None = None
+        self._pending_forward: dict[int, _PendingForward] = {}
 
     def initialized(self, runner: Any, kv_cache_config: Any) -> None:
         """``runner.init``, once the KV cache is allocated."""
@@ -282,12 +286,16 @@ class RunnerTrace(SubsystemTrace):
     def forward_started(self, device: torch.device) -> None:
         self._start = (time.time_ns(), time.perf_counter_ns())
         if device.type == "cuda":
-            if self._events is None:
-                self._events = (
+            if self._stream is None:
+                self._stream = torch.cuda.current_stream(device)
+            self._events = (
+                self._free_events.pop()
+                if self._free_events
+                else (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True),
                 )
-                self._stream = torch.cuda.current_stream(device)
+            )
             self._events[0].record(self._stream)
 
     def forward_done(self, step: int, num_tokens: int, logits: torch.Tensor) -> None:
@@ -308,10 +316,10 @@ class RunnerTrace(SubsystemTrace):
                 )
             )
             return
-        end_event = self._events[1]
-        end_event.record(self._stream)
-        self._pending_forward = _PendingForward(
-            step, start_ts, end_event, num_tokens, int(logits.shape[0])
+        assert self._events is not None
+        self._events[1].record(self._stream)
+        self._pending_forward[step] = _PendingForward(
+            step, start_ts, self._events, num_tokens, int(logits.shape[0])
         )
 
     def batch(self, runner: Any, scheduler_output: Any, inputs: Any) -> None:
@@ -386,14 +394,18 @@ class RunnerTrace(SubsystemTrace):
         discard = set(discard_rows)
         self.sampler.begin([None if i in discard else r for i, r in enumerate(req_ids)])
 
-    def sampled(self, sampled_token_ids: Sequence[int]) -> None:
-        """The runner has the sampled tokens on the host (the device has been
-        waited for): record what waited for that."""
-        pending, self._pending_forward = self._pending_forward, None
+    def sampled(self, step: int, sampled_token_ids: Sequence[int]) -> None:
+        """``step``'s sampled tokens reached the host (the device has been
+        waited for): record what waited for that. With async scheduling this
+        is after the next step was launched, so the events are stamped with
+        ``step`` again."""
+        self.tracer.set_step(step)
+        pending = self._pending_forward.pop(step, None)
         if pending is not None:
-            pending.end_event.synchronize()  # already complete: the tokens' copy waited
-            assert self._events is not None
-            duration_ns = int(self._events[0].elapsed_time(pending.end_event) * 1e6)  # ms -> ns
+            start_event, end_event = pending.events
+            end_event.synchronize()  # already complete: the tokens' copy waited
+            duration_ns = int(start_event.elapsed_time(end_event) * 1e6)  # ms -> ns
+            self._free_events.append(pending.events)
             self.tracer.record(
                 RunnerForward(
                     step=pending.step,
@@ -403,7 +415,7 @@ class RunnerTrace(SubsystemTrace):
                     num_logits=pending.num_logits,
                 )
             )
-        self.sampler.emit(sampled_token_ids)
+        self.sampler.emit(step, sampled_token_ids)
 
 
 def _as_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> np.ndarray:

@@ -1,7 +1,7 @@
 """What the sampler and the worker hand back after one step.
 
 vLLM twin: ``vllm/v1/outputs.py`` (``SamplerOutput``, ``LogprobsTensors``,
-``LogprobsLists``, ``ModelRunnerOutput``).
+``LogprobsLists``, ``ModelRunnerOutput``, ``AsyncModelRunnerOutput``).
 Read it for:
 
 - the Sampler's answer (``SamplerOutput``): one sampled id per request row
@@ -30,6 +30,7 @@ tensor directly.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -100,6 +101,15 @@ class ModelRunnerOutput:
     # Rows follow req_ids order, one row per sampled token.
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
+
+
+class AsyncModelRunnerOutput(ABC):
+    """A step's output whose sampled ids are still being copied to the host
+    (async scheduling). The worker returns it at once; ``get_output()``
+    blocks until the copy is done and returns the ``ModelRunnerOutput``."""
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput: ...
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})

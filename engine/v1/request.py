@@ -163,8 +163,12 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = self.prompt_token_ids.copy()
-        # Tokens of steps still in flight (async scheduling); always 0 here.
+        # Async scheduling: tokens that steps already in flight will sample
+        # (counted in num_computed_tokens, not yet in the output list).
         self.num_output_placeholders = 0
+        # Async scheduling: frames still in flight when reset_prefix_cache
+        # preempted the request; their tokens are dropped when they arrive.
+        self.async_tokens_to_discard = 0
 
         # Draft tokens from a speculator (kept for the seam; no speculator yet).
         self.spec_token_ids: list[int] = []

@@ -31,6 +31,7 @@ from engine.utils.hashing import sha256
 from engine.v1.core.block_pool import BlockPool
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.v1.core.kv_cache_utils import get_kv_cache_configs, get_request_block_hasher
+from engine.v1.core.sched.async_scheduler import AsyncScheduler
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -329,6 +330,7 @@ def make_scheduler(
     log_stats: bool = True,
     include_finished_set: bool = False,
     structured_output_manager: object | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """A ``Scheduler`` over a pool of exactly ``num_blocks`` blocks (null block included).
 
@@ -338,6 +340,9 @@ def make_scheduler(
     ``get_kv_cache_configs``. ``max_model_len`` must fit in the pool
     (``(num_blocks - 1) * block_size`` tokens) and, with chunked prefill off,
     in ``max_num_batched_tokens`` -- the configs raise ValueError otherwise.
+    ``async_scheduling=True`` builds an ``AsyncScheduler`` (placeholders, the
+    scheduler of ``EngineCore.step_with_batch_queue``) with
+    ``scheduler_config.async_scheduling`` set, as ``get_scheduler_cls`` would.
     """
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
@@ -347,6 +352,8 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         policy=policy,  # type: ignore[arg-type]
         scheduler_reserve_full_isl=scheduler_reserve_full_isl,
+        # None unless asked: GlassboxConfig resolves it as for any other config.
+        async_scheduling=True if async_scheduling else None,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -360,7 +367,8 @@ def make_scheduler(
     )
     kv_cache_config = make_kv_cache_config(num_blocks, block_size, max_model_len)
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return Scheduler(
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_cls(
         glassbox_config,
         kv_cache_config,
         structured_output_manager,
@@ -448,3 +456,50 @@ def run_step(
     )
     engine_core_outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     return StepResult(scheduler_output, model_runner_output, engine_core_outputs)
+
+
+# ---------------------------------------------------------------------------
+# Async scheduling: steps launched before the previous one is read back
+# ---------------------------------------------------------------------------
+@dataclass
+class InFlightStep:
+    """A step that ``EngineCore.step_with_batch_queue`` launched and has not
+    read back yet: its ``SchedulerOutput`` and what the fake worker samples."""
+
+    scheduler_output: SchedulerOutput
+    sampled: dict[str, list[int]]
+
+
+def launch_step(
+    scheduler: Scheduler,
+    tokens: dict[str, int] | None = None,
+    *,
+    default_token_id: int = DEFAULT_SAMPLED_TOKEN_ID,
+) -> InFlightStep:
+    """``schedule()``, and fix now what the worker will sample for each request.
+
+    The runner decides at launch: a request whose scheduled tokens stop short
+    of its sequence (``is_prefill_chunk`` right after ``schedule()``, which
+    counts placeholders) samples ``[]``; any other samples ``tokens[req_id]``
+    (default ``default_token_id``). Deciding later would be wrong: the next
+    ``schedule()`` changes ``is_prefill_chunk``.
+    """
+    tokens = tokens or {}
+    scheduler_output = scheduler.schedule()
+    sampled = {
+        req_id: (
+            []
+            if scheduler.requests[req_id].is_prefill_chunk
+            else [tokens.get(req_id, default_token_id)]
+        )
+        for req_id in scheduler_output.num_scheduled_tokens
+    }
+    return InFlightStep(scheduler_output, sampled)
+
+
+def finish_step(scheduler: Scheduler, step: InFlightStep) -> StepResult:
+    """Read back a launched step: ``update_from_output`` with its sampled tokens
+    (every request gets its row, even one finished or aborted since launch)."""
+    model_runner_output = make_model_runner_output(scheduler, step.scheduler_output, step.sampled)
+    engine_core_outputs = scheduler.update_from_output(step.scheduler_output, model_runner_output)
+    return StepResult(step.scheduler_output, model_runner_output, engine_core_outputs)

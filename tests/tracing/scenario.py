@@ -144,10 +144,12 @@ def run_scenario(
     return finished
 
 
-def record_scenario(model_dir, trace_path: str, trace_level: str, real_model: bool = False):
+def record_scenario(
+    model_dir, trace_path: str, trace_level: str, real_model: bool = False, **engine_kwargs
+):
     """Run the scripted scenario on a fresh engine tracing to ``trace_path``;
     returns ``run_scenario``'s outputs (the engine is shut down either way)."""
-    engine = make_engine(model_dir, trace_path, trace_level, real_model=real_model)
+    engine = make_engine(model_dir, trace_path, trace_level, real_model=real_model, **engine_kwargs)
     try:
         return run_scenario(engine, real_model=real_model)
     finally:
@@ -219,6 +221,11 @@ def assert_replay_matches_engine(state: EngineState, scheduler: Scheduler, label
         assert r.num_tokens == request.num_tokens, f"{rid} num_tokens{where}"
         assert r.num_output_tokens == request.num_output_tokens, where
         assert r.num_preemptions == request.num_preemptions, where
+        # Async scheduling: the tokens still coming from steps in flight.
+        assert r.num_output_placeholders == request.num_output_placeholders, (
+            f"{rid} placeholders{where}"
+        )
+        assert r.async_tokens_to_discard == request.async_tokens_to_discard, where
         assert r.block_ids == [b.block_id for b in manager.req_to_blocks.get(rid, [])], (
             f"{rid} block table{where}"
         )

@@ -364,20 +364,30 @@ def test_processed_stage_follows_a_penalty_on_the_prompt(tmp_path):
                 assert event.token_id == processed.token_ids[0]
 
 
-def test_sampler_pending_trace_is_emitted_before_the_next_call(tmp_path):
-    # A caller that never calls emit loses nothing: the next begin writes the
-    # previous call's events first, in order.
+def test_sampler_pending_values_are_kept_per_step_until_emitted(tmp_path):
+    # With async scheduling step 2 samples before step 1's tokens are read:
+    # each call's values wait under its step, so nothing is lost or mixed up,
+    # and emit writes the step it is given (a second emit of it is a no-op).
     path = str(tmp_path / "s.jsonl")
     tracer, trace, sampler = _traced_sampler(path, "lifecycle")
     params = [SamplingParams(temperature=0.0)]
-    for step_logits in (torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[4.0, 0.0, 1.0]])):
+    for step, step_logits in (
+        (1, torch.tensor([[0.0, 5.0, 1.0]])),
+        (2, torch.tensor([[4.0, 0.0, 1.0]])),
+    ):
+        tracer.set_step(step)
         meta = build_sampling_metadata(params, [[1]], [[]], {}, 3, "cpu")
         trace.begin(["a"])
         sampler(step_logits, meta)
-    trace.emit()
-    trace.emit()  # nothing pending: a no-op
+    tracer.set_step(1)  # the runner stamps what it emits with the step (RunnerTrace.sampled)
+    trace.emit(1)
+    tracer.set_step(2)
+    trace.emit(2)
+    trace.emit(2)  # nothing pending for step 2 any more: a no-op
+    trace.emit(7)  # a step that never sampled: a no-op
     tracer.close()
-    assert [e.token_id for e in load_trace(path) if e.kind == "sampler.sampled"] == [1, 0]
+    sampled = [(e.step, e.token_id) for e in load_trace(path) if e.kind == "sampler.sampled"]
+    assert sampled == [(1, 1), (2, 0)]
 
 
 @pytest.mark.parametrize(
@@ -409,10 +419,11 @@ def test_sampler_lifecycle_events_with_and_without_host_tokens(
         if host_temperatures:  # as the persistent batch builds it: greedy flags from the host
             host = np.array([p.temperature for p in params], dtype=np.float32)
             meta = dataclasses.replace(meta, temperature_cpu=host)
+        tracer.set_step(3)
         trace.begin(list(traced))
         out = sampler(logits.clone(), meta)
         tokens = out.sampled_token_ids.squeeze(-1).tolist()
-        trace.emit(tokens if how == "host" else None)
+        trace.emit(3, tokens if how == "host" else None)
         tracer.close()
         loaded = load_trace(path)
         events[how] = [
@@ -423,6 +434,7 @@ def test_sampler_lifecycle_events_with_and_without_host_tokens(
         assert [e.request_id for e in loaded] == [r for r in traced if r is not None]
         for e in loaded:
             row = e.row
+            assert e.step == 3
             assert e.token_id == tokens[row]
             assert e.greedy is (temperatures[row] == 0.0)
             assert math.isclose(e.logprob, raw_logprobs[row, e.token_id].item(), rel_tol=1e-5)

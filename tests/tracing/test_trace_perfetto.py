@@ -174,6 +174,34 @@ def test_forward_slice_is_placed_by_start_ts_when_present(tmp_path):
     assert [(s["ts"] - slices[0]["ts"], s["dur"]) for s in slices] == [(0, 2000), (16000, 3000)]
 
 
+def test_a_forward_launched_while_the_previous_one_runs_starts_at_its_end(tmp_path):
+    """Async scheduling on CUDA: step 2's forward is launched (``start_ts``)
+    while step 1's still runs on the device; one stream runs them one after
+    the other, so its slice starts where step 1's ends, with its own length."""
+    base = 1_000_000_000_000
+    fields = {"kind": "runner.forward", "pid": 1, "num_tokens": 4, "num_logits": 4}
+    events = [
+        {"kind": "kv.cache_reset", "pid": 1, "ts": base, "seq": 1},  # the trace's start
+        {**fields, "ts": base + 9_000_000, "seq": 2, "step": 1, "duration_ns": 4_000_000,
+         "start_ts": base + 1_000_000},
+        {**fields, "ts": base + 10_000_000, "seq": 3, "step": 2, "duration_ns": 3_000_000,
+         "start_ts": base + 2_000_000},
+    ]  # fmt: skip
+    path = tmp_path / "forwards.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    doc = build_perfetto(load_trace(str(path)))
+    validate_trace_events(doc)
+    slices = sorted(
+        (ev for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["name"] == "forward"),
+        key=lambda ev: ev["ts"],
+    )
+    t0 = slices[0]["ts"]
+    assert [(s["args"]["step"], s["ts"] - t0, s["dur"]) for s in slices] == [
+        (1, 0, 4000),
+        (2, 4000, 3000),
+    ]
+
+
 def test_kv_counter_adds_up_to_the_usable_pool(scenario_trace):
     doc = build_perfetto(load_trace(scenario_trace))
     kv = [ev for ev in doc["traceEvents"] if ev["ph"] == "C" and ev["name"] == "KV cache blocks"]

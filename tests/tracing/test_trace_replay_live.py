@@ -23,16 +23,37 @@ from tests.tracing.scenario import (
 )
 
 
-@pytest.mark.parametrize("real_model", [False, True], ids=["counting", "tiny-llama"])
-def test_replay_equals_live_block_pool_after_every_step(tiny_model_dir, tmp_path, real_model):
+@pytest.mark.parametrize(
+    ("real_model", "async_scheduling"),
+    [(False, False), (True, True), (True, False)],
+    ids=["counting", "tiny-llama-async", "tiny-llama-sync"],
+)
+def test_replay_equals_live_block_pool_after_every_step(
+    tiny_model_dir, tmp_path, real_model, async_scheduling
+):
+    """The counting executor cannot schedule asynchronously; the tiny model
+    runs both loops. With async scheduling step n's update is written after
+    step n+1's schedule, and the replay must still equal the engine after
+    every step, placeholders included."""
     trace = str(tmp_path / "run.jsonl")
-    checked = replay_scenario_against_live_engine(tiny_model_dir, trace, real_model=real_model)
+    kwargs = {"async_scheduling": False} if real_model and not async_scheduling else {}
+    checked = replay_scenario_against_live_engine(
+        tiny_model_dir, trace, real_model=real_model, **kwargs
+    )
     assert sum(label.startswith("step") for label in checked) >= 10
 
     # The run really went through every path the replay must model.
-    kinds = [e.kind for e in load_trace(trace)]
+    events = load_trace(trace)
+    kinds = [e.kind for e in events]
     for kind in ("sched.preempted", "kv.evicted", "kv.touched", "kv.freed", "kv.cached"):
         assert kind in kinds, kind
+    (config,) = [e for e in events if e.kind == "engine.config"]
+    assert config.async_scheduling is async_scheduling
+    replay = TraceReplay(events)
+    placeholders = [
+        r.num_output_placeholders for s in replay.iter_states() for r in s.requests.values()
+    ]
+    assert (max(placeholders) > 0) is async_scheduling
 
 
 def test_replay_random_access_equals_forward_pass(tiny_model_dir, tmp_path):
@@ -67,17 +88,22 @@ def test_replay_random_access_equals_forward_pass(tiny_model_dir, tmp_path):
     assert sparse.state_at(3).ref_cnt[1] == forward[3][3][1]
 
 
-def test_replay_follows_a_reset_that_preempts_the_running_requests(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("real_model", [False, True], ids=["counting-sync", "tiny-llama-async"])
+def test_replay_follows_a_reset_that_preempts_the_running_requests(
+    tiny_model_dir, tmp_path, real_model
+):
     """``reset_prefix_cache(reset_running_requests=True)`` preempts every
     running request (from the tail: ``sched.preempted`` with no
     ``for_request_id``), then forgets every hash (``kv.cache_reset``); the
-    replay follows and still equals the engine, to the end of the run."""
+    replay follows and still equals the engine, to the end of the run. With
+    async scheduling a step is in flight at the reset: its frames for the
+    preempted requests are dropped (``async_tokens_to_discard``)."""
     trace = str(tmp_path / "reset.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "lifecycle")
+    engine = make_engine(tiny_model_dir, trace, "lifecycle", real_model=real_model)
     scheduler = scheduler_of(engine)
     try:
         for name, prompt in (("x", SHARED_PREFIX), ("y", SHARED_PREFIX + " w30")):
-            engine.add_request(name, {"prompt_token_ids": ids(prompt)}, params(6, False))
+            engine.add_request(name, {"prompt_token_ids": ids(prompt)}, params(6, real_model))
         engine.step()
         engine.step()
         running = [r.request_id for r in scheduler.running]
@@ -88,6 +114,8 @@ def test_replay_follows_a_reset_that_preempts_the_running_requests(tiny_model_di
         state = replay.state_at(replay.last_step)
         assert_replay_matches_engine(state, scheduler, "after the reset")
         assert state.running == [] and state.waiting == running and state.cached == {}
+        discards = [state.requests[rid].async_tokens_to_discard for rid in running]
+        assert discards == ([1, 1] if real_model else [0, 0])
         preempted = [e for e in replay.events if e.kind == "sched.preempted"]
         assert [e.request_id for e in preempted] == running[::-1]
         assert all(e.for_request_id == "" for e in preempted)

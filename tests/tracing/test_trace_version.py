@@ -52,9 +52,9 @@ def _write(path, *records) -> str:
     return str(path)
 
 
-def test_this_glassbox_writes_version_1_3():
-    assert TRACE_FORMAT_VERSION == "1.3"
-    assert parse_version(TRACE_FORMAT_VERSION) == (1, 3)
+def test_this_glassbox_writes_version_1_4():
+    assert TRACE_FORMAT_VERSION == "1.4"
+    assert parse_version(TRACE_FORMAT_VERSION) == (1, 4)
     assert parse_version(1) == (1, 0)  # the first headers' plain integer
     assert parse_version("2") == (2, 0)
     with pytest.raises(TraceVersionError, match="unreadable"):
@@ -62,7 +62,9 @@ def test_this_glassbox_writes_version_1_3():
 
 
 @pytest.mark.parametrize(
-    "version", ["1.3", "1.2", "1.1", "1.0", 1], ids=["1.3", "1.2", "1.1", "1.0", "int-1"]
+    "version",
+    ["1.4", "1.3", "1.2", "1.1", "1.0", 1],
+    ids=["1.4", "1.3", "1.2", "1.1", "1.0", "int-1"],
 )
 def test_a_header_of_major_version_1_loads(tmp_path, version):
     path = _write(tmp_path / "t.jsonl", _header(version), KV_INIT)
@@ -71,6 +73,31 @@ def test_a_header_of_major_version_1_loads(tmp_path, version):
     header, _ = load_trace(path, include_header=True)
     assert type(header) is TraceHeader
     assert parse_version(header.trace_format_version) == parse_version(version)
+
+
+def test_an_engine_config_before_1_4_reads_as_synchronous(tmp_path):
+    """1.4 added ``engine.config``'s ``async_scheduling``: a 1.3 line lacks
+    it and reads False (the engine had no other loop then)."""
+    config = {
+        "kind": "engine.config",
+        "ts": 2,
+        "pid": 1,
+        "seq": 1,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,
+        "max_model_len": 48,
+        "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": 0,
+        "policy": "fcfs",
+        "block_size": 4,
+        "enable_prefix_caching": True,
+        "num_gpu_blocks": 16,
+    }
+    (old,) = load_trace(_write(tmp_path / "old.jsonl", _header("1.3"), config))
+    assert old.async_scheduling is False
+    new = dict(config, async_scheduling=True)
+    (event,) = load_trace(_write(tmp_path / "new.jsonl", _header("1.4"), new))
+    assert event.async_scheduling is True
 
 
 def test_a_trace_without_a_header_is_version_1(tmp_path):

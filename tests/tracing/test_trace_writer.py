@@ -72,7 +72,7 @@ def test_the_file_opens_with_a_header(tmp_path):
     tracer.close()
     header, event, end = _lines(path)
     assert header["kind"] == HEADER_KIND and "seq" not in header  # seq 0: the default
-    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.3"
+    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.4"
     assert header["glassbox_version"] == __import__("engine").__version__
     assert header["trace_level"] == "full" and header["pid"] == event["pid"]
     assert "role" not in header  # not a part file: no role
@@ -134,14 +134,20 @@ if {crash}:
 """
 
 
-def test_the_engine_core_writes_every_step_while_the_forward_runs(tiny_model_dir, tmp_path):
-    """The engine core flushes once per step, right after launching the
-    forward: when the model runs, every event up to that step's scheduling
-    is in the file, and the tracer holds only what came after
-    (docs/trace_format.md: why every step)."""
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_engine_core_writes_every_step_while_the_forward_runs(
+    tiny_model_dir, tmp_path, async_scheduling
+):
+    """The engine core flushes once per step, as it launches the step
+    (``engine.step_launched``): from then on, while the device runs it, every
+    event up to that launch is in the file and the tracer holds nothing
+    (docs/trace_format.md: why every step). The same in both loops."""
     trace = str(tmp_path / "run.jsonl")
-    engine = make_engine(tiny_model_dir, trace, "lifecycle", real_model=True)
+    engine = make_engine(
+        tiny_model_dir, trace, "lifecycle", real_model=True, async_scheduling=async_scheduling
+    )
     core = engine.engine_core.engine_core
+    assert (core.batch_queue is not None) is async_scheduling
     tracer = engine.tracer  # in-process: one tracer for all
     tracer.flush()  # the set-up's events: counted from the file
     recorded = [len(load_trace(trace))]  # events handed to the tracer so far
@@ -156,23 +162,25 @@ def test_the_engine_core_writes_every_step_while_the_forward_runs(tiny_model_dir
         record_rows(event_type, columns)
 
     tracer.record, tracer.record_rows = counting_record, counting_record_rows
-    seen: list[tuple[int, int, int]] = []
-    original = core.model_executor.sample_tokens
+    seen: list[tuple[int, int, int, int]] = []
+    step_launched = core.trace.step_launched
 
-    def sample_tokens_after_the_flush(*args, **kwargs):
+    def check_after_the_launch(step, num_in_flight):
+        step_launched(step, num_in_flight)
         written = load_trace(trace)
-        steps = [e.step for e in written if e.kind == "sched.step"]
-        seen.append((core.scheduler.step_counter, steps[-1], recorded[0] - len(written)))
-        return original(*args, **kwargs)
+        scheduled = [e.step for e in written if e.kind == "sched.step"]
+        launched = [e.step for e in written if e.kind == "engine.step_launched"]
+        held = recorded[0] - len(written)
+        seen.append((core.scheduler.step_counter, scheduled[-1], launched[-1], held))
 
-    core.model_executor.sample_tokens = sample_tokens_after_the_flush
+    core.trace.step_launched = check_after_the_launch
     try:
         run_scenario(engine, real_model=True)
     finally:
         engine.shutdown()
     assert len(seen) >= 10
-    for step, last_written_step, held in seen:
-        assert last_written_step == step and held == 0, (step, last_written_step, held)
+    for step, last_scheduled, last_launched, held in seen:
+        assert last_scheduled == last_launched == step and held == 0, seen
 
 
 @pytest.mark.parametrize("crash", [True, False], ids=["crash", "exit-unclosed"])
@@ -504,7 +512,7 @@ def test_hooks_pass_plain_values_that_stay_put_until_written(tiny_model_dir, tmp
             run_scenario(engine, real_model=True)
         finally:
             engine.shutdown()
-        clock = ("ts", "arrival_time", "duration_ns", "start_ts")
+        clock = ("ts", "arrival_time", "duration_ns", "start_ts", "wait_ns")
         events = load_trace(trace)
         # Internal ids end in random hex: compare by the id each was sent under.
         sent = {internal: user for user, internal in internal_ids(events).items()}

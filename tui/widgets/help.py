@@ -53,7 +53,9 @@ PANELS: list[tuple[str, str]] = [
         "Scheduler",
         "the token budget (max_num_batched_tokens) and how it was spent: one "
         "segment per request, █ prefill, ▄ decode. Then the running and waiting queues, "
-        "admissions with their prefix-cache hit, preemptions, requests short of blocks.",
+        "admissions with their prefix-cache hit, preemptions, requests short of blocks. "
+        "With async scheduling (the default) the step was scheduled while the previous one "
+        "was in flight: ◌ marks a placeholder, a token that step is still sampling.",
     ),
     (
         "KV blocks",
@@ -71,7 +73,10 @@ PANELS: list[tuple[str, str]] = [
         "the flat batch the model ran: per request its query length, "
         "positions, KV slots (block:offset+count) and whether its sampled token is kept (a "
         "prefill chunk short of the prompt's end drops it); query_start_loc; on CUDA, the "
-        "CUDA-graph padding.",
+        "CUDA-graph padding. Below, the engine loop against time (traces from format 1.4): "
+        "one row per step in flight with this one, ▓ schedule(), █ forward, ━ in flight "
+        "(launched, tokens not yet read), ▒ update; with async scheduling the next step is "
+        "scheduled and launched inside this one's time in flight.",
     ),
     (
         "Sampler",
@@ -89,7 +94,9 @@ def help_renderable() -> Group:
         ("engine step", "bold"),
         (
             " at a time (one EngineCore.step(): schedule → run the model → sample → update). "
-            "Every panel shows the engine right after the chosen step.",
+            "Every panel shows the engine right after the chosen step; with async scheduling "
+            "(the default) that step is still in flight: its tokens are placeholders until "
+            "the next step's update.",
             "",
         ),
     )

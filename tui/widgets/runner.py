@@ -8,8 +8,10 @@ block_size + offset``, shown here as runs ``block:offset+count``). A prefill
 chunk that does not reach the end of the prompt is computed but its sampled
 token is thrown away. On CUDA, the batch is padded up to a captured CUDA
 graph size. Fields come from the ``runner.batch`` event (or, without one,
-from the scheduler's decision and the block tables).
-Sessions: 04 (worker), 05 (attention).
+from the scheduler's decision and the block tables). Under the batch, the
+engine loop around the step (``loop.py``): with async scheduling the next
+step is scheduled and launched while this one is in flight.
+Sessions: 01 (engine loop), 04 (worker), 05 (attention).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.text import Text
 
 from engine.tracing import RunnerForward
 from tui.widgets.common import DIM, Panel, StepContext, request_chip
+from tui.widgets.loop import render_engine_loop
 
 
 class RunnerPanel(Panel):
@@ -41,6 +44,12 @@ def _slots(runs: list[list[int]]) -> str:
 
 
 def render_runner(ctx: StepContext, width: int) -> RenderableType:
+    batch = render_batch(ctx, width)
+    loop = render_engine_loop(ctx, width)
+    return batch if loop is None else Group(batch, Text(""), loop)
+
+
+def render_batch(ctx: StepContext, width: int) -> RenderableType:
     view = ctx.view
     if not view.batch:
         return Text(

@@ -6,7 +6,13 @@ token each, or their next prefill chunk), then waiting ones are admitted
 while the budget (``max_num_batched_tokens``) and the KV pool allow; when a
 running request cannot get a block, the newest running request is
 preempted. Fields come from the ``sched.step`` event and the replay state.
-Sessions: 02 (scheduler).
+
+With async scheduling (``async_scheduler.py``) the step is scheduled while
+the previous one is still in flight: a decoding request's next input is the
+token that step is still sampling, a placeholder (``◌``) whose id the runner
+takes on the device; the scheduler only counts it
+(``num_output_placeholders``).
+Sessions: 01 (engine loop), 02 (scheduler).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from tui.timelines import DECODE, PREFILL, RECOMPUTE
 from tui.widgets.common import DIM, Panel, StepContext, id_list, request_chip
 
 _KIND_OF_PHASE = {DECODE: "decode", PREFILL: "prefill", RECOMPUTE: "recompute"}
+# Marks a scheduled token that is a placeholder (async scheduling).
+PLACEHOLDER = "◌"
+PLACEHOLDER_STYLE = Style(color="#ff7f0e", bold=True)
 
 
 class SchedulerPanel(Panel):
@@ -92,16 +101,30 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
         head.append(f" prefill of {budget}", style=DIM)
         parts.append(head)
         parts.append(budget_bar(ctx, rows, budget, width))
+        in_flight = [s for s in view.in_flight if s != ctx.step]
+        if in_flight:
+            line = Text(f"scheduled while step {', '.join(map(str, in_flight))} ", style=DIM)
+            line.append("in flight", style=PLACEHOLDER_STYLE)
+            line.append(" (async scheduling)", style=DIM)
+            parts.append(line)
         table = Table.grid(padding=(0, 1))
         table.add_column(no_wrap=True)
         table.add_column(no_wrap=True)
         table.add_column(no_wrap=True, justify="right")
         table.add_column(no_wrap=True, style=DIM)
         for rid, kind, first, last, n in rows:
-            span = f"tok {first}" if first == last else f"tok {first}-{last}"
-            table.add_row(request_chip(ctx, rid), kind, str(n), span)
+            table.add_row(request_chip(ctx, rid), kind, str(n), token_span(ctx, rid, first, last))
         if rows:
             parts.append(table)
+        if view.num_placeholder_inputs:
+            before = ", ".join(map(str, in_flight)) or "the previous one"
+            legend = Text(PLACEHOLDER, style=PLACEHOLDER_STYLE)
+            legend.append(
+                f" placeholder: a token step {before} is still sampling; the runner "
+                "takes its id on the device",
+                style=DIM,
+            )
+            parts.append(legend)
     state = view.state
     queues = Table.grid(padding=(0, 1))
     queues.add_column(no_wrap=True, style=DIM)
@@ -155,6 +178,15 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
     if changes.row_count:
         parts.append(changes)
     return Group(*parts)
+
+
+def token_span(ctx: StepContext, request_id: str, first: int, last: int) -> str | Text:
+    """``tok 12-15``, after a ``◌`` when some of those tokens are
+    placeholders (first, so a narrow panel cuts the numbers, not the mark)."""
+    span = f"tok {first}" if first == last else f"tok {first}-{last}"
+    if not ctx.view.num_placeholder_inputs.get(request_id, 0):
+        return span
+    return Text.assemble((PLACEHOLDER, PLACEHOLDER_STYLE), span)
 
 
 def budget_bar(

@@ -3,7 +3,9 @@ followed request's life and events fall on the run.
 
 vLLM twin: none. ``EngineCore.step()`` is the unit of time here: step n is
 one schedule -> execute -> update round (``engine/v1/engine/core.py``), and
-the state shown is the engine's right after it.
+the state shown is the engine's right after it -- with async scheduling
+(``step_with_batch_queue``) right after step n is launched and step n-1's
+tokens are applied, step n still in flight.
 Sessions: all.
 """
 

@@ -173,6 +173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--no-prefix-caching", action="store_true", help="turn the prefix cache off"
     )
+    engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap step N+1's scheduling with step N's forward (vLLM's default; "
+        "--no-async-scheduling shows the serial loop) (default: on)",
+    )
 
 
 @dataclass
@@ -290,6 +297,7 @@ def record_trace(args: argparse.Namespace) -> str:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=args.async_scheduling,
         disable_log_stats=True,
         trace_path=trace_path,
         trace_level=args.trace_level,
@@ -358,7 +366,8 @@ def _token_texts(trace_path: str, tokenizer: Any) -> dict[str, str]:
             summary = e.input_ids
             for values in (summary.values, summary.head, summary.tail):
                 ids.update(values or [])
-    return {str(t): tokenizer.decode([t]) for t in sorted(ids)}
+    # -1: a placeholder (async scheduling: the id was still on the device).
+    return {str(t): tokenizer.decode([t]) for t in sorted(ids) if t >= 0}
 
 
 def run(args: argparse.Namespace) -> int:

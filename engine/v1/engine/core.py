@@ -9,6 +9,11 @@ Read it for:
     (``sample_tokens()``) -> ``update_from_output()``, as vLLM's, with its
     error-detail context around the model's part. Nothing else happens in a
     step.
+  * ``step_with_batch_queue()`` -- the same four calls, overlapped (vLLM's
+    default, with async scheduling): the executor may hold two steps
+    (``max_concurrent_batches``), so step N+1 is scheduled and launched
+    before step N's tokens are read. ``step_fn`` is whichever of the two the
+    executor allows, chosen once at start-up.
   * ``EngineCoreProc`` -- the same core in its own process. Three threads:
     the input thread reads ZMQ frames, decodes them and puts
     ``(request_type, request)`` on ``input_queue``; the busy loop
@@ -25,8 +30,9 @@ refused, the ones in flight run for ``shutdown_timeout`` seconds
 (``_handle_shutdown``; 0 aborts them at once, as in vLLM), the rest are
 aborted, and the loop ends once the scheduler is empty.
 
-Simpler than vLLM: no batch queue / pipelining, no structured-output grammar
-bitmask, no data parallelism, no separate aborts queue. ``log_error_detail``
+Simpler than vLLM: no structured-output grammar bitmask (so no deferred
+sampling in the batch queue), no data parallelism, no separate aborts queue
+(aborts are read between steps), no pipeline parallelism. ``log_error_detail``
 logs a summary of the step instead of vLLM's full dump of the config and the
 scheduler output.
 
@@ -49,8 +55,9 @@ import queue
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -88,6 +95,7 @@ from engine.v1.engine.utils import (
 )
 from engine.v1.executor.abstract import Executor
 from engine.v1.kv_cache_interface import KVCacheConfig
+from engine.v1.outputs import ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
 from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -116,7 +124,8 @@ class EngineCore:
             self.kv_cache_config = kv_cache_config
             # No structured outputs yet (no manager); one engine per front
             # end, so no per-client finished sets.
-            self.scheduler = Scheduler(
+            scheduler_cls = glassbox_config.scheduler_config.get_scheduler_cls()
+            self.scheduler: Scheduler = scheduler_cls(  # type: ignore[assignment]
                 glassbox_config=glassbox_config,
                 kv_cache_config=kv_cache_config,
                 structured_output_manager=None,
@@ -129,6 +138,16 @@ class EngineCore:
             # Don't leave a loaded model (or worker processes) behind.
             self.model_executor.shutdown()
             raise
+        # The batch queue: with async scheduling the executor takes a second
+        # step before the first one's output is read. Each entry is (future of
+        # the sampled output, its SchedulerOutput); newest on the left.
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] | None = None
+        if self.batch_queue_size > 1:
+            self.batch_queue = deque(maxlen=self.batch_queue_size)
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        self.async_scheduling = glassbox_config.scheduler_config.async_scheduling
+
         cache_config = glassbox_config.cache_config
         self.request_block_hasher: Callable[[Request], list[BlockHash]] | None = None
         if cache_config.enable_prefix_caching:
@@ -194,14 +213,64 @@ class EngineCore:
             return {}, False
         scheduler_output = self.scheduler.schedule()
         future = self.model_executor.execute_model(scheduler_output, non_block=True)
-        self.trace.forward_launched()
+        self.trace.step_launched(scheduler_output.step, num_in_flight=1)
+        self.trace.waiting_for_output()
         with self.log_error_detail(scheduler_output):
             model_output = future.result()
             if model_output is None:
                 model_output = self.model_executor.sample_tokens(None)
+        self.trace.output_ready(scheduler_output.step)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.trace.step_done(self.scheduler)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
+        """One turn of the loop with a batch queue (async scheduling).
+
+        1. If the scheduler has work, schedule a step and launch it --
+           forward and sampling -- without waiting for it. If the queue is
+           not yet full and the oldest step is still running, return at once
+           (None): keeping the device fed comes before reading outputs.
+        2. Otherwise wait for the oldest step in the queue and update the
+           scheduler from its output.
+        In steady decoding this alternates: launch N+1, read N, launch N+2,
+        read N+1 -- the host's scheduling and output work for one step runs
+        while the device computes the other.
+        """
+        batch_queue = self.batch_queue
+        assert batch_queue is not None and len(batch_queue) < self.batch_queue_size
+        model_executed = False
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            with self.log_error_detail(scheduler_output):
+                exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                if exec_future.done():
+                    exec_future.result()  # a forward that failed raises here, not in sampling
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            if model_executed:
+                future = self.model_executor.sample_tokens(None, non_block=True)
+            else:
+                future = exec_future  # nothing to sample: its (empty) output
+            batch_queue.appendleft((future, scheduler_output))
+            self.trace.step_launched(scheduler_output.step, len(batch_queue))
+            if (
+                model_executed
+                and len(batch_queue) < self.batch_queue_size
+                and not batch_queue[-1][0].done()
+            ):
+                return None, True
+        elif not batch_queue:
+            return None, False
+
+        # Wait for the oldest step in flight.
+        future, scheduler_output = batch_queue.pop()
+        self.trace.waiting_for_output()
+        with self.log_error_detail(scheduler_output):
+            model_output = future.result()
+        self.trace.output_ready(scheduler_output.step)
+        engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.trace.step_done(self.scheduler, batch_queue)
+        return engine_core_outputs, model_executed
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -324,11 +393,20 @@ class EngineCoreProc(EngineCore):
             ctx.destroy(linger=5000)
 
     @staticmethod
-    def run_engine_core(*args: Any, death_pipe: Any = None, **kwargs: Any) -> None:
-        """Entry point of the EngineCore process: build, loop, clean up."""
+    def run_engine_core(
+        *args: Any, death_pipe: Any = None, inherited_fds: list[int] | None = None, **kwargs: Any
+    ) -> None:
+        """Entry point of the EngineCore process: build, loop, clean up.
+        ``inherited_fds``: descriptors a forked child must close at once (the
+        parent's end of the death pipe)."""
+        for fd in inherited_fds or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        # force: a forked child inherits the parent's handlers; its own go to stderr.
         logging.basicConfig(
             level=os.environ.get("GLASSBOX_LOGGING_LEVEL", "INFO"),
             format="(EngineCore pid=%(process)d) %(levelname)s %(name)s: %(message)s",
+            force=True,
         )
         engine_core: EngineCoreProc | None = None
         signal_callback: SignalCallback | None = None
@@ -405,7 +483,7 @@ class EngineCoreProc(EngineCore):
 
     # -- the busy loop ---------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
     def is_running(self) -> bool:
         return self.shutdown_state == EngineShutdownState.RUNNING
@@ -428,8 +506,8 @@ class EngineCoreProc(EngineCore):
             self._handle_client_request(request_type, request)
 
     def _process_engine_step(self) -> bool:
-        outputs, model_executed = self.step()
-        for client_index, engine_core_outputs in outputs.items():
+        outputs, model_executed = self.step_fn()
+        for client_index, engine_core_outputs in (outputs or {}).items():
             self._put_output(client_index, engine_core_outputs)
         return model_executed
 

@@ -149,8 +149,8 @@ class InprocClient(EngineCoreClient):
         self.engine_core = EngineCore(glassbox_config, executor_class, log_stats, tracer)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step()
-        return outputs.get(0) or EngineCoreOutputs()
+        outputs, _ = self.engine_core.step_fn()
+        return (outputs and outputs.get(0)) or EngineCoreOutputs()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

@@ -9,7 +9,10 @@ Read it for the four things EngineCore asks of the model side:
      -- one step, in two phases (forward, then sampling), as vLLM V1 does.
      With ``non_block=True`` both return a ``Future``; an in-process executor
      runs the call first and returns it done (``done_future``), its result or
-     its exception inside.
+     its exception inside -- or, for an asynchronous output, a future whose
+     ``result()`` waits for the device-to-host copy (``AsyncOutputFuture``).
+  5. ``max_concurrent_batches`` -- 2 with async scheduling: EngineCore keeps
+     two steps in flight (its batch queue).
 ``Executor.get_class`` picks the implementation from
 ``distributed_executor_backend``: ``"uni"`` (one in-process worker) or any
 ``Executor`` subclass passed in directly, which is how tests and experiments
@@ -88,6 +91,18 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Release workers and device memory. Safe to call twice."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps EngineCore may have in flight: above 1 it runs
+        ``step_with_batch_queue``."""
+        return 1
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        """Whether this executor can take step N+1 before step N's output is
+        read (vLLM's default for a new executor: no)."""
+        return False
 
 
 def done_future(fn: Callable[..., Any], *args: Any) -> Future[Any]:

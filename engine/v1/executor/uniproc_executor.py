@@ -4,13 +4,39 @@ vLLM twin: ``vllm/v1/executor/uniproc_executor.py`` (``UniProcExecutor``).
 Read it for the shortest path from EngineCore to the model: every executor
 call is a direct method call on the single ``Worker`` (vLLM routes the same
 calls through ``collective_rpc`` so multi-process executors look identical).
+With async scheduling ``sample_tokens(non_block=True)`` returns at once with
+an ``AsyncOutputFuture``: the sampled ids are still on their way to the host,
+and EngineCore schedules and launches the next step before it asks for them.
 Sessions: 07 (executor).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from functools import cached_property
+
 from engine.v1.executor.abstract import Executor, done_future
+from engine.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from engine.v1.worker.gpu_worker import Worker
+
+
+class AsyncOutputFuture(Future):
+    """A future over an ``AsyncModelRunnerOutput``: ``result()`` waits for its
+    device-to-host copy (vLLM's, in ``uniproc_executor.py``)."""
+
+    def __init__(self, async_output: AsyncModelRunnerOutput) -> None:
+        super().__init__()
+        self.async_output = async_output
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if timeout is not None:
+            raise RuntimeError("AsyncOutputFuture.result() takes no timeout")
+        if not super().done():
+            try:
+                self.set_result(self.async_output.get_output())
+            except Exception as e:
+                self.set_exception(e)
+        return super().result()
 
 
 class UniProcExecutor(Executor):
@@ -41,9 +67,21 @@ class UniProcExecutor(Executor):
         return self._worker().execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output=None, non_block=False):
-        if non_block:
-            return done_future(self._worker().sample_tokens)
-        return self._worker().sample_tokens()
+        if not non_block:
+            output = self._worker().sample_tokens()
+            return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
+        future = done_future(self._worker().sample_tokens)
+        if future.exception() is None and isinstance(future.result(), AsyncModelRunnerOutput):
+            return AsyncOutputFuture(future.result())
+        return future
+
+    @cached_property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self.glassbox_config.scheduler_config.async_scheduling else 1
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
 
     def shutdown(self) -> None:
         if self.driver_worker is not None:

@@ -32,10 +32,15 @@ some row uses, asynchronously. A steady decode batch reuses last step's
 metadata with no host work and no host-device sync.
 Sessions: 04 (worker), 05 (sampling metadata).
 
+Async scheduling (``prev_sampled_token_ids``, ``prev_req_id_to_index``,
+``update_async_output_token_ids``): a step's sampled ids stay on the device
+and the rows get a -1 placeholder; the next step reads the real ids on the
+device, and the output lists get them once their host copy is done.
+
 Simpler than vLLM: one KV cache group (``block_sizes`` has one entry and the
 kernel block size is the block size); no spec-decode tokens (``spec_token_ids``
 stays empty per row), LoRA, pooling, multimodal inputs, prompt embeddings,
-thinking budgets, ``logprob_token_ids`` or async-scheduling placeholders.
+thinking budgets or ``logprob_token_ids``.
 ``output_token_ids`` is always handed to the sampler (vLLM leaves it empty
 when no penalty, bad word or custom processor reads it).
 
@@ -204,6 +209,17 @@ class InputBatch:
         # req_id -> logprobs asked for (-1 stored as V).
         self.num_logprobs: dict[str, int] = {}
 
+        # Async scheduling: the last step's sampled ids, still on the device
+        # ([num_reqs of that step, 1]), and each request's row in that step
+        # (rows that sampled nothing left out). The next step's inputs take
+        # their last token from there instead of from token_ids_cpu (-1).
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.prev_req_id_to_index: dict[str, int] | None = None
+        # Async scheduling: the host copy of those ids and the event that says
+        # the copy is done, to replace the -1 placeholders in output lists.
+        self.sampled_token_ids_cpu: torch.Tensor | None = None
+        self.async_copy_ready_event: Any = None
+
         # This step's added / removed / moved rows, for the logits processors.
         self.batch_update_builder = BatchUpdateBuilder()
         # Built once by the runner (``build_logitsprocs``); none if not given.
@@ -369,6 +385,8 @@ class InputBatch:
         if row is None:
             return None
         self.batch_update_builder.removed_append(row)
+        if self.prev_req_id_to_index is not None:
+            self.prev_req_id_to_index.pop(req_id, None)
         self._req_ids[row] = None
         self.req_output_token_ids[row] = None
         self.spec_token_ids[row].clear()
@@ -490,6 +508,36 @@ class InputBatch:
         n = int(self.num_tokens_no_spec[row])
         self.token_ids_cpu[row, n] = token_id
         self.num_tokens_no_spec[row] = n + 1
+
+    # ------------------------------------------------------------------
+    # Async scheduling: placeholders
+    # ------------------------------------------------------------------
+    def set_async_sampled_token_ids(
+        self, sampled_token_ids_cpu: torch.Tensor, async_copy_ready_event: Any
+    ) -> None:
+        """Keep the host copy of this step's sampled ids ([num_reqs, 1], filled
+        once ``async_copy_ready_event`` completes; None on the CPU) for
+        ``update_async_output_token_ids``."""
+        self.sampled_token_ids_cpu = sampled_token_ids_cpu
+        self.async_copy_ready_event = async_copy_ready_event
+
+    def update_async_output_token_ids(self) -> None:
+        """Replace the -1 placeholder at the end of each output list with the
+        id the previous step sampled, once its host copy is done. Called just
+        before sampling, and only if sampling reads output ids."""
+        if self.sampled_token_ids_cpu is None or not self.prev_req_id_to_index:
+            return
+        sampled: list[list[int]] | None = None
+        for row, req_id in enumerate(self.req_ids):
+            prev_row = self.prev_req_id_to_index.get(req_id)
+            output_ids = self.req_output_token_ids[row]
+            if prev_row is None or not output_ids or output_ids[-1] != -1:
+                continue
+            if sampled is None:
+                if self.async_copy_ready_event is not None:
+                    self.async_copy_ready_event.synchronize()
+                sampled = self.sampled_token_ids_cpu.tolist()
+            output_ids[-1] = sampled[prev_row][0]
 
     # ------------------------------------------------------------------
     # Sampling metadata

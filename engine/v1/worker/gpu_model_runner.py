@@ -23,6 +23,13 @@ Read it for one step of the worker:
      still in the middle of their prompt (a chunked prefill) throw theirs away.
 Sessions: 04 (worker).
 
+Async scheduling (vLLM's default): ``sample_tokens`` does not wait for the
+sampled ids. It returns an ``AsyncGPUModelRunnerOutput`` whose host copy
+runs on a side stream, leaves a -1 placeholder in each row's token list, and
+keeps the ids on the device (``input_batch.prev_sampled_token_ids``); the
+next step's ``_prepare_input_ids`` copies them into ``input_ids`` on the
+device. The same code runs on the CPU, where the "copy" is free.
+
 Tracing: the runner receives a ``RunnerTrace`` (``engine/tracing/
 worker_trace.py``) and calls it at a few points -- the batch laid out, the
 forward launched and finished, the tokens sampled; its ``sampler`` part goes
@@ -39,7 +46,7 @@ The logits processors (``build_logitsprocs``) are built once here and live
 in the ``InputBatch``.
 
 Simpler than vLLM: no piecewise graphs (they need torch.compile), speculative
-decoding, LoRA, multimodal, pipeline parallelism or async output copies; no
+decoding, LoRA, multimodal or pipeline parallelism; no
 custom logits processors from the config (``build_logitsprocs`` accepts them,
 ``ModelConfig`` has no ``logits_processors`` yet); one attention builder, so
 ``reorder_batch_threshold`` is its threshold (vLLM takes the smallest over
@@ -67,7 +74,14 @@ from engine.v1.attention.backends.utils import reorder_batch_to_split_decodes_an
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from engine.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from engine.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+    SamplerOutput,
+)
 from engine.v1.sample.logits_processor import build_logitsprocs
 from engine.v1.sample.sampler import Sampler
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -104,6 +118,87 @@ class PreparedInputs:
     positions_np: np.ndarray
     slot_mapping_np: np.ndarray
     logits_indices_np: np.ndarray  # [num_reqs]
+
+
+class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
+    """One step's output while its sampled ids travel to the host.
+
+    Built right after sampling: on CUDA it queues the device->host copies on
+    ``async_output_copy_stream`` (after the sampler's kernels, without making
+    the host wait) and records ``async_copy_ready_event``; on the CPU the
+    tensors already are on the host. ``get_output()`` waits for the event and
+    fills in the ``ModelRunnerOutput``: the ids per request, [] for the rows
+    whose sample is thrown away (``invalid_req_indices``), and the logprob
+    rows of the tokens kept. It also writes each id over the -1 placeholder
+    the runner left in that request's output list (``placeholders``: row,
+    list, index), so the lists hold real ids again one step later -- what
+    penalties read when a request that needs them joins the batch.
+    """
+
+    def __init__(
+        self,
+        model_runner_output: ModelRunnerOutput,
+        sampler_output: SamplerOutput,
+        invalid_req_indices: list[int],
+        async_output_copy_stream: torch.cuda.Stream | None,
+        step: int,
+        trace: RunnerTrace,
+        placeholders: list[tuple[int, list[int], int]] = (),  # type: ignore[assignment]
+    ) -> None:
+        self._model_runner_output = model_runner_output
+        self._invalid_req_indices = invalid_req_indices
+        self._placeholders = placeholders
+        self._step = step
+        self._trace = trace
+        # Held until the copy is done, so the device memory is not reused under it.
+        self._sampled_token_ids = sampler_output.sampled_token_ids
+        self._logprobs_tensors = sampler_output.logprobs_tensors
+        self.async_copy_ready_event: torch.cuda.Event | None = None
+        if async_output_copy_stream is None:
+            self.sampled_token_ids_cpu = self._sampled_token_ids
+            self._logprobs_tensors_cpu = self._logprobs_tensors
+            return
+        self.async_copy_ready_event = torch.cuda.Event()
+        default_stream = torch.cuda.current_stream()
+        with torch.cuda.stream(async_output_copy_stream):
+            # The copies start once the sampler's kernels are done.
+            async_output_copy_stream.wait_stream(default_stream)
+            self.sampled_token_ids_cpu = self._sampled_token_ids.to("cpu", non_blocking=True)
+            self._logprobs_tensors_cpu = (
+                _logprobs_to_cpu_nonblocking(self._logprobs_tensors)
+                if self._logprobs_tensors is not None
+                else None
+            )
+            self.async_copy_ready_event.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.async_copy_ready_event is not None:
+            self.async_copy_ready_event.synchronize()
+        sampled = self.sampled_token_ids_cpu.squeeze(-1).tolist()  # CPU: waits for nothing
+        del self._sampled_token_ids, self._logprobs_tensors
+        self._trace.sampled(self._step, sampled)
+        for row, output_token_ids, index in self._placeholders:
+            if index < len(output_token_ids) and output_token_ids[index] == -1:
+                output_token_ids[index] = sampled[row]
+        invalid = set(self._invalid_req_indices)
+        kept_rows = [i for i in range(len(sampled)) if i not in invalid]
+        output = self._model_runner_output
+        output.sampled_token_ids = [
+            [] if i in invalid else [sampled[i]] for i in range(len(sampled))
+        ]
+        if self._logprobs_tensors_cpu is not None:
+            lists = self._logprobs_tensors_cpu.tolists()
+            # One logprob row per token actually returned, in request order.
+            output.logprobs = LogprobsLists(
+                [lists.logprob_token_ids[i] for i in kept_rows],
+                [lists.logprobs[i] for i in kept_rows],
+                [lists.sampled_token_ranks[i] for i in kept_rows],
+            )
+        return output
+
+
+def _logprobs_to_cpu_nonblocking(t: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(*(x.to("cpu", non_blocking=True) for x in t))
 
 
 class GPUModelRunner:
@@ -146,6 +241,16 @@ class GPUModelRunner:
             ),
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode, trace=trace.sampler)
+        # Async scheduling: sampled ids stay on the device for the next step,
+        # and their host copy runs on a stream of its own (CUDA only).
+        self.use_async_scheduling = bool(self.scheduler_config.async_scheduling)
+        self.async_output_copy_stream: torch.cuda.Stream | None = None
+        # Recorded after a step's host->device input copies; the next step
+        # waits for it before rewriting the pinned buffers they read from.
+        self.prepare_inputs_event: torch.cuda.Event | None = None
+        if device.type == "cuda" and self.use_async_scheduling:
+            self.async_output_copy_stream = torch.cuda.Stream(device)
+            self.prepare_inputs_event = torch.cuda.Event()
         self.execute_model_state: ExecuteModelState | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -283,6 +388,11 @@ class GPUModelRunner:
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 # Resumed, or not scheduled last step: back into the batch.
+                num_output_tokens = cached.num_output_tokens[i]
+                if self.use_async_scheduling and num_output_tokens > 0:
+                    # Our list may still end in -1 placeholders: take the
+                    # scheduler's tokens, which are all known by now.
+                    state.output_token_ids = cached.all_token_ids[req_id][-num_output_tokens:]
                 reqs_to_add.append(state)
                 continue
             if new_block_ids:
@@ -349,11 +459,14 @@ class GPUModelRunner:
         num_rows = num_reqs + (padded - total)
 
         self._copy_to_device(self.input_ids, input_ids_np)
+        self._prepare_input_ids(cu_num_tokens)
         self._copy_to_device(self.positions, positions_np)
         self._copy_to_device(self.query_start_loc, query_start_loc_np)
         self._copy_to_device(self.seq_lens, seq_lens_np)
         self._copy_to_device(self.slot_mapping, slot_mapping_np)
         batch.block_table.commit_block_table(num_reqs)
+        if self.prepare_inputs_event is not None:
+            self.prepare_inputs_event.record()
         common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[: num_rows + 1],
             query_start_loc_cpu=torch.from_numpy(query_start_loc_np[: num_reqs + 1]),
@@ -385,6 +498,37 @@ class GPUModelRunner:
             logits_indices_np=logits_indices_np,
         )
 
+    def _prepare_input_ids(self, cu_num_tokens: np.ndarray) -> None:
+        """Async scheduling: the last token of each request that sampled in the
+        previous step is a -1 placeholder on the host; take its id from that
+        step's sampled ids, still on the device (no wait for the host copy).
+
+        Example: rows [A, B] with cu_num_tokens [1, 6] (A decodes; B is a new
+        prompt of 5), A was row 3 of the last step: input_ids[0] =
+        prev_sampled_token_ids[3].
+        """
+        batch = self.input_batch
+        prev_sampled = batch.prev_sampled_token_ids
+        if prev_sampled is None or not batch.prev_req_id_to_index:
+            return
+        cur_indices: list[int] = []  # flat index of the request's last token
+        prev_indices: list[int] = []  # its row in the previous step
+        for row, req_id in enumerate(batch.req_ids):
+            prev_row = batch.prev_req_id_to_index.get(req_id)
+            if prev_row is not None:
+                cur_indices.append(int(cu_num_tokens[row]) - 1)
+                prev_indices.append(prev_row)
+        if not cur_indices:
+            return
+        n = len(cur_indices)
+        if cur_indices == prev_indices == list(range(n)):
+            # The steady decode batch: same rows, same order -- one slice copy.
+            self.input_ids[:n].copy_(prev_sampled[:n, 0], non_blocking=True)
+            return
+        cur = torch.tensor(cur_indices, dtype=torch.long).to(self.device, non_blocking=True)
+        prev = torch.tensor(prev_indices, dtype=torch.long).to(self.device, non_blocking=True)
+        self.input_ids.index_copy_(0, cur, prev_sampled[prev, 0].to(self.input_ids.dtype))
+
     def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """numpy -> persistent device buffer. On CUDA through a persistent
         pinned host twin, so the copy is asynchronous (the previous step's
@@ -406,6 +550,10 @@ class GPUModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.trace.step_started(scheduler_output.step)
+        if self.prepare_inputs_event is not None:
+            # The last step's input copies must be done before their pinned
+            # sources are rewritten (they usually are long done).
+            self.prepare_inputs_event.synchronize()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -442,46 +590,74 @@ class GPUModelRunner:
     # 4. Sample
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+        """Sample one token per row. Synchronous: wait for the ids and return
+        the ``ModelRunnerOutput``. Async scheduling: return at once with an
+        ``AsyncGPUModelRunnerOutput``; the ids stay on the device for the next
+        step and each row that sampled gets a -1 placeholder."""
         state = self.execute_model_state
         if state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
         self.execute_model_state = None
         batch = self.input_batch
         reqs = [self.requests[r] for r in state.req_ids]
+        if self.use_async_scheduling and self._sampling_reads_output_token_ids():
+            batch.update_async_output_token_ids()
         self.trace.sampling(state.req_ids, state.discard_rows)
+        # A thrown-away sample must not advance its row's seeded generator
+        # (vLLM rewinds it): a seed gives the same tokens however the prompt
+        # was chunked, and with async scheduling on or off.
+        saved_generators = {
+            row: gen.get_state()
+            for row in state.discard_rows
+            if (gen := batch.generators.get(row)) is not None
+        }
         sampler_output = self.sampler(state.logits, batch.sampling_metadata)
-        sampled = sampler_output.sampled_token_ids.squeeze(-1).tolist()  # waits for the device
-        self.trace.sampled(sampled)
-        logprobs = (
-            sampler_output.logprobs_tensors.tolists()
-            if sampler_output.logprobs_tensors is not None
-            else None
-        )
+        for row, generator_state in saved_generators.items():
+            batch.generators[row].set_state(generator_state)
         discard = set(state.discard_rows)
-        sampled_token_ids: list[list[int]] = []
-        kept_rows: list[int] = []
-        for i, req in enumerate(reqs):
-            if i in discard:
-                sampled_token_ids.append([])
-                continue
-            token = int(sampled[i])
-            sampled_token_ids.append([token])
-            kept_rows.append(i)
-            req.output_token_ids.append(token)
-            batch.append_token(i, token)
-        if logprobs is not None:
-            # One logprob row per token actually returned, in request order.
-            logprobs = type(logprobs)(
-                [logprobs.logprob_token_ids[i] for i in kept_rows],
-                [logprobs.logprobs[i] for i in kept_rows],
-                [logprobs.sampled_token_ranks[i] for i in kept_rows],
-            )
-        return ModelRunnerOutput(
-            req_ids=state.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
+        kept_rows = [i for i in range(len(reqs)) if i not in discard]
+        # Where each kept row's -1 placeholder goes (async scheduling).
+        placeholders = [
+            (i, reqs[i].output_token_ids, len(reqs[i].output_token_ids)) for i in kept_rows
+        ]
+        output = AsyncGPUModelRunnerOutput(
+            ModelRunnerOutput(
+                req_ids=state.req_ids,
+                req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
+            ),
+            sampler_output,
+            invalid_req_indices=state.discard_rows,
+            async_output_copy_stream=self.async_output_copy_stream,
+            step=state.scheduler_output.step,
+            trace=self.trace,
+            placeholders=placeholders if self.use_async_scheduling else [],
+        )
+        if not self.use_async_scheduling:
+            result = output.get_output()  # waits for the device
+            for i in kept_rows:
+                token = result.sampled_token_ids[i][0]
+                reqs[i].output_token_ids.append(token)
+                batch.append_token(i, token)
+            return result
+        for i in kept_rows:
+            reqs[i].output_token_ids.append(-1)
+            batch.append_token(i, -1)
+        batch.prev_sampled_token_ids = sampler_output.sampled_token_ids
+        batch.prev_req_id_to_index = {state.req_ids[i]: i for i in kept_rows}
+        batch.set_async_sampled_token_ids(
+            output.sampled_token_ids_cpu, output.async_copy_ready_event
+        )
+        return output
+
+    def _sampling_reads_output_token_ids(self) -> bool:
+        """Whether sampling reads the values of output tokens (penalties, bad
+        words, custom processors) -- min-tokens needs only their number."""
+        batch = self.input_batch
+        return (
+            not batch.no_penalties
+            or bool(batch.bad_words_token_ids)
+            or bool(self.model_config.logits_processors)
         )
 
     # ------------------------------------------------------------------

@@ -38,6 +38,7 @@ from engine.v1.attention.backends.utils import (
     reorder_batch_to_split_decodes_and_prefills,
 )
 from engine.v1.engine.llm_engine import LLMEngine
+from engine.v1.outputs import AsyncModelRunnerOutput
 from engine.v1.sample.logits_processor import MoveDirectionality
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
@@ -249,10 +250,12 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("reorder") / "tiny")
 
 
-def mixed_run(model_dir, monkeypatch, reorder: bool):
+def mixed_run(model_dir, monkeypatch, reorder: bool, async_scheduling: bool = True):
     """Four requests decode; when the first finishes, a 20-token prompt takes
     its row (row 0), in front of the three decodes. Returns per-request
-    outputs, the runner's (req_ids, sampled) per step, and the swaps made."""
+    outputs, the runner's (req_ids, sampled) per step, and the swaps made.
+    With async scheduling the rows move while the last step's sampled ids
+    are still on the device: the next inputs must follow them."""
     # The CPU builder asks for decodes first on CPU families outside this list.
     families = () if reorder else ("x86", "arm", "powerpc", "s390x", "riscv", "other", "unknown")
     monkeypatch.setattr(cpu_attn, "_CPU_ARCH_PREFER_MIXED_BATCH", families)
@@ -260,12 +263,25 @@ def mixed_run(model_dir, monkeypatch, reorder: bool):
     swaps: list[tuple[int, int]] = []
     sample_tokens, swap_states = GPUModelRunner.sample_tokens, InputBatch.swap_states
 
-    def recording_sample_tokens(runner):
-        out = sample_tokens(runner)
+    def record(out):
         assert out.req_id_to_index == {r: i for i, r in enumerate(out.req_ids)}
         # Internal ids are "<user id>-<random suffix>": keep the user's part.
         user_ids = [r.rsplit("-", 1)[0] for r in out.req_ids]
         steps.append((user_ids, [list(t) for t in out.sampled_token_ids]))
+
+    def recording_sample_tokens(runner):
+        out = sample_tokens(runner)
+        if not isinstance(out, AsyncModelRunnerOutput):
+            record(out)
+            return out
+        get_output = out.get_output
+
+        def recorded_get_output():
+            result = get_output()
+            record(result)
+            return result
+
+        out.get_output = recorded_get_output
         return out
 
     def recording_swap(batch, i1, i2):
@@ -275,7 +291,7 @@ def mixed_run(model_dir, monkeypatch, reorder: bool):
     monkeypatch.setattr(GPUModelRunner, "sample_tokens", recording_sample_tokens)
     monkeypatch.setattr(InputBatch, "swap_states", recording_swap)
 
-    args = EngineArgs(model=str(model_dir), **ENGINE_ARGS)
+    args = EngineArgs(model=str(model_dir), async_scheduling=async_scheduling, **ENGINE_ARGS)
     engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
     common = dict(ignore_eos=True)
     requests = {
@@ -319,10 +335,15 @@ def mixed_run(model_dir, monkeypatch, reorder: bool):
 
 
 def test_reordering_changes_no_token(tiny_model_dir, monkeypatch):
+    # The serial loop, where "late" lands in front of the decodes and is swapped.
     with monkeypatch.context() as m:
-        plain, plain_steps, plain_swaps = mixed_run(tiny_model_dir, m, reorder=False)
+        plain, plain_steps, plain_swaps = mixed_run(
+            tiny_model_dir, m, reorder=False, async_scheduling=False
+        )
     with monkeypatch.context() as m:
-        reordered, reordered_steps, reordered_swaps = mixed_run(tiny_model_dir, m, reorder=True)
+        reordered, reordered_steps, reordered_swaps = mixed_run(
+            tiny_model_dir, m, reorder=True, async_scheduling=False
+        )
 
     assert plain_swaps == []
     # "late" took row 0 in front of three decodes: one swap sends it to the end.
@@ -339,3 +360,28 @@ def test_reordering_changes_no_token(tiny_model_dir, monkeypatch):
     for (ids_a, tok_a), (ids_b, tok_b) in zip(plain_steps, reordered_steps):
         assert dict(zip(ids_a, tok_a)) == dict(zip(ids_b, tok_b))
     assert any(a[0] != b[0] for a, b in zip(plain_steps, reordered_steps))
+
+
+def test_async_scheduling_follows_moved_rows(tiny_model_dir, monkeypatch):
+    """With async scheduling a step's sampled ids stay on the device and the
+    next step takes its inputs from them by request: here ``condense`` moves
+    a request to another row while its last token is still a placeholder."""
+    with monkeypatch.context() as m:
+        overlapped, steps, _ = mixed_run(tiny_model_dir, m, reorder=True, async_scheduling=True)
+    with monkeypatch.context() as m:
+        serial, _, _ = mixed_run(tiny_model_dir, m, reorder=True, async_scheduling=False)
+    assert any(
+        prev_ids.index(r) != ids_now.index(r)
+        for (prev_ids, _), (ids_now, _) in zip(steps, steps[1:])
+        for r in set(prev_ids) & set(ids_now)
+    )
+    # Same tokens and finish reasons; logprobs to float32 rounding (the two
+    # loops batch rows differently, and a matmul may sum in another order).
+    assert overlapped.keys() == serial.keys()
+    for rid, (tokens, reason, logprobs) in serial.items():
+        assert overlapped[rid][:2] == (tokens, reason), rid
+        for got, want in zip(overlapped[rid][2], logprobs, strict=True):
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert [lp.logprob for _, lp in got] == pytest.approx(
+                [lp.logprob for _, lp in want], abs=1e-4
+            )

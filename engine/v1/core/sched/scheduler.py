@@ -46,8 +46,12 @@ chunked can preempt each other in turn for ever, each readmission taking the
 blocks the other needs next.
 Sessions: 02 (scheduler), 03 (where it calls the KV cache manager).
 
-Simpler than vLLM: no async scheduling, speculative decoding, encoder inputs,
-LoRA limits, KV connectors, streaming input or pause states. Nothing in
+Placeholders (``num_output_placeholders``) are always 0 here; the
+``AsyncScheduler`` subclass (async_scheduler.py) sets them, and
+``schedule()`` counts them as tokens still to compute.
+
+Simpler than vLLM: no speculative decoding, encoder inputs, LoRA limits, KV
+connectors, streaming input or pause states. Nothing in
 Glassbox parks a request yet: ``structured_output_manager`` is None until
 structured outputs arrive, so only a test sets a ``WAITING_FOR_*`` status
 (with a ``structured_output_request`` whose ``grammar`` says when it is
@@ -177,7 +181,23 @@ class Scheduler(SchedulerInterface):
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
 
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if (
+                request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async scheduling: the step in flight already samples the
+                # request's last allowed token; another step would be wasted.
+                req_index += 1
+                continue
+
+            # Placeholders (async scheduling) are tokens a step in flight is
+            # sampling: known to be coming, not yet appended.
+            num_new_tokens = (
+                request.num_tokens_with_spec
+                + request.num_output_placeholders
+                - request.num_computed_tokens
+            )
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, token_budget)
@@ -369,7 +389,9 @@ class Scheduler(SchedulerInterface):
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
         # The worker hears about these finished ids exactly once.
         self.finished_req_ids = set()
 
@@ -389,7 +411,8 @@ class Scheduler(SchedulerInterface):
                 data.all_token_ids[req_id] = req.all_token_ids.copy()
             data.new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
             data.num_computed_tokens.append(req.num_computed_tokens)
-            data.num_output_tokens.append(req.num_output_tokens)
+            # Placeholders count: the worker holds them (as -1) in its output list.
+            data.num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
         return data
 
     # ------------------------------------------------------------------
@@ -446,11 +469,13 @@ class Scheduler(SchedulerInterface):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        self.trace.update_started()
+        self.trace.update_started(scheduler_output.step)
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
+        # Async scheduling only: preempted while this step was in flight.
+        stopped_preempted_reqs: set[Request] = set()
         # Logprob rows follow the runner's request order, one row per sampled
         # token: request k's rows start after all tokens of requests 0..k-1.
         logprob_row_start: dict[str, int] = {}
@@ -473,20 +498,20 @@ class Scheduler(SchedulerInterface):
                 # Aborted while the step was running: drop its tokens.
                 continue
 
+            status_before_stop = request.status
             new_token_ids: list[int] = []
             stopped = False
-            for token_id in generated:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if check_stop(request, self.max_model_len):
-                    stopped = True
-                    break  # tokens after the stop are discarded
+            if generated:
+                new_token_ids, stopped = self._update_request_with_output(request, generated)
 
             finish_reason = None
             if stopped:
                 finish_reason = request.get_finished_reason()
                 self._free_request(request)
-                stopped_running_reqs.add(request)
+                if status_before_stop == RequestStatus.RUNNING:
+                    stopped_running_reqs.add(request)
+                else:
+                    stopped_preempted_reqs.add(request)
 
             new_logprobs = None
             if (
@@ -511,6 +536,8 @@ class Scheduler(SchedulerInterface):
 
         if stopped_running_reqs:
             self.running = remove_all(self.running, stopped_running_reqs)
+        if stopped_preempted_reqs:
+            self.waiting.remove_requests(stopped_preempted_reqs)
         self.trace.updated(self, outputs)
 
         engine_core_outputs = {
@@ -534,6 +561,19 @@ class Scheduler(SchedulerInterface):
                 eco = engine_core_outputs[0] = EngineCoreOutputs()
             eco.scheduler_stats = stats
         return engine_core_outputs
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append the sampled tokens, stopping at the first that ends the
+        request. Returns the tokens kept and whether the request stopped."""
+        kept: list[int] = []
+        for token_id in new_token_ids:
+            request.append_output_token_ids(token_id)
+            kept.append(token_id)
+            if check_stop(request, self.max_model_len):
+                return kept, True  # tokens after the stop are discarded
+        return kept, False
 
     # ------------------------------------------------------------------
     # Requests in and out
@@ -652,6 +692,10 @@ class Scheduler(SchedulerInterface):
         while self.running:
             request = self.running.pop()
             self._preempt_request(request, timestamp)
+            # Async scheduling: the frames of the steps in flight now carry
+            # tokens of a computation that will be redone; drop them on arrival.
+            request.async_tokens_to_discard = request.num_output_placeholders
+            request.num_output_placeholders = 0
             self.trace.preempted_for_reset(request)
         # Their next schedule must send the worker everything again.
         self.prev_step_scheduled_req_ids.clear()
