@@ -8,6 +8,7 @@
 #   make fuzz    the full schemathesis run (~5 min on 2 cores; docs/reliability.md)
 #   make soak    5,000 mixed requests against glassbox serve, memory sampled (~30 min on 2 cores)
 #   make bench-cpu-threads  torch thread counts on this machine's cores (docs/reliability.md)
+#   make bench-async  async scheduling on against off, default model on the CPU (~10 min)
 
 PYTHON := .venv/bin/python
 # Session notebooks, run top to bottom by nbval (only when at least one exists).
@@ -21,7 +22,7 @@ NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env --nbval
 # What ruff checks (line length 100, rules in pyproject.toml).
 LINT_PATHS := engine tui tests benchmarks scripts
 
-.PHONY: setup test lint run test-gpu fuzz soak bench-cpu-threads
+.PHONY: setup test lint run test-gpu fuzz soak bench-cpu-threads bench-async
 
 setup:
 	bash scripts/setup.sh
@@ -48,3 +49,6 @@ soak:
 
 bench-cpu-threads:
 	$(PYTHON) -m benchmarks.cpu_threads --repeats 3 --out cpu_threads/
+
+bench-async:
+	$(PYTHON) benchmarks/async_scheduling.py --device cpu --rounds 3 --out out/

@@ -72,19 +72,19 @@ def main() -> int:
             )
         )
     for _ in range(5):
-        core.step()
+        core.step_fn()
     sync()
     steps = args.steps
     t = time.perf_counter()
     for _ in range(steps):
-        core.step()
+        core.step_fn()
     sync()
     wall_ms = (time.perf_counter() - t) / steps * 1e3
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
-        core.step()
+        core.step_fn()
     sync()
     prof.disable()
     s = io.StringIO()
@@ -94,7 +94,7 @@ def main() -> int:
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as tp:
         for _ in range(10):
-            core.step()
+            core.step_fn()
         sync()
     table = tp.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     gpu_us = sum(e.self_device_time_total for e in tp.key_averages()) / 10
@@ -103,6 +103,8 @@ def main() -> int:
     # Host time per phase of EngineCore.step (cumulative, ms per step).
     phases = {
         "EngineCore.step": "core.py:step",
+        "EngineCore.step_with_batch_queue": "core.py:step_with_batch_queue",
+        "AsyncGPUModelRunnerOutput.get_output (tokens wait)": "gpu_model_runner.py:get_output",
         "Scheduler.schedule": "scheduler.py:schedule",
         "GPUModelRunner.execute_model": "gpu_model_runner.py:execute_model",
         "GPUModelRunner._prepare_inputs": "gpu_model_runner.py:_prepare_inputs",
@@ -132,6 +134,7 @@ def main() -> int:
         "gpu_kernels_per_step": len(kernels) / 10,
         "host_ms_per_step_under_cprofile": host_ms,
         "attention_backend": core.model_executor.driver_worker.model_runner.attn_backend.get_name(),
+        "async_scheduling": core.async_scheduling,
     }
     print(json.dumps(result))
     text = json.dumps(result) + "\n\n" + s.getvalue() + "\n\n" + table

@@ -107,6 +107,8 @@ def current_name(result: dict[str, Any]) -> str:
         return "cpu_vs_transformers_cpu"
     if benchmark == "gpu_throughput":
         return f"gpu_throughput_{machine}"
+    if benchmark == "async_scheduling":
+        return f"async_scheduling_{machine}"
     if benchmark == "gpu_profile_step":
         return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):

@@ -496,6 +496,15 @@ def status_table(res: Results) -> str:
         f"| H200, one decode step at batch 1, context 512, CUDA graphs | {b1:.2f} ms | "
         f"{targets['decode_step_batch1_ms']} ms | same file |"
     )
+    if "async_scheduling_h200.json" in res.current:
+        summary = res.current["async_scheduling_h200.json"]["summary"]
+        itl = summary["async"]["client_itl_batch1_median_ms"]
+        serial = summary["sync"]["client_itl_batch1_median_ms"]
+        lines.append(
+            "| H200, batch 1, context 512: time between tokens at the client, async scheduling "
+            f"(serial loop) | {itl:.2f} ms ({serial:.2f} ms) | "
+            f"{targets['decode_step_batch1_ms']} ms | {source('async_scheduling_h200.json')} |"
+        )
     cpu = cpu_summary(res.current["cpu_vs_transformers_cpu.json"])
     lines.append(
         f"| CPU, {cpu['threads']} thread, 32 chat prompts (default model, fp32): against "
@@ -544,6 +553,14 @@ def _file_says(res: Results, name: str) -> str:
             f"batch-1 step {r['wall_ms_per_step']:.2f} ms wall, GPU busy "
             f"{r['gpu_ms_per_step']:.2f} ms"
         )
+    if benchmark == "async_scheduling":
+        sync, over = r["summary"]["sync"], r["summary"]["async"]
+        return (
+            f"sync / async: {_tps(sync['throughput_tokens_per_s'])} / "
+            f"{_tps(over['throughput_tokens_per_s'])}; batch-1 client inter-token "
+            f"{sync['client_itl_batch1_median_ms']:.2f} / "
+            f"{over['client_itl_batch1_median_ms']:.2f} ms"
+        )
     if benchmark == "tracing_overhead":
         s = overhead(r)
         return (
@@ -553,6 +570,42 @@ def _file_says(res: Results, name: str) -> str:
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
     return ""
+
+
+ASYNC_ROWS = (
+    ("throughput_tokens_per_s", "throughput, output tok/s", "{:,.0f}"),
+    ("client_itl_batch1_median_ms", "batch 1: inter-token time at the client, median ms", "{:.2f}"),
+    ("decode_step_batch1_median_ms", "batch 1: one decode step, median ms", "{:.2f}"),
+    ("decode_step_batch16_median_ms", "batch 16: one decode step, median ms", "{:.2f}"),
+    ("decode_step_batch64_median_ms", "batch 64: one decode step, median ms", "{:.2f}"),
+)
+
+
+def async_scheduling_table(res: Results) -> str:
+    """docs/gpu.md: async scheduling off against on, per machine measured."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("async_scheduling_")):
+        r = res.current[name]
+        summary = r["summary"]
+        line = res.line_of(name)
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {r['model']}; "
+            f"throughput: {r['throughput_workload']}; medians of {r['rounds']} interleaved "
+            "rounds):"
+        )
+        rows = [
+            "| | serial loop | async scheduling | async / serial |",
+            "| --- | --- | --- | --- |",
+        ]
+        for key, label, fmt in ASYNC_ROWS:
+            if key in summary["sync"] and key in summary["async"]:
+                rows.append(
+                    f"| {label} | {fmt.format(summary['sync'][key])} | "
+                    f"{fmt.format(summary['async'][key])} | "
+                    f"{summary['async_over_sync'][key]:.2f} |"
+                )
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
 
 
 def results_files_table(res: Results) -> str:
@@ -593,6 +646,7 @@ BLOCKS = (
     Block("gpu-throughput", "docs/gpu.md", gpu_throughput_table),
     Block("gpu-throughput-history", "docs/gpu.md", gpu_throughput_history_table),
     Block("gpu-profile-step", "docs/gpu.md", gpu_profile_step_table),
+    Block("async-scheduling", "docs/gpu.md", async_scheduling_table),
     Block("tracing-overhead-gpu-history", "docs/gpu.md", tracing_gpu_history_table),
     Block("tracing-profile-gpu", "docs/gpu.md", tracing_profile_table),
     Block("tracing-overhead", "docs/trace_format.md", tracing_overhead_table),

@@ -2,12 +2,14 @@
 # The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
 #
 # Usage, on a CUDA machine, from the repo root:
-#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing]      (`make test-gpu` = `all`)
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async]   (`make test-gpu` = `all`)
 #     tests    every test marked `gpu` (tests/gpu, tests/v1/attention, tests/v1/worker); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
 #              decode latency, the batch-1 step profile
 #     tracing  only the tracing overhead benchmark and its profile
+#     async    async scheduling on against off: throughput, client inter-token time and
+#              decode step (benchmarks/async_scheduling.py -> async_scheduling_<gpu>.json)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
@@ -44,8 +46,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing]" >&2; exit 2 ;;
+  all | tests | bench | tracing | async) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async]" >&2; exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
@@ -74,7 +76,8 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   gpu_tests || rc=$?
   [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
-if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ]; } && [ -n "${GPU_TESTS_K:-}" ]; then
+if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = async ]; } \
+  && [ -n "${GPU_TESTS_K:-}" ]; then
   # A few GPU tests picked by name before the benchmarks (when a whole test run does not fit).
   gpu_tests -k "$GPU_TESTS_K" || rc=$?
 fi
@@ -99,6 +102,11 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     --hf-num-prompts 64 --hf-timeout-s 200 2>&1 | tee -a "$OUT/bench.log" || rc=1
   # $OUT/gpu_profile_step_b1_<gpu>.{json,txt}
   "$PYTHON" benchmarks/gpu_profile_step.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+fi
+if [ "$WHAT" = async ]; then
+  "$PYTHON" benchmarks/async_scheduling.py --device cuda --rounds "${ASYNC_ROUNDS:-2}" \
+    --parts "${ASYNC_PARTS:-itl,latency,throughput}" --out "$OUT/" 2>&1 \
+    | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
 # The logs and results as one archive (kernel caches stay beside it).
