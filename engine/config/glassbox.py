@@ -57,20 +57,17 @@ class GlassboxConfig:
 
         scheduler_config = self.scheduler_config
         backend = self.parallel_config.distributed_executor_backend
-        executor_class = Executor.get_class(self)
-        supported = executor_class.supports_async_scheduling()
+        name = getattr(backend, "__name__", backend)
+        supported = Executor.get_class(self).supports_async_scheduling()
         if scheduler_config.async_scheduling and not supported:
-            name = getattr(backend, "__name__", backend)
             raise ValueError(
                 f"async_scheduling: the {name!r} executor does not support it; "
                 "use --no-async-scheduling"
             )
         if scheduler_config.async_scheduling is None:
             if not supported:
-                logger.warning(
-                    "Async scheduling is off: the %r executor does not support it.",
-                    getattr(backend, "__name__", backend),
-                )
+                msg = "Async scheduling is off: the %r executor does not support it."
+                logger.warning(msg, name)
             scheduler_config.async_scheduling = supported
         if scheduler_config.async_scheduling not in _logged_async_scheduling:
             _logged_async_scheduling.add(scheduler_config.async_scheduling)

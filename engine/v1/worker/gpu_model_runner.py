@@ -143,7 +143,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         async_output_copy_stream: torch.cuda.Stream | None,
         step: int,
         trace: RunnerTrace,
-        placeholders: list[tuple[int, list[int], int]] = (),  # type: ignore[assignment]
+        placeholders: list[tuple[int, list[int], int]],
     ) -> None:
         self._model_runner_output = model_runner_output
         self._invalid_req_indices = invalid_req_indices
@@ -532,7 +532,8 @@ class GPUModelRunner:
     def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """numpy -> persistent device buffer. On CUDA through a persistent
         pinned host twin, so the copy is asynchronous (the previous step's
-        copy has finished: sampling synchronised)."""
+        copy has finished: sampling synchronised, or with async scheduling
+        ``prepare_inputs_event`` was waited for)."""
         host = torch.from_numpy(src)
         if self.pin_memory:
             pinned = self._pinned.get(id(dst))
