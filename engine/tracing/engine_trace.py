@@ -44,6 +44,8 @@ class EngineCoreTrace(SubsystemTrace):
         super().__init__(tracer)
         self._wait_start_ns = 0
         self._newest_step: int | None = None  # the last step launched
+        self._updated_step: int | None = None  # the last step whose tokens were read
+        self._step_batches_unsent = 0  # output batches of that step not yet queued
 
     def step_launched(self, step: int, num_in_flight: int) -> None:
         """``engine.step_launched``; then write what was recorded so far while
@@ -60,15 +62,18 @@ class EngineCoreTrace(SubsystemTrace):
     def output_ready(self, step: int) -> None:
         """``engine.output_ready``: ``step``'s tokens are on the host."""
         self.tracer.set_step(step)
+        self._updated_step = step
         now = time.perf_counter_ns()
         self.tracer.record(EngineOutputReady(step=step, wait_ns=now - self._wait_start_ns))
 
-    def step_done(self, scheduler: Any, batch_queue: Any = ()) -> None:
-        """A step's output was applied. What happens until the next
-        ``schedule()`` (requests added, aborts) belongs to the newest step
-        launched -- with async scheduling not the step just updated, as the
-        next one is already in flight. Write the step's last events now if
-        no step follows to carry them."""
+    def step_done(self, scheduler: Any, outputs: dict, batch_queue: Any = ()) -> None:
+        """A step's output was applied and gave ``outputs`` (one batch per
+        client). What happens until the next ``schedule()`` (requests added,
+        aborts) belongs to the newest step launched -- with async scheduling
+        not the step just updated, as the next one is already in flight --
+        except those batches, which carry the updated step's tokens. Write the
+        step's last events now if no step follows to carry them."""
+        self._step_batches_unsent = len(outputs)
         if self._newest_step is not None:
             self.tracer.set_step(self._newest_step)
         if not scheduler.has_requests() and not batch_queue:
@@ -81,8 +86,15 @@ class EngineCoreTrace(SubsystemTrace):
             self.tracer.record(RequestReceived(**fields))
 
     def output_sent(self, outputs: Any) -> None:
-        """The busy loop queued an ``EngineCoreOutputs`` for the output thread."""
-        self.tracer.record(OutputSent(request_ids=[o.request_id for o in outputs.outputs]))
+        """The busy loop queued an ``EngineCoreOutputs`` for the output thread:
+        first the batches of the step just updated (stamped with that step),
+        then, between steps, utility results and aborts (the current step)."""
+        step = None
+        if self._step_batches_unsent:
+            self._step_batches_unsent -= 1
+            step = self._updated_step
+        ids = [o.request_id for o in outputs.outputs]
+        self.tracer.record(OutputSent(step=step, request_ids=ids))
 
 
 class ClientTrace(SubsystemTrace):

@@ -308,7 +308,8 @@ class RequestReceived(TraceEvent, kw_only=True, tag="request.received"):
 
 class OutputSent(TraceEvent, kw_only=True, tag="output.sent"):
     """Written by the engine core's busy loop as it queues a batch of outputs
-    for the output thread."""
+    for the output thread. A step's outputs carry that step's number: with
+    async scheduling one less than the step in flight (``sched.update``'s)."""
 
     request_ids: Annotated[list[str], doc("the requests in the `EngineCoreOutputs` batch")] = []
 

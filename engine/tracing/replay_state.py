@@ -483,8 +483,11 @@ class EngineState:
         # appended, or drops the frame after a reset (async_tokens_to_discard).
         for rid in self._sampling.pop(step, ()):
             req = self.requests.get(rid)
-            if req is None or req.is_finished:
-                continue  # finished while the step was in flight: its frame is dropped
+            # A request that finished while the step was in flight drops its
+            # frame; one this very update finished (its sched.finished came
+            # first, from inside update_from_output) still retires it.
+            if req is None or (req.is_finished and rid not in new_token_ids):
+                continue
             req = self._mutable(rid)
             if req.async_tokens_to_discard > 0:
                 req.async_tokens_to_discard -= 1

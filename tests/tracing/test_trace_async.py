@@ -148,6 +148,34 @@ def test_placeholders_are_the_tokens_of_the_steps_in_flight(async_events):
     assert num_placeholders >= 20  # the run decodes for many steps
 
 
+def test_finished_requests_keep_only_the_placeholders_of_dropped_frames(async_events):
+    """The update that finishes a request retires its own placeholder (its
+    ``sched.finished`` is written first, from inside ``update_from_output``);
+    only the frames of steps still in flight when it finished are left, as on
+    the engine's Request. A length cap is foreseen by the scheduler, so those
+    requests end with none."""
+    final = TraceReplay(async_events).final_state
+    last_tokens, sampled, reasons = {}, defaultdict(set), {}
+    for e in async_events:
+        if e.kind == "sched.update":
+            for rid in e.new_token_ids:
+                last_tokens[rid] = e.step
+        elif e.kind == "sampler.sampled":
+            sampled[e.request_id].add(e.step)
+        elif e.kind == "sched.finished":
+            reasons[e.request_id] = e.finish_reason
+    checked = 0
+    for rid, req in final.requests.items():
+        if not req.is_finished or rid not in last_tokens:
+            continue
+        dropped = sum(s > last_tokens[rid] for s in sampled[rid])
+        assert req.num_output_placeholders == dropped, (rid, reasons.get(rid))
+        if reasons.get(rid) == "length":
+            assert dropped == 0, rid
+        checked += 1
+    assert checked >= 3 and "length" in reasons.values()
+
+
 def test_a_trace_without_the_1_4_events_replays_to_the_same_states(async_events, sync_events):
     """A 1.3 trace has no launch / consume events: the replay takes the
     states from the same events (equal at every step), and the steps in

@@ -74,6 +74,15 @@ def test_multiprocess_trace_replays_and_exports(tiny_model_dir, tmp_path):
     hops = {"request.sent", "request.received", "output.sent", "output.received"}
     assert hops <= {e.kind for e in events}
     assert ("outputs", "s", core_pid) in crossing and ("outputs", "f", front_pid) in crossing
+    # The default loop is async: a step's outputs are sent after the next step
+    # was scheduled, yet each output.sent carries the step whose tokens it holds.
+    assert next(e for e in events if e.kind == "engine.config").async_scheduling
+    updated = [e.step for e in events if e.kind == "sched.update" and e.new_token_ids]
+    sent = [e.step for e in events if e.kind == "output.sent" and e.request_ids]
+    assert sent == updated and len(sent) >= 4
+    sched_seq = {e.step: e.seq for e in events if e.kind == "sched.step"}
+    outputs = [e for e in events if e.kind == "output.sent" and e.request_ids]
+    assert any(e.step + 1 in sched_seq and sched_seq[e.step + 1] < e.seq for e in outputs)
 
 
 def _write(path, events):

@@ -221,7 +221,7 @@ class EngineCore:
                 model_output = self.model_executor.sample_tokens(None)
         self.trace.output_ready(scheduler_output.step)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.trace.step_done(self.scheduler)
+        self.trace.step_done(self.scheduler, engine_core_outputs)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
@@ -269,7 +269,7 @@ class EngineCore:
             model_output = future.result()
         self.trace.output_ready(scheduler_output.step)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.trace.step_done(self.scheduler, batch_queue)
+        self.trace.step_done(self.scheduler, engine_core_outputs, batch_queue)
         return engine_core_outputs, model_executed
 
     def reset_prefix_cache(
