@@ -25,4 +25,7 @@ class DeviceConfig:
             return self.device
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        # device_count() asks NVML; is_available() asks the CUDA runtime, which
+        # initialises the driver in this process, and a child forked after that
+        # cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess").
+        return "cuda" if torch.cuda.device_count() > 0 else "cpu"

@@ -35,10 +35,11 @@ MULTIPROC_METHODS = ("fork", "spawn")
 
 
 def cuda_is_initialized() -> bool:
-    """True once this process has created a CUDA context (checked without
-    importing torch if it was never imported)."""
+    """True once this process has created a CUDA context. Asks nothing of the
+    driver (``torch.cuda.is_available()`` would, and forking after that breaks
+    CUDA in the child) and imports no torch that was never imported."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _maybe_force_spawn() -> None:

@@ -97,6 +97,27 @@ def test_spawn_already_asked_for_needs_no_warning(monkeypatch, caplog):
     assert caplog.records == []
 
 
+def test_device_guess_and_cuda_check_leave_the_driver_alone(monkeypatch):
+    """Neither the front end's device guess nor the start-method check may
+    ask the CUDA runtime (``torch.cuda.is_available()`` initialises the
+    driver, and a child forked after that cannot use CUDA): they ask NVML's
+    device count and torch's own flag."""
+    import torch
+
+    from engine.config.device import DeviceConfig
+
+    def poisons_fork() -> bool:
+        raise AssertionError("torch.cuda.is_available() called in the front end")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisons_fork)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert DeviceConfig().resolve() == "cuda"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert DeviceConfig().resolve() == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert cuda_is_initialized() is True
+
+
 def test_cuda_check_does_not_import_torch(monkeypatch):
     # Without torch in the process there is no CUDA context to worry about.
     monkeypatch.delitem(sys.modules, "torch", raising=False)
@@ -112,12 +133,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("start_method") / "tiny")
 
 
-def script(model_dir: Path, guarded: bool) -> str:
+def script(model_dir: Path, guarded: bool, device: str = "cpu") -> str:
     body = f"""\
         llm = LLM(
             {str(model_dir)!r},
             load_format="dummy",
-            device="cpu",
+            device={device!r},
             dtype="float32",
             hf_overrides={{"intermediate_size": 32}},
         )
