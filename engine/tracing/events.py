@@ -391,7 +391,10 @@ class SchedPreempted(TraceEvent, kw_only=True, tag="sched.preempted"):
             "when `reset_prefix_cache(reset_running_requests=True)` preempted it"
         ),
     ]
-    num_tokens: Annotated[int, doc("everything it will recompute")]
+    num_tokens: Annotated[
+        int,
+        doc("tokens the host had: what it recomputes, plus tokens still in flight as they arrive"),
+    ]
     num_output_tokens: int
     num_preemptions: Annotated[int, doc("times it was preempted so far")]
 

@@ -84,9 +84,10 @@ class ReplayRequest:
     # its first output token (-1: never admitted).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
-    # Async scheduling: tokens that steps in flight will sample for it (their
-    # positions are already counted in num_computed_tokens), and frames still
-    # to drop after a reset_prefix_cache preemption (the engine's fields).
+    # Async scheduling: tokens that steps in flight will sample for it (all but
+    # the newest already fed a later step: their positions count in
+    # num_computed_tokens), and frames still to drop after a
+    # reset_prefix_cache preemption (the engine's fields).
     num_output_placeholders: int = 0
     async_tokens_to_discard: int = 0
     block_ids: list[int] = field(default_factory=list)

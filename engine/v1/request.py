@@ -16,7 +16,7 @@ The constructor takes vLLM's arguments in vLLM's order. ``pooling_params``,
 features Glassbox does not have: a value other than None (or an empty
 ``mm_features``) raises ValueError naming the field. ``lora_request`` and
 ``structured_output_request`` are kept but unused until LoRA and structured
-outputs arrive; ``num_output_placeholders`` stays 0 (no async scheduling).
+outputs arrive.
 
 Simpler than vLLM: no streaming-input sessions (``resumable``), reasoning
 parser state, NaN counting, or ``FINISHED_ERROR`` / ``FINISHED_REPETITION``
@@ -163,8 +163,9 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = self.prompt_token_ids.copy()
-        # Async scheduling: tokens that steps already in flight will sample
-        # (counted in num_computed_tokens, not yet in the output list).
+        # Async scheduling: tokens that steps in flight will sample, not yet in
+        # the output list. All but the newest are already inputs of a later
+        # step, so their positions count in num_computed_tokens.
         self.num_output_placeholders = 0
         # Async scheduling: frames still in flight when reset_prefix_cache
         # preempted the request; their tokens are dropped when they arrive.

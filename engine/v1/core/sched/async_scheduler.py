@@ -26,7 +26,7 @@ still arrives for it is dropped, since the request recomputes from scratch.
 A request that finishes at step N was already scheduled in step N+1: that
 step's token is dropped (the base ``update_from_output`` skips finished
 requests), the price of never waiting for the host.
-Sessions: 01 (engine loop), 02 (scheduler).
+Sessions: 01 (engine loop), 02 (scheduler), 03 (KV cache: what ``cache_blocks`` may hash).
 
 Simpler than vLLM: no speculative-decoding placeholders yet (a step adds
 exactly one), and no structured outputs (no ``pending_structured_output_tokens``).
