@@ -5,10 +5,11 @@ plumbing, kept in one place so the four notebooks build their reading tables
 and show their figures the same way.
 
   * ``reading_table(files)``: the Markdown table at the top of each session --
-    a vLLM symbol, its line in vLLM at 52a31cc (from the index committed in
+    a vLLM symbol, its line in vLLM at 52a31cc as a permalink (from the index committed in
     ``docs/data/vllm_twins_52a31cc.json``), its Glassbox twin and our line,
     found by parsing our source as it is now.
   * ``vllm_line(path, dotted)`` / ``our_line(path, dotted)``: the two lookups.
+  * ``vllm_url(path, line)``: the GitHub permalink to vLLM's file at 52a31cc.
   * ``show(fig)``: a matplotlib figure into the notebook as a PNG.
 
 A notebook's working directory is its own folder (under Jupyter and under
@@ -33,6 +34,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_COMMIT = "52a31cc"
+# The full hash of VLLM_COMMIT: GitHub permalinks need all forty digits.
+VLLM_SHA = "52a31ccecca203effd490a5b496dc5f8d9496654"
 # vLLM path -> {"qualified": {"Class.method": line, ...}, ...}, extracted from
 # vLLM at VLLM_COMMIT by scripts/gen_source_map.py.
 VLLM_SYMBOLS: dict[str, Any] = json.loads((REPO / f"docs/data/vllm_twins_{VLLM_COMMIT}.json").read_text())
@@ -41,6 +44,12 @@ VLLM_SYMBOLS: dict[str, Any] = json.loads((REPO / f"docs/data/vllm_twins_{VLLM_C
 def vllm_line(path: str, dotted: str) -> int | None:
     """Line of ``NAME`` / ``Class.method`` / ``Class.method.inner`` in vLLM's ``path`` at 52a31cc."""
     return VLLM_SYMBOLS[path]["qualified"].get(dotted)
+
+
+def vllm_url(path: str, line: int | None = None) -> str:
+    """Permalink to vLLM's ``path`` (``vllm/...``) at 52a31cc, at ``line`` if given."""
+    anchor = f"#L{line}" if line else ""
+    return f"https://github.com/vllm-project/vllm/blob/{VLLM_SHA}/{path}{anchor}"
 
 
 def our_line(path: str, dotted: str) -> int | None:
@@ -72,7 +81,8 @@ def reading_table(files: dict[str, list[str]]) -> str:
         gpath = "engine/" + vpath.removeprefix("vllm/")
         for name in names:
             v, g = vllm_line(vpath, name), our_line(gpath, name)
-            rows.append(f"| `{vpath}` | `{name}` | {v or '—'} | `{gpath}` | {g or '—'} |")
+            vcell = f"[{v}]({vllm_url(vpath, v)})" if v else "—"
+            rows.append(f"| [`{vpath}`]({vllm_url(vpath)}) | `{name}` | {vcell} | `{gpath}` | {g or '—'} |")
     return "\n".join(rows)
 
 
