@@ -28,12 +28,17 @@
 # 1. lists the files to read — vLLM at commit `52a31cc` next to the Glassbox
 #    twin — with line numbers computed from data, so they cannot go stale;
 # 2. starts the engine **in two processes** with tracing on and sends it
-#    three requests (one alone, then two that overlap);
+#    three requests (one alone, then two that overlap), first on the serial
+#    loop the reading plan describes;
 # 3. reads the recorded trace back and shows the request's journey, the busy
 #    loop's rhythm and each process's time, as tables, a timeline and a
 #    diagram drawn from the run;
-# 4. answers the session's exercise from the trace's numbers;
-# 5. ends with self-checks you can edit and re-run.
+# 4. runs the same workload again on vLLM's default loop — async scheduling
+#    with a batch queue — and sets the two runs side by side: the order of
+#    the phases, the steps in flight, the time per step and the host time the
+#    forward pass hides;
+# 5. answers the session's exercise from the trace's numbers;
+# 6. ends with self-checks you can edit and re-run.
 #
 # It runs on CUDA when torch sees a GPU and on the CPU otherwise — same code.
 # The model is the default one (`LLM()` / `EngineArgs()` with no model name):
@@ -115,14 +120,16 @@ display(Markdown(reading_table(SESSION_FILES)))
 #   the step was doing if the model fails. Glassbox's `step()` makes the same
 #   calls in the same order; its executor runs the worker in this process, so
 #   the future it hands back is already done.
-# * **vLLM's busy loop often calls `step_with_batch_queue` (469), not `step`.**
-#   When the executor can hold more than one batch in flight (async
-#   scheduling, on by default where supported, or pipeline parallelism), the
-#   next step is scheduled while the current one runs. Glassbox has only the
-#   plain `step`, which is why its trace shows a clean alternation.
+# * **By default vLLM's busy loop calls `step_with_batch_queue` (469), not
+#   `step`.** Async scheduling is on unless something incompatible is
+#   configured, the executor then holds two batches in flight
+#   (`max_concurrent_batches`), and the next step is scheduled while the
+#   current one runs. Glassbox does the same. Sections 2 and 3 turn it off
+#   (`async_scheduling=False`) to show the plain `step` the reading plan
+#   describes, a clean alternation; section 4 runs the default and compares.
 
 # %% [markdown]
-# ## 2. Run it: two processes, tracing on
+# ## 2. Run it: two processes, tracing on, the serial loop
 #
 # `AsyncLLM` always puts `EngineCore` in a process of its own. With
 # `trace_path` set, each process writes its own part of the trace
@@ -136,6 +143,11 @@ display(Markdown(reading_table(SESSION_FILES)))
 # * then **`req-1`** (12 tokens), and **`req-2`** (6 tokens), sent only once
 #   `req-1` has received its second token — so `req-2` reaches the core while
 #   a step is running, and we can watch what the busy loop does with it.
+#
+# `async_scheduling=False` selects the serial loop: the core calls `step()`,
+# which schedules, runs the model, samples and updates before it looks at its
+# input again. (Left at its default, `None`, the config turns async
+# scheduling on, as vLLM's does; section 4 runs that.)
 
 # %%
 import asyncio
@@ -148,7 +160,9 @@ from engine.tracing import TraceReplay, load_trace
 from engine.v1.engine.async_llm import AsyncLLM
 
 TRACE = Path(tempfile.mkdtemp(prefix="glassbox-session01-")) / "run.jsonl"
-engine_args = EngineArgs(trace_path=str(TRACE), trace_level="lifecycle", disable_log_stats=True)
+engine_args = EngineArgs(
+    trace_path=str(TRACE), trace_level="lifecycle", disable_log_stats=True, async_scheduling=False
+)
 t_start = time.perf_counter()
 llm = AsyncLLM.from_engine_args(engine_args)  # spawns the EngineCore process
 print(f"engine ready in {time.perf_counter() - t_start:.1f} s; EngineCore pid(s): {llm.engine_core.engine_core_pids}")
@@ -162,7 +176,7 @@ PROMPT_2 = "Two plus two equals"
 arrivals: dict[str, list[tuple[int, int]]] = {}
 
 
-async def consume(request_id, prompt, max_tokens, *, start_after=None, signal_at=None):
+async def consume(llm, request_id, prompt, max_tokens, *, start_after=None, signal_at=None):
     """Drive one generate() to the end; optionally wait for / set an event."""
     if start_after is not None:
         await start_after.wait()
@@ -177,13 +191,18 @@ async def consume(request_id, prompt, max_tokens, *, start_after=None, signal_at
     return final
 
 
-out_0 = await consume("req-0", PROMPT_0, 8)
+async def workload(llm):
+    """req-0 alone, then req-1 and req-2 overlapping; returns the three final outputs."""
+    out_0 = await consume(llm, "req-0", PROMPT_0, 8)
+    second_token_of_req_1 = asyncio.Event()
+    out_1, out_2 = await asyncio.gather(
+        consume(llm, "req-1", PROMPT_1, 12, signal_at=(2, second_token_of_req_1)),
+        consume(llm, "req-2", PROMPT_2, 6, start_after=second_token_of_req_1),
+    )
+    return out_0, out_1, out_2
 
-second_token_of_req_1 = asyncio.Event()
-out_1, out_2 = await asyncio.gather(
-    consume("req-1", PROMPT_1, 12, signal_at=(2, second_token_of_req_1)),
-    consume("req-2", PROMPT_2, 6, start_after=second_token_of_req_1),
-)
+
+out_0, out_1, out_2 = await workload(llm)
 llm.shutdown()  # stops EngineCore and merges the two trace parts into TRACE
 events = load_trace(str(TRACE))
 # Our id -> the engine's internal id for it (section 3 explains the two).
@@ -695,7 +714,257 @@ g.edge("handler", "gen", label="collector.put()")
 display(SVG(g.pipe(format="svg")))
 
 # %% [markdown]
-# ## 4. Exercise
+# ## 4. vLLM's default loop: async scheduling with a batch queue
+#
+# | vLLM file | read it for |
+# |---|---|
+# | [`vllm/v1/engine/core.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L469) | `step_with_batch_queue`: launch a step without waiting for it; read the oldest step only when the queue is full or nothing else can be launched |
+# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py) | `AsyncScheduler`: a placeholder for every token still being sampled, so the next step can be scheduled before it is known (session 02 reads it from a trace) |
+# | [`vllm/v1/worker/gpu_model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py) | `AsyncGPUModelRunnerOutput` and `_prepare_input_ids`: the sampled ids go to the host on a side stream, and into the next step's input on the device (session 04) |
+
+# %%
+display(Markdown(reading_table({
+    "vllm/v1/engine/core.py": ["EngineCore.__init__", "EngineCore.step_with_batch_queue"],
+    "vllm/v1/core/sched/async_scheduler.py": [
+        "AsyncScheduler",
+        "AsyncScheduler._update_after_schedule",
+        "AsyncScheduler._update_request_with_output",
+    ],
+})))
+
+# %% [markdown]
+# `EngineCore.__init__` sizes the batch queue from the executor
+# (`max_concurrent_batches`: 2 with async scheduling on one process) and picks
+# `step_fn`, which the busy loop calls instead of `step`. One call of
+# `step_with_batch_queue`:
+#
+# 1. If the scheduler has work, `schedule()` a step and launch it:
+#    `execute_model(..., non_block=True)` then `sample_tokens(...,
+#    non_block=True)` return futures, and the step joins the queue. If the
+#    queue still has room and the oldest step is not done, return at once:
+#    the busy loop takes input and comes straight back.
+# 2. Otherwise wait for the oldest step's tokens, call `update_from_output`
+#    with them, and hand the outputs to the output thread.
+#
+# In steady decoding one call launches step N+1 and then reads step N. On a
+# GPU the host schedules and prepares N+1 while the device computes N. The
+# scheduler can schedule N+1 before N's token exists because that token holds
+# a placeholder; the worker takes its id on the device, from N's sampled ids.
+#
+# The second run: the same workload, the same prompts, with `EngineArgs` left
+# at its default (`async_scheduling=None`, which the config resolves to on).
+
+# %%
+TRACE_ASYNC = TRACE.with_name("run-async.jsonl")
+serial_arrivals = dict(arrivals)
+arrivals.clear()
+llm = AsyncLLM.from_engine_args(
+    EngineArgs(trace_path=str(TRACE_ASYNC), trace_level="lifecycle", disable_log_stats=True)
+)
+a_out_0, a_out_1, a_out_2 = await workload(llm)
+llm.shutdown()
+events_async = load_trace(str(TRACE_ASYNC))
+INTERNAL_ASYNC = {e.external_req_id: e.request_id for e in events_async if e.kind == "request.added"}
+print(f"{len(events_async)} events in {TRACE_ASYNC}")
+print(f"replay it: glassbox tui {TRACE_ASYNC} --follow req-0")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+config_serial = next(e for e in events if e.kind == "engine.config")
+config_async = next(e for e in events_async if e.kind == "engine.config")
+print("async_scheduling, first run :", config_serial.async_scheduling)
+print("async_scheduling, second run:", config_async.async_scheduling)
+in_flight = [e.num_in_flight for e in events_async if e.kind == "engine.step_launched"]
+print("most steps in flight at once:", max(in_flight), "(the batch queue's size)")
+print("req-0 alone, same greedy tokens on both loops:",
+      a_out_0.outputs[0].token_ids == out_0.outputs[0].token_ids)
+
+# %% [markdown]
+# ### 4.1 The order of the phases
+#
+# Each loop's core events in the order the core wrote them, for three decode
+# steps of `req-0` (the phases carry the number of the step they belong to):
+
+# %%
+LOOP_PHASE = {
+    "sched.step": "schedule",
+    "engine.step_launched": "launch",
+    "engine.output_ready": "tokens ready",
+    "sched.update": "update",
+    "output.sent": "send",
+}
+
+
+def decode_steps(evs, rid):
+    """Steps that gave request ``rid`` exactly one token (its decode steps)."""
+    internal = next(e.request_id for e in evs if e.kind == "request.added" and e.external_req_id == rid)
+    return [e.step for e in evs if e.kind == "sched.step" and e.num_scheduled_tokens.get(internal) == 1]
+
+
+def loop_order(evs, first, last):
+    """(phase, step) in the core's own order, from step ``first``'s schedule to step ``last``'s."""
+    core = next(e.pid for e in evs if e.kind == "kv.init")
+    out, started = [], False
+    for e in sorted((e for e in evs if e.pid == core), key=lambda e: e.seq):
+        if e.kind == "sched.step" and e.step == first:
+            started = True
+        if started and e.kind in LOOP_PHASE:
+            out.append((LOOP_PHASE[e.kind], e.step))
+        if started and e.kind == "sched.step" and e.step == last:
+            break
+    return out
+
+
+def turn_pattern(evs, base):
+    """One loop turn from step ``base``'s schedule, step numbers relative to ``base``."""
+    order = loop_order(evs, base, base + 1)[:-1]  # up to, not including, the next schedule
+    return " -> ".join(f"{phase} {'N' if s == base else f'N{s - base:+d}'}" for phase, s in order)
+
+
+serial_decode, async_decode = decode_steps(events, "req-0"), decode_steps(events_async, "req-0")
+for name, evs, steps in (("serial", events, serial_decode), ("async ", events_async, async_decode)):
+    s = steps[2]
+    print(f"{name}: " + " -> ".join(f"{p} {n}" for p, n in loop_order(evs, s, s + 3)))
+
+# %% [markdown]
+# The same turn with the step numbers made relative — every decode turn of
+# `req-0` follows it on both loops:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name, evs, steps in (("serial", events, serial_decode), ("async", events_async, async_decode)):
+    middle = steps[1:-2]  # the decode steps with a decode step on either side
+    patterns = {turn_pattern(evs, s) for s in middle}
+    print(f"{name:6} ({len(patterns)} pattern): {' | '.join(sorted(patterns))}")
+
+# %% [markdown]
+# On the serial loop a step is read before the next one is scheduled. On the
+# async loop step N+1 is scheduled and launched *before* step N's tokens are
+# read: for one turn of the loop two steps are in flight, and each step's
+# output reaches the front end one turn after its launch (`output.sent`
+# carries the number of the step whose tokens it holds). The placeholder
+# bookkeeping that makes this safe is session 02's.
+#
+# ### 4.2 Time per step
+#
+# The time from one decode step's `schedule()` to the next (one turn of the
+# loop, one token of `req-0`), split into the time the host blocked in
+# `future.result()` waiting for the tokens (`engine.output_ready`'s `wait_ns`)
+# and the rest, when it was busy. On a GPU the serial loop's wait covers the
+# forward and the sampling; the async loop waits only after it has scheduled
+# and launched the next step, so its own work is off the critical path while
+# the device computes. All figures are measured on this machine, so they
+# change run to run.
+
+# %%
+def step_times(evs, steps, client):
+    """Medians over ``steps`` in ms: loop turn, forward, host wait, host busy, client gap."""
+    at = {e.step: e.ts for e in evs if e.kind == "sched.step"}
+    fwd = {e.step: e.duration_ns for e in evs if e.kind == "runner.forward"}
+    wait = {e.step: e.wait_ns for e in evs if e.kind == "engine.output_ready"}
+    turn = [at[s + 1] - at[s] for s in steps if s + 1 in at]
+    waits = [wait[s] for s in steps if s in wait]
+    gaps = [b - a for (a, _), (b, _) in zip(client, client[1:])]
+    ms = lambda xs: median(xs) / 1e6  # noqa: E731
+    return {
+        "time per step": ms(turn),
+        "forward + logits": ms([fwd[s] for s in steps if s in fwd]),
+        "host blocked on tokens": ms(waits),
+        "host busy (not waiting)": ms(turn) - ms(waits),
+        "client inter-token time": ms(gaps[1:]),  # gaps[0] follows the prefill
+    }
+
+
+times = {
+    "serial": step_times(events, serial_decode[1:-1], serial_arrivals["req-0"]),
+    "async": step_times(events_async, async_decode[1:-1], arrivals["req-0"]),
+}
+print(f"req-0 decoding alone on {runner_init.device}, medians in ms")
+print(f"  {'':26} {'serial':>8} {'async':>8}")
+for row in times["serial"]:
+    print(f"  {row:26} {times['serial'][row]:8.2f} {times['async'][row]:8.2f}")
+
+# %% [markdown]
+# How to read it depends on the device:
+#
+# * **On a GPU** the forward is queued on the device and the host goes on.
+#   Serially, a step costs the host's work *plus* the device's; with the batch
+#   queue it costs about the larger of the two, because the next step's
+#   `schedule()`, input preparation and the previous step's
+#   `update_from_output` run while the device computes.
+# * **On a CPU** the "device" is the host's own cores: `execute_model` runs
+#   the forward before it returns, so there is nothing left to hide it behind,
+#   and the two loops take about the same time per step. The order of the
+#   phases (4.1) is the same as on a GPU; only the overlap in time is missing.
+#
+# The committed H200 measurement (`benchmarks/async_scheduling.py`, Qwen3-0.6B
+# configuration with dummy bf16 weights; docs/gpu.md) shows what the overlap
+# is worth on a GPU:
+
+# %%
+import json
+
+h200 = json.loads((REPO / "benchmarks/results/async_scheduling_h200.json").read_text())
+print(f"{h200['gpu']}, {h200['model']}, commit {h200['commit']}, {h200['date'][:10]}")
+rows = [
+    ("decode step, batch 1 (ms)", "decode_step_batch1_median_ms"),
+    ("decode step, batch 64 (ms)", "decode_step_batch64_median_ms"),
+    ("client inter-token time, batch 1 (ms)", "client_itl_batch1_median_ms"),
+    ("throughput (tokens/s)", "throughput_tokens_per_s"),
+]
+print(f"  {'':40} {'serial':>9} {'async':>9}")
+for label, key in rows:
+    print(f"  {label:40} {h200['summary']['sync'][key]:9.2f} {h200['summary']['async'][key]:9.2f}")
+
+# %% [markdown]
+# ### 4.3 Two steps in flight, drawn
+#
+# One row per decode step of `req-0`: the host's part of it (from the start
+# of `schedule()` to the launch), the time it is in flight (launched, tokens
+# not yet read), and `update_from_output`; the thin bar under it is the
+# forward pass (`runner.forward`: launch to end on a CPU, GPU time on a GPU).
+# Serially the rows follow one another. With the batch queue each step is
+# launched while the previous one is still in flight. On this CPU the forward
+# runs inside the launch, so it sits under the host's bar; on a GPU it would
+# sit under the in-flight bar, and the next row's host bar beside it.
+
+# %%
+def step_spans(evs, steps):
+    """step -> (schedule start, launched, tokens ready, update end, forward start, forward end)."""
+    spans = {}
+    for s in steps:
+        k = {e.kind: e for e in evs if e.step == s and e.kind in (*LOOP_PHASE, "runner.forward")}
+        sched, upd, fwd = k["sched.step"], k["sched.update"], k["runner.forward"]
+        spans[s] = (sched.ts - sched.duration_ns, k["engine.step_launched"].ts,
+                    k["engine.output_ready"].ts, upd.ts, fwd.start_ts, fwd.start_ts + fwd.duration_ns)
+    return spans
+
+
+fig, axes = plt.subplots(2, 1, figsize=(12, 5), sharex=True)
+for ax, (name, evs, steps) in zip(axes, (("serial", events, serial_decode),
+                                         ("async", events_async, async_decode))):
+    spans = step_spans(evs, steps[2:6])
+    origin = min(v[0] for v in spans.values())
+    ms = lambda ns: (ns - origin) / 1e6  # noqa: E731
+    for row, (s, (a, b, c, d, f0, f1)) in enumerate(spans.items()):
+        for x0, x1, color, label in ((a, b, "tab:blue", "host: schedule .. launch"),
+                                     (b, c, "tab:orange", "in flight"),
+                                     (c, d, "tab:green", "update_from_output")):
+            ax.barh(row, ms(x1) - ms(x0), left=ms(x0), height=0.45, color=color, label=label)
+        ax.barh(row + 0.35, ms(f1) - ms(f0), left=ms(f0), height=0.15, color="k", label="forward")
+        ax.text(ms(a), row, f"step {s} ", ha="right", va="center", fontsize=8)
+    ax.set_yticks([])
+    ax.invert_yaxis()
+    ax.set_title(f"{name} loop, four decode steps of req-0", fontsize=10)
+axes[-1].set_xlabel("ms since the first step shown was scheduled")
+handles, labels = axes[0].get_legend_handles_labels()
+legend = dict(zip(labels, handles))  # one entry per colour
+fig.legend(list(legend.values()), list(legend), fontsize=8, ncol=4, loc="lower center")
+fig.tight_layout(rect=(0, 0.07, 1, 1))
+plt.show()
+
+# %% [markdown]
+# ## 5. Exercise
 #
 # > *Follow one request from `AsyncLLM.generate()` across the ZMQ hop into
 # > `EngineCore` and back. How long does each leg take, and what does the
@@ -750,7 +1019,7 @@ print(f"req-2 arrived during step {during_2} and waited {(queued_2.ts - received
 #   there.
 
 # %% [markdown]
-# ## 5. Self-checks
+# ## 6. Self-checks
 #
 # Each cell asserts something this session claims. Change a number, or the
 # workload above, and re-run to see which claims still hold.
@@ -771,6 +1040,30 @@ assert len(sent) == len(received) == len(out_0.outputs[0].token_ids)
 for e in events:
     if e.kind == "sched.queued":
         assert not any(a < e.ts < b for a, b in WINDOWS.values()), e
+
+# %%
+# On the async loop, every decode step of req-0 after the first was scheduled
+# before the previous step's tokens were read (update_from_output).
+update_ts = {e.step: e.ts for e in events_async if e.kind == "sched.update"}
+sched_ts = {e.step: e.ts for e in events_async if e.kind == "sched.step"}
+assert all(sched_ts[s + 1] < update_ts[s] for s in async_decode[:-1])
+# ... and never on the serial loop.
+update_ts = {e.step: e.ts for e in events if e.kind == "sched.update"}
+sched_ts = {e.step: e.ts for e in events if e.kind == "sched.step"}
+assert all(sched_ts[s + 1] > update_ts[s] for s in serial_decode[:-1] if s + 1 in sched_ts)
+
+# %%
+# The replay model rebuilds the async run too, placeholders included: at the
+# end no step is in flight, every request is finished, and those capped by
+# max_tokens hold no placeholder (the scheduler never launches a step past
+# the cap; a request that stops on EOS may leave the frame of one step that
+# was already in flight, which is dropped).
+final_async = TraceReplay(events_async).final_state
+assert not final_async.running and not final_async.waiting and not final_async.in_flight
+assert all(r.is_finished for r in final_async.requests.values())
+assert all(final_async.requests[INTERNAL_ASYNC[rid]].num_output_placeholders == 0
+           for rid, out in (("req-0", a_out_0), ("req-1", a_out_1), ("req-2", a_out_2))
+           if out.outputs[0].finish_reason == "length")
 
 # %%
 # The reading plan's line hint for generate() (~315) is stale at 52a31cc.
