@@ -25,7 +25,8 @@
 #
 # 1. lists the files to read (vLLM at `52a31cc` beside the Glassbox twin, line
 #    numbers computed from data) and walks through `schedule()`'s decision order;
-# 2. runs the engine **in-process** with tracing on, on three small workloads:
+# 2. runs the engine **in-process** with tracing on, in vLLM's default loop
+#    (async scheduling, a batch queue of two steps), on three small workloads:
 #    a long prompt arriving while a short one decodes (chunked prefill under a
 #    32-token budget), and the same three requests on a KV cache too small for
 #    them, once with FCFS and once with priority scheduling;
@@ -33,12 +34,26 @@
 #    budget, what each request got (decode, prefill chunk, recompute), the
 #    running and waiting queues;
 # 4. answers the session's exercise — *where is preemption decided, and what
-#    did it cost?* — with numbers from the trace;
-# 5. ends with self-checks you can edit and re-run.
+#    did it cost?* — with numbers from the trace, beside a run of the serial
+#    loop (`async_scheduling=False`);
+# 5. follows one request step by step through the async loop:
+#    `num_output_placeholders`, the tokens the host knows, which blocks may be
+#    hashed, and why no step is spent past `max_tokens`;
+# 6. ends with self-checks you can edit and re-run.
 #
-# Why in-process: with `enable_multiprocessing=False` the front end and the
-# core step in lock-step, so requests join at exactly the step we choose and
-# every scheduling decision below is the same on every run. Every request also
+# **Why in-process, and why every table is the same on every run.** At
+# `52a31cc` vLLM schedules asynchronously by default:
+# [`EngineCore.step_with_batch_queue`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L469)
+# schedules and launches step N+1 before it reads step N's sampled tokens. With `enable_multiprocessing=False` each
+# `LLMEngine.step()` is one turn of that loop, so requests join at exactly
+# the step we choose. Each turn schedules and launches a step; whether it
+# then reads that step at once or leaves it in flight until the next one is
+# launched depends only on whether its future reports done, and the
+# single-process executor's future (`AsyncOutputFuture`, ours as vLLM's in
+# [`vllm/v1/executor/uniproc_executor.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/executor/uniproc_executor.py#L26))
+# reports done only once its result is asked for. So every turn launches step
+# N+1 and then waits for step N, however fast the device is, and every
+# scheduling decision below is the same on every run. Every request also
 # sets `ignore_eos=True` with a fixed `max_tokens`, so how long it runs does
 # not depend on which tokens the model picks. CUDA is used when present, else
 # the CPU — the schedule is the same either way.
@@ -48,11 +63,12 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | `vllm/v1/core/sched/scheduler.py` | `schedule()`: one token budget shared by running and waiting requests; `_preempt_request`; `update_from_output` |
-# | `vllm/v1/core/sched/output.py` | `SchedulerOutput`, what one step hands the executor: new requests in full, running ones as deltas (`CachedRequestData`), tokens per request |
-# | `vllm/v1/request.py` | `Request` (its `num_computed_tokens` cursor is the whole state machine) and `RequestStatus` |
-# | `vllm/v1/core/sched/request_queue.py` | the waiting queue: a deque for FCFS, a heap on `(priority, arrival_time)` for priority |
-# | `vllm/config/scheduler.py` | the knobs: `max_num_batched_tokens`, `max_num_seqs`, `policy`, `enable_chunked_prefill`, `long_prefill_token_threshold` |
+# | [`vllm/v1/core/sched/scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py) | `schedule()`: one token budget shared by running and waiting requests; `_preempt_request`; `update_from_output` |
+# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py) | `AsyncScheduler`, the scheduler vLLM runs by default: a placeholder for every token a step in flight will sample (`_update_after_schedule`), retired when the token is read, and blocks hashed only up to `num_computed_tokens - num_output_placeholders` (`_update_request_with_output`); §6 reads it from a trace |
+# | [`vllm/v1/core/sched/output.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/output.py) | `SchedulerOutput`, what one step hands the executor: new requests in full, running ones as deltas (`CachedRequestData`), tokens per request |
+# | [`vllm/v1/request.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/request.py) | `Request` (its `num_computed_tokens` cursor is the whole state machine; `num_output_placeholders` counts the tokens still on their way) and `RequestStatus` |
+# | [`vllm/v1/core/sched/request_queue.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/request_queue.py) | the waiting queue: a deque for FCFS, a heap on `(priority, arrival_time)` for priority |
+# | [`vllm/config/scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/scheduler.py) | the knobs: `max_num_batched_tokens`, `max_num_seqs`, `policy`, `enable_chunked_prefill`, `long_prefill_token_threshold`, `async_scheduling` (left at None, `VllmConfig` turns it on unless something incompatible is configured) |
 
 # %%
 import os
@@ -61,7 +77,7 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-# Five engines run below. Let torch's idle OpenMP threads sleep rather than
+# Six engines run below. Let torch's idle OpenMP threads sleep rather than
 # spin: on a CPU shared with other jobs, spinning threads make every step
 # several times slower. It must be set before torch is imported; the results
 # do not depend on it.
@@ -71,7 +87,7 @@ import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
-from lab import reading_table  # noqa: E402
+from lab import reading_table, vllm_url  # noqa: E402
 
 
 SESSION_FILES = {
@@ -82,8 +98,14 @@ SESSION_FILES = {
         "Scheduler._select_waiting_queue_for_scheduling",
         "Scheduler._update_after_schedule",
         "Scheduler.update_from_output",
+        "Scheduler._update_request_with_output",
         "Scheduler.add_request",
         "Scheduler.finish_requests",
+    ],
+    "vllm/v1/core/sched/async_scheduler.py": [
+        "AsyncScheduler",
+        "AsyncScheduler._update_after_schedule",
+        "AsyncScheduler._update_request_with_output",
     ],
     "vllm/v1/core/sched/output.py": ["NewRequestData", "CachedRequestData", "SchedulerOutput"],
     "vllm/v1/request.py": ["Request", "RequestStatus"],
@@ -119,22 +141,41 @@ display(Markdown(reading_table(SESSION_FILES)))
 # * **"If HBM is full: preempt" applies to running requests only.** A waiting
 #   request that does not fit ends admission for that step; nobody is preempted
 #   on its behalf. And a step that preempted anyone admits no waiting request.
+# * **The scheduler is `AsyncScheduler` by default.** A decode still costs one
+#   token of budget, but the token it feeds the model is usually not known to
+#   the scheduler yet: the step before is still sampling it. The request holds
+#   a *placeholder* for it (`num_output_placeholders`), which `schedule()`
+#   counts as a token to compute (§6).
 #
 # ### `schedule()` in order
 #
-# Line numbers: vLLM's are at `52a31cc`; ours are found in our source now.
+# Line numbers: vLLM's at `52a31cc` (links); ours found in our source now, by
+# the statement's text with line breaks and parentheses ignored.
 
 # %%
+import re
+
+VLLM_SCHED = "vllm/v1/core/sched/scheduler.py"
 SCHED = REPO / "engine/v1/core/sched/scheduler.py"
 SCHED_LINES = SCHED.read_text().splitlines()
 
 
 def our_line_of(text: str, after: int = 0) -> int:
-    """First line (1-based) after ``after`` in our scheduler that contains ``text``."""
-    for i, line in enumerate(SCHED_LINES[after:], after + 1):
-        if text in line:
-            return i
-    raise LookupError(f"{text!r} not found in {SCHED.name} after line {after}")
+    """Line (1-based) where ``text`` starts in our scheduler, first match after
+    line ``after``. Whitespace and parentheses are ignored, so a statement
+    still matches however a formatter wraps it over lines."""
+    def squeeze(s):
+        return re.sub(r"[\s()]", "", s)
+
+    chars, line_of_char = [], []
+    for number, line in enumerate(SCHED_LINES[after:], after + 1):
+        squeezed = squeeze(line)
+        chars.append(squeezed)
+        line_of_char += [number] * len(squeezed)
+    i = "".join(chars).find(squeeze(text))
+    if i < 0:
+        raise LookupError(f"{text!r} not found in {SCHED.name} after line {after}")
+    return line_of_char[i]
 
 
 waiting_loop = our_line_of("if not preempted_reqs:")
@@ -143,14 +184,17 @@ ORDER = [
      our_line_of("token_budget = self.max_num_scheduled_tokens")),
     ("**running requests first**, in admission order, while budget is left", 366,
      our_line_of("while req_index < len(self.running) and token_budget > 0")),
-    ("each wants `num_tokens_with_spec - num_computed_tokens` (1 when decoding) ...", 385,
-     our_line_of("num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens")),
+    ("async only: skip a request whose last allowed token a step in flight already samples (§6)", 369,
+     our_line_of("if (request.num_output_placeholders > 0 and request.num_computed_tokens + 2")),
+    ("each wants `num_tokens_with_spec + num_output_placeholders - num_computed_tokens` (1 when decoding) ...", 385,
+     our_line_of("num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders"
+                 " - request.num_computed_tokens)")),
     ("... clamped to the budget that is left", 392,
      our_line_of("num_new_tokens = min(num_new_tokens, token_budget)")),
-    ("`allocate_slots`; if it returns `None`, preempt someone and retry", 443,
-     our_line_of("new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)")),
+    ("`allocate_slots`; if it returns `None`, preempt someone and retry", 444,
+     our_line_of("new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens")),
     ("PRIORITY: `preempted_req` is the worst `(priority, arrival_time)` in `running` (of a tie, the first)", 457,
-     our_line_of("preempted_req = max(")),
+     our_line_of("preempted_req = max(self.running")),
     ("FCFS: `preempted_req` is the tail of `running`, the most recently admitted", 481,
      our_line_of("preempted_req = self.running.pop()")),
     ("`_preempt_request`: free its blocks, `PREEMPTED`, cursor to 0, front of `waiting`", 483,
@@ -168,28 +212,33 @@ ORDER = [
      our_line_of("if new_blocks is None:", waiting_loop)),
     ("admitted: appended to `running`, budget charged, status `RUNNING`", 784,
      our_line_of("self.running.append(request)", waiting_loop)),
-    ("`_update_after_schedule`: cursors advance *before* the model runs", 921,
+    ("`_update_after_schedule`: cursors advance *before* the model runs (async: placeholders too)", 921,
      our_line_of("self._update_after_schedule(scheduler_output)")),
 ]
 rows = ["| # | what `schedule()` does | vLLM `scheduler.py` | ours |", "|--:|---|--:|--:|"]
-rows += [f"| {i} | {what} | {v} | {g} |" for i, (what, v, g) in enumerate(ORDER, 1)]
+rows += [f"| {i} | {what} | [{v}]({vllm_url(VLLM_SCHED, v)}) | {g} |" for i, (what, v, g) in enumerate(ORDER, 1)]
 display(Markdown("\n".join(rows)))
 
 # %% [markdown]
 # There is no prefill phase and no decode phase: every request just wants its
-# `num_computed_tokens` cursor to reach `num_tokens`. A fresh prompt is
-# hundreds of tokens behind, a decoding request one. The running loop serves
-# those who are already in — mostly decodes, one token each — so an incoming
-# prompt only gets what is left of the budget, in chunks.
+# `num_computed_tokens` cursor to reach `num_tokens` (plus, under async
+# scheduling, its placeholders). A fresh prompt is hundreds of tokens behind,
+# a decoding request one. The running loop serves those who are already in —
+# mostly decodes, one token each — so an incoming prompt only gets what is
+# left of the budget, in chunks.
 
 # %% [markdown]
 # ## 2. Tools: run a workload, read it back step by step
 #
-# `run_workload` builds an in-process `LLMEngine` (vLLM's synchronous engine;
-# `LLM.generate` is a loop over it) with tracing on, adds each request right
-# before the step we name, and steps until everything has finished. The trace
-# goes to a temporary folder; `TraceReplay` rebuilds the scheduler's state at
-# any step from it.
+# `run_workload` builds an in-process `LLMEngine` (vLLM's synchronous front
+# end; `LLM.generate` is a loop over it) with tracing on, adds each request
+# right before the step we name, and steps until everything has finished.
+# Each `step()` is one turn of `step_with_batch_queue`: schedule and launch a
+# step, then wait for the one before it and apply its tokens (the first turn
+# only launches). So the tokens of step *n* come back from `step()` call
+# *n + 1*, and after *k* calls step *k* is in flight. The trace goes to a
+# temporary folder; `TraceReplay` rebuilds the scheduler's state at any step
+# from it.
 #
 # Every request has two ids, as in vLLM. `add_request("short", ...)` returns
 # the request's **internal** id, ours plus a dash and eight random hex digits
@@ -213,7 +262,7 @@ LABEL: dict[str, str] = {}  # internal request id -> the id we passed to add_req
 
 def run_workload(name, arrivals, **engine_kwargs):
     """``arrivals``: {k: [(request_id, prompt, max_tokens, priority), ...]} -- added
-    after k engine steps, so step k + 1 is the first that can schedule them."""
+    after k calls of ``step()``, so step k + 1 is the first that can schedule them."""
     path = TRACE_DIR / f"{name}.jsonl"
     args = EngineArgs(trace_path=str(path), trace_level="lifecycle", disable_log_stats=True, **engine_kwargs)
     llm_engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
@@ -336,12 +385,20 @@ chunked, chunked_out = run_workload(
     max_num_batched_tokens=32,
 )
 runner_init = next(e for e in chunked.events if e.kind == "runner.init")
-print(f"ran on {runner_init.device} ({runner_init.dtype}), {chunked.last_step} steps")
+print(f"ran on {runner_init.device} ({runner_init.dtype}), {chunked.last_step} steps, "
+      f"async scheduling: {chunked.async_scheduling}, at most {chunked.max_in_flight} steps in flight")
 
 # %% [markdown]
 # The table. Per request: `d1` a decode, `pN` N prompt tokens, `rN` N tokens
 # recomputed after a preemption; a trailing `*` means the row was a prompt
 # chunk, so the token the sampler produced for it was thrown away.
+#
+# How to read a row in the async loop: `used/budget` and the request columns
+# are step *n*'s `schedule()`. `running` and `waiting` are the queues while
+# step *n* is in flight — after its `schedule()` and after step *n − 1*'s
+# tokens were read (the replay's state at step *n*). `finished X` means step
+# *n* sampled X's last token; X leaves `running` one row later, when that
+# token is read, after step *n + 1* has been scheduled.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -362,8 +419,17 @@ show_frame(chunked_rows)
 # * Steps 3–5: the running loop goes first, so `short` gets its decode token,
 #   and `long` gets the rest of the budget: 31, 31, then the last 13.
 #   Only the last chunk is sampled — that is `long`'s first output token.
+#   It reaches the host after step 6 has been scheduled, so step 6's decode
+#   for `long` runs on a placeholder (§6).
 # * A chunked prompt stays in `running` between chunks; the running loop
 #   continues it the next step. Admission (the waiting loop) happens once.
+# * Step 7 samples `long`'s third and last token. Step 8 gives `long` nothing:
+#   the step in flight already samples its last token (§6).
+# * Step 11 is empty: `short`'s last token is in flight, so there is nothing
+#   to give it, but until that token is read `short` is still a request, and
+#   the loop schedules a step with no tokens (vLLM's `step_with_batch_queue`
+#   does the same: it schedules whenever `has_requests()`). Reading step 10's
+#   tokens then finishes `short`.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -434,11 +500,22 @@ RIDS = ["low", "a", "b"]
 print(text_table(compress(step_rows(fcfs, RIDS), RIDS)))
 
 # %% [markdown]
+# * Step 9: `a` needs its second block and none is free; `b` is preempted
+#   (the next cell shows how).
+# * Step 16 samples `low`'s last token. `low`'s blocks come back when that
+#   token is read — after step 17 has been scheduled. So step 17 still has no
+#   room for `b`, and `b` resumes in step 18, one step later than in the
+#   serial loop, which reads a step's tokens before it schedules the next
+#   (§5 runs it).
+# * Step 28 is empty: `b`'s last token is in flight (§3, step 11).
+#
 # ### The moment of preemption
 #
-# Every event of the step that preempted, in the engine's own order. This is
-# the running loop of `schedule()` at work: `allocate_slots` fails for a
-# running request, a victim is chosen and freed, and the allocation is retried.
+# Every event of the step's `schedule()` that preempted, in the engine's own
+# order. This is the running loop of `schedule()` at work: `allocate_slots`
+# fails for a running request, a victim is chosen and freed, and the
+# allocation is retried. The last line is the step before, whose tokens are
+# read only after this `schedule()`.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -465,6 +542,13 @@ def preemption_story(replay):
             scheduled = {LABEL[r]: n for r, n in e.num_scheduled_tokens.items()}
             lines.append(f"{k:21} scheduled {scheduled}, preempted {names(e.preempted_req_ids)}, "
                          f"admitted {names(e.new_req_ids + e.resumed_req_ids)}")
+            break  # the end of this step's schedule()
+    # With async scheduling the step before was in flight during this schedule().
+    update = next(e for e in replay.core_events if e.kind == "sched.update" and e.step == p.step - 1)
+    if update.seq > p.seq and p.request_id in update.new_token_ids:
+        n = len(update.new_token_ids[p.request_id])
+        lines.append(f"{'sched.update':21} step {update.step}'s tokens: the waiting victim {LABEL[p.request_id]} "
+                     f"gets {n} more ({p.num_tokens + n} tokens now)")
     return p.step, lines
 
 
@@ -485,6 +569,12 @@ print("\n".join("  " + s for s in story_f))
 # and was handed to `a`, while its full first block — whose hash stays in the
 # prefix cache until the block is reused — waited behind it. That is why `b`
 # finds 16 of its tokens still cached when it comes back.
+#
+# `b`'s sixth token, sampled by step 8, was still in flight when step 9
+# preempted `b`. When it is read, `AsyncScheduler._update_request_with_output`
+# appends it all the same — the token is valid; only its KV is gone —
+# retires `b`'s placeholder, and skips `cache_blocks`, since `b` was no longer
+# `RUNNING` (vLLM: `status_before_update`). `b` waits with 19 tokens.
 #
 # ### Priority, the same workload
 
@@ -509,6 +599,11 @@ print("\n".join("  " + s for s in story_p))
 # Here `low` (priority 1) loses, even though it arrived first and is
 # furthest along. FCFS would have taken `b`, and preempts in reverse
 # admission order whatever the priorities.
+#
+# Step 19 is empty: `a` and `b` got their last tokens sampled in step 18 and
+# need nothing more, but they hold their blocks until those tokens are read,
+# after step 19 has been scheduled; `low` does not fit yet and resumes in
+# step 20.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -586,9 +681,10 @@ plt.show()
 # %% [markdown]
 # ### The KV blocks around the preemption
 #
-# The pool after the step before the preemption and after the preemption
-# step, drawn from the replayed state: who owns each block, its reference
-# count, and the free queue (its head is handed out first).
+# The pool at the step before the preemption and at the preemption step
+# (each: after that step's `schedule()` and the update of the step before),
+# drawn from the replayed state: who owns each block, its reference count,
+# and the free queue (its head is handed out first).
 
 # %%
 import graphviz
@@ -627,13 +723,13 @@ def block_cluster(g, name, state, label, changed=frozenset()):
 
 
 def block_diagram(replay, title):
-    """The pool after the step before the first preemption and after it; thick: changed blocks."""
+    """The pool at the step before the first preemption and at it; thick: changed blocks."""
     step = preemptions(replay)[0].step
     before, after = replay.state_at(step - 1), replay.state_at(step)
     changed = {b.block_id for b, c in zip(before.blocks, after.blocks) if (b.owners, b.ref_cnt) != (c.owners, c.ref_cnt)}
     g = graphviz.Digraph(graph_attr={"rankdir": "TB", "label": title, "labelloc": "t", "fontsize": "12"})
-    top = block_cluster(g, "before", before, f"after step {step - 1}")
-    bottom = block_cluster(g, "after", after, f"after step {step} (the preemption step)", changed)
+    top = block_cluster(g, "before", before, f"at step {step - 1}")
+    bottom = block_cluster(g, "after", after, f"at step {step} (the preemption step)", changed)
     g.edge(top, bottom, style="invis")
     return SVG(g.pipe(format="svg"))
 
@@ -653,43 +749,55 @@ display(block_diagram(prio, "priority: low is preempted for a"))
 # the tokens it had generated are fed through the model again. (V1 has no
 # swapping to CPU memory.) The victim rule is the policy's; a waiting request
 # that does not fit never preempts anybody — it waits (line 733).
+# `AsyncScheduler` does not override any of this; it only receives, after the
+# preemption, the token the victim had in flight.
 #
 # **What it cost**, from the traces. The prefix cache softens the blow: the
 # victim's freed blocks keep their hashes until someone reuses them, so when
 # it comes back its first full block may still be cached. To see the cost
-# without that help, the FCFS run is repeated with `enable_prefix_caching=False`.
+# without that help, the FCFS run is repeated with `enable_prefix_caching=False`;
+# and once more with the serial loop (`async_scheduling=False`), to see what
+# the async loop changes.
 
 # %%
 nocache, nocache_out = run_workload("fcfs-nocache", WORKLOAD, scheduling_policy="fcfs",
                                     enable_prefix_caching=False, **TIGHT)
+serial, serial_out = run_workload("fcfs-serial", WORKLOAD, scheduling_policy="fcfs",
+                                  async_scheduling=False, **TIGHT)
 
 
-def preemption_cost(replay, baseline):
-    """Per preemption: what the victim lost, waited, recomputed, and how late it finished."""
+def finish_steps(replay):
+    """Our name -> the step that sampled the request's last token."""
+    return {LABEL[e.request_id]: e.step for e in replay.events if e.kind == "sched.finished"}
+
+
+def preemption_cost(replay, baseline=None):
+    """Per preemption: what the victim had, waited, recomputed, and (given a
+    baseline run) how late it finished."""
     # Keyed by our names: the internal ids differ from run to run.
-    finished = {LABEL[e.request_id]: e.step for e in replay.events if e.kind == "sched.finished"}
-    finished_base = {LABEL[e.request_id]: e.step for e in baseline.events if e.kind == "sched.finished"}
+    finished = finish_steps(replay)
     costs = []
     for p in preemptions(replay):
         rid = p.request_id
         resumed = next(e for e in replay.events if e.kind == "sched.admitted"
                        and e.request_id == rid and e.resumed and e.step > p.step)
-        # Tokens run through the model again: from the cache hit at resumption
-        # up to where it had been when preempted.
-        recomputed = p.num_tokens - resumed.num_computed_tokens
         costs.append({
             "victim": LABEL[rid],
             "for": LABEL[p.for_request_id],
             "preempted at": p.step,
-            "tokens lost": p.num_tokens,
+            # Tokens the host had, and tokens steps in flight were still sampling for it.
+            "tokens": p.num_tokens,
+            "in flight": replay.state_at(p.step - 1).requests[rid].num_output_placeholders,
             "resumed at": resumed.step,
             "steps waiting": resumed.step - p.step,
             "prefix hit": resumed.num_computed_tokens,
-            "recomputed": recomputed,
+            # Everything it has when readmitted, from the cache hit on, goes through the model again.
+            "recomputed": resumed.num_tokens - resumed.num_computed_tokens,
             "finished at": finished[LABEL[rid]],
-            "baseline": finished_base[LABEL[rid]],
-            "extra steps": finished[LABEL[rid]] - finished_base[LABEL[rid]],
         })
+        if baseline is not None:
+            costs[-1]["baseline"] = finish_steps(baseline)[LABEL[rid]]
+            costs[-1]["extra steps"] = costs[-1]["finished at"] - costs[-1]["baseline"]
     return costs
 
 # %%
@@ -701,6 +809,51 @@ for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache
 print(text_table(cost_rows))
 
 # %% [markdown]
+# `tokens` is what the host had when the victim was preempted; `in flight`
+# the tokens still being sampled for it (its placeholders). They arrive while
+# it waits, and it recomputes them too: `recomputed` = everything it has when
+# readmitted minus the prefix hit (the `r` in the tables above).
+#
+# **The async loop against the serial one**, the FCFS run:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def freed_in_time_for(replay, name):
+    """The first step scheduled after the request's blocks were freed at its finish."""
+    rid = ids_of(replay)[name]
+    freed = [e for e in replay.core_events if e.kind == "kv.freed" and e.request_id == rid][-1]
+    return next(e.step for e in replay.core_events if e.kind == "sched.step" and e.seq > freed.seq)
+
+
+loops = {"async (default)": fcfs, "serial": serial}
+compare = {}
+for loop, replay in loops.items():
+    [c] = preemption_cost(replay)
+    done = finish_steps(replay)
+    compare[loop] = {
+        "steps in the trace": replay.last_step,
+        "steps in flight at most": replay.max_in_flight,
+        "victim, preempted at": f"{c['victim']}, step {c['preempted at']}",
+        "its tokens + in flight": f"{c['tokens']} + {c['in flight']}",
+        "low's last token sampled in": f"step {done['low']}",
+        "low's blocks free in time for": f"step {freed_in_time_for(replay, 'low')}",
+        "b resumed at": f"step {c['resumed at']}",
+        "b recomputed": c["recomputed"],
+        "finished at (low, a, b)": ", ".join(str(done[r]) for r in RIDS),
+    }
+print(text_table([{"FCFS, 5 usable blocks": k, **{loop: str(v[k]) for loop, v in compare.items()}}
+                  for k in compare["async (default)"]]))
+
+# %% [markdown]
+# Same victim, same step, same recompute — the scheduler's decisions are the
+# same code in both loops. What differs is *when the scheduler learns*: in the
+# serial loop a step's tokens (and the finishes and frees they cause) are
+# applied before the next `schedule()`; in the async loop one step later. A
+# finished request's blocks therefore reach the next step's admission one
+# step late, so `b` resumes at 18, not 17, and the run takes two more steps:
+# this one and the empty last step. The device, in exchange, never waits for
+# the host between steps (session 01 measures that).
+#
 # And in time, from the same traces (measured, so it changes run to run):
 # the forward passes of the steps that carried the recompute, and the
 # whole run against the baseline.
@@ -721,7 +874,8 @@ def forward_total(replay):
     return sum(e.duration_ns for e in replay.events if e.kind == "runner.forward")
 
 
-for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache", nocache), ("baseline", roomy)):
+for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache", nocache),
+                     ("FCFS, serial loop", serial), ("baseline", roomy)):
     print(f"{name:22} {replay.last_step:3d} steps, forward passes {forward_total(replay) / 1e6:7.1f} ms, "
           f"of which steps carrying recompute {recompute_time(replay) / 1e6:6.1f} ms")
 
@@ -732,9 +886,9 @@ for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache
 #   them is preempted the first time a running request needs a block that is
 #   not there, and the others finish on time.
 # * The victim waits until enough blocks are free for all its tokens — here,
-#   until another request finishes — and then finishes as many steps late as
-#   it waited: its recompute fits the budget, so it costs one step, the rest
-#   is queueing.
+#   until another request finishes and its tokens are read — and then
+#   finishes as many steps late as it waited: its recompute fits the budget,
+#   so it costs one step, the rest is queueing.
 # * With the prefix cache on, the victim's first (full) block was still
 #   cached when it came back, so only the tokens past it were recomputed.
 #   Without the cache, every token it had — prompt and generated ones — went
@@ -744,14 +898,248 @@ for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache
 #   how much work the victim would lose.
 
 # %% [markdown]
-# ## 6. Self-checks
+# ## 6. Placeholders: scheduling a token before it exists
+#
+# With the batch queue, step N+1 is scheduled while step N runs, so step N's
+# sampled token is not in the request yet — and step N+1 must feed it to the
+# model. `AsyncScheduler`
+# ([`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py);
+# ours `engine/v1/core/sched/async_scheduler.py`, lines in §1's table)
+# bridges the gap with a count, `Request.num_output_placeholders`:
+#
+# * [`_update_after_schedule`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L18):
+#   every request the step will sample for gets one more placeholder — every
+#   scheduled request except a mid-prompt chunk (`is_prefill_chunk`: it
+#   samples nothing). vLLM adds one more per draft token; Glassbox has no
+#   speculative decoding yet, so it adds exactly one.
+# * `schedule()` counts placeholders as tokens still to compute
+#   ([`num_tokens_with_spec + num_output_placeholders - num_computed_tokens`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L385)),
+#   so the next step schedules the position of a token that is still being
+#   sampled; the runner takes its id on the device, from the previous step's
+#   sampled ids (session 04).
+# * [`_update_request_with_output`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L37):
+#   when step N's output is read, each token appended retires one placeholder;
+#   then, if the request was running, its blocks are hashed up to
+#   [`num_computed_tokens - num_output_placeholders`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L58).
+#
+# The trace holds all of it: `sched.step` says what a step scheduled (and
+# `runner.batch` which rows sample), `sched.update` which tokens a step
+# delivered — and the order of the events says when. Here is `long` from §3,
+# one row per step, walked from those events alone. `◌n` is the token step
+# *n* is sampling: a placeholder until its `sched.update` is read.
+#
+# Columns: what `long` got in the step (`on ◌n`: its one input token is a
+# placeholder); `computed` = `num_computed_tokens` and `placeholders` at the
+# end of `schedule()`; then the update that follows (the step before's
+# tokens): the placeholder each token fills and its position, the tokens the
+# host now `knows`, the placeholders `left`, and the bound `cache_blocks`
+# was called with.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def placeholder_walk(replay, name):
+    """One request's placeholders, per step, from the trace's events in the
+    order the engine wrote them: each ``sched.step`` whose batch samples for
+    the request makes one (named by its step); each token a ``sched.update``
+    delivers fills the oldest. The replay's own counts ride along, to compare."""
+    rid = ids_of(replay)[name]
+    rows, coming, known, finished = [], [], None, False
+    for e in replay.core_events:
+        if e.kind == "sched.queued" and e.request_id == rid:
+            known = e.num_prompt_tokens
+        elif e.kind == "sched.step" and known is not None and not finished:
+            view = replay.view(e.step)
+            if any(slot.request_id == rid and slot.sampled for slot in view.batch):
+                coming.append(e.step)
+            rows.append({
+                "step": e.step,
+                "scheduled": e.num_scheduled_tokens.get(rid, 0),
+                "on placeholder": view.num_placeholder_inputs.get(rid, 0),
+                "coming": list(coming),  # at the end of schedule()
+                # The engine's count at the end of schedule() (recorded for scheduled requests only).
+                "engine's count": view.num_output_placeholders.get(rid, 0) if rid in e.num_scheduled_tokens else None,
+                "read": [],  # (the update's step, the placeholder filled, the token's position)
+                "known": known,
+                "left": list(coming),
+                # The replay's request after this schedule() and the update that follows it.
+                "state": view.state.requests[rid],
+            })
+        elif e.kind == "sched.update" and rid in e.new_token_ids and rows:
+            for _ in e.new_token_ids[rid]:
+                rows[-1]["read"].append((e.step, coming.pop(0), known))
+                known += 1
+            rows[-1]["known"], rows[-1]["left"] = known, list(coming)
+        elif e.kind == "sched.finished" and e.request_id == rid:
+            finished = True
+    return rows
+
+
+def placeholders(steps):
+    return f"{len(steps)} " + " ".join(f"◌{s}" for s in steps) if steps else "0"
+
+
+def placeholder_table(rows, name):
+    out = []
+    for r in rows:
+        samples = r["coming"][-1:] == [r["step"]]
+        if not r["scheduled"]:
+            got = "nothing"
+        elif r["on placeholder"]:
+            got = f"{r['scheduled']} on ◌{r['coming'][-2]}"
+        else:
+            got = f"{r['scheduled']} prompt" + (", samples" if samples else " (chunk)")
+        req = r["state"]
+        out.append({
+            "step": r["step"],
+            f"{name} gets": got,
+            "computed": req.num_computed_tokens,
+            "placeholders": placeholders(r["coming"]),
+            "update reads": ", ".join(f"◌{filled} -> position {pos}" for _, filled, pos in r["read"]) or "-",
+            "knows": r["known"],
+            "left": placeholders(r["left"]),
+            "cache_blocks to": (f"{req.num_computed_tokens} - {req.num_output_placeholders}"
+                                f" = {req.num_computed_tokens - req.num_output_placeholders}") if r["read"] else "-",
+        })
+    return out
+
+
+long_walk = placeholder_walk(chunked, "long")
+print(text_table(placeholder_table(long_walk, "long")))
+
+# %% [markdown]
+# Read it:
+#
+# * Steps 3 and 4: mid-prompt chunks sample nothing, so no placeholder.
+# * Step 5: the last chunk will sample `long`'s first token: one placeholder,
+#   ◌5.
+# * Step 6: that token is not known yet, but `schedule()` counts ◌5 as a
+#   token to compute, so step 6 computes position 75 on it. At the end of
+#   `schedule()` there are two placeholders, ◌5 (now an input) and ◌6. Then
+#   step 5's output is read: its token fills ◌5 at position 75; one is left.
+# * In steady decoding the count is 2 after `schedule()` and 1 after the
+#   update: never more than the steps in flight, which the batch queue of two
+#   bounds.
+# * Step 8 gives `long` nothing (below); reading step 7's token ends it at
+#   `max_tokens=3` with no placeholder left.
+#
+# **Why `cache_blocks` stops at `num_computed_tokens - num_output_placeholders`.**
+# A block's hash chains the ids of its tokens onto the previous block's hash,
+# so a block may be hashed only once the host knows every id in it: a hash
+# over a wrong id would later hand another request KV that is not its own.
+# `num_computed_tokens` counts positions *scheduled*, and a position scheduled
+# on a placeholder has an id only the device knows. All placeholders but the
+# newest already sit in scheduled positions (the newest will be the next
+# step's input: it has no position yet), so taking all of them off leaves
+# only positions whose ids the host has. In the table the bound is always `knows − 1`: the positions
+# computed by steps whose output has been read. (In vLLM a draft token is a
+# placeholder too, and its position is scheduled as well; the same
+# subtraction covers it.)
+#
+# `allocate_slots` hashes blocks as well, during `schedule()`, but only up to
+# `num_tokens`, the ids the host has. Either way a block whose last token is
+# a fresh output is hashed one step later than in the serial loop, which
+# reads a step's tokens before it schedules the next. `low`'s first block,
+# in the two FCFS runs:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def first_block_hashed(replay, name):
+    """When the request's first block got its hash, and why not sooner."""
+    rid = ids_of(replay)[name]
+    size = replay.final_state.block_size
+    prompt = next(e.num_prompt_tokens for e in replay.events if e.kind == "sched.queued" and e.request_id == rid)
+    nth, got = size - prompt, 0  # the output token that completes the block
+    for update in replay.core_events:
+        if update.kind == "sched.update" and rid in update.new_token_ids:
+            got += len(update.new_token_ids[rid])
+            if got >= nth:
+                break
+    before = [e.step for e in replay.core_events if e.kind == "sched.step" and e.seq < update.seq][-1]
+    req = replay.state_at(before).requests[rid]  # right after that update
+    cached = next(e for e in replay.core_events if e.kind == "kv.cached" and e.request_id == rid and e.block_index == 0)
+    then = next(e.kind for e in replay.core_events if e.seq > cached.seq and e.kind in ("sched.step", "sched.update"))
+    facts = [f"token {nth} (position {size - 1}) sampled by step {update.step}, read between step "
+             f"{before}'s and step {before + 1}'s schedule()"]
+    if replay.async_scheduling:
+        facts.append(f"then cache_blocks to {req.num_computed_tokens} - {req.num_output_placeholders} = "
+                     f"{req.num_computed_tokens - req.num_output_placeholders}")
+    facts.append(f"hashed in step {cached.step}'s {'schedule()' if then == 'sched.step' else 'update'}")
+    return prompt, "; ".join(facts)
+
+
+for loop, replay in loops.items():
+    prompt, story = first_block_hashed(replay, "low")
+    print(f"{loop:16} low ({prompt} prompt tokens), block 0: {story}")
+
+# %% [markdown]
+# In the serial loop step 5's token is known when step 6 is scheduled, and
+# step 6's `allocate_slots` hashes the block. In the async loop step 6 runs
+# position 15 on ◌5; when ◌5 is read, the bound is 16 − 1 = 15, one short of
+# the block; step 7's `allocate_slots` hashes it. A request admitted in step
+# 6 with the same first 16 tokens would hit that block in the serial loop
+# (the running loop hashes it before the waiting loop admits anyone) and miss
+# it in the async one: a small price for never letting the device wait.
+#
+# **A request at `max_tokens` is not scheduled again.** At step 8 `long` is
+# running with 77 tokens known, and step 7, in flight, samples its third and
+# last. Scheduling it would compute a token that `update_from_output` throws
+# away, since by then the request has finished. The running loop skips it
+# ([vLLM line 369](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L369),
+# ours in §1's table) when
+# `num_computed_tokens + 2 - num_output_placeholders >= num_prompt_tokens + max_tokens`.
+# With no draft tokens, `num_computed_tokens` is the tokens known plus the
+# placeholders minus one, so the left side is `num_tokens + 1`: the tokens
+# known and the one a step in flight is sure to deliver. (A draft token holds
+# a placeholder too but may be rejected, which is why the rule does not just
+# add `num_output_placeholders`.) Every skip in the async runs, from the state
+# `schedule()` saw (the replay's state at the step before):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def skips_at_max_tokens(replay):
+    """Running requests a step left out because their last token was already in flight."""
+    out = []
+    for e in replay.core_events:
+        if e.kind != "sched.step":
+            continue
+        seen = replay.state_at(e.step - 1)  # what this schedule() started from
+        for rid in seen.running:
+            req = seen.requests[rid]
+            c, p = req.num_computed_tokens, req.num_output_placeholders
+            if rid not in e.num_scheduled_tokens and p and c + 2 - p >= req.num_prompt_tokens + req.max_tokens:
+                out.append(f"step {e.step:2}: {LABEL[rid]:5} {c} + 2 - {p} = {c + 2 - p} >= "
+                           f"{req.num_prompt_tokens} + {req.max_tokens} (knows {req.num_tokens})")
+    return out
+
+
+def sampled_rows(replay):
+    """Our name -> how many batch rows sampled a token for it, over the whole run."""
+    counts = {}
+    for step in replay.steps[1:]:
+        for slot in replay.view(step).batch:
+            if slot.sampled:
+                counts[LABEL[slot.request_id]] = counts.get(LABEL[slot.request_id], 0) + 1
+    return counts
+
+
+for name, replay in (("chunked", chunked), ("FCFS", fcfs), ("priority", prio), ("baseline", roomy)):
+    for line in skips_at_max_tokens(replay):
+        print(f"{name:9} {line}")
+print("skips in the serial run:", len(skips_at_max_tokens(serial)))
+max_tokens = {LABEL[e.request_id]: e.max_tokens for e in fcfs.events + chunked.events if e.kind == "sched.queued"}
+print("every request in every run sampled exactly max_tokens times:", all(
+    sampled_rows(replay) == {name: max_tokens[name] for name in ids_of(replay)}
+    for replay in (chunked, fcfs, prio, nocache, roomy, serial)))
+
+# %% [markdown]
+# ## 7. Self-checks
 #
 # Each cell asserts something this session claims. Change the workload or the
 # engine arguments above and re-run to see which claims still hold.
 
 # %%
 # The budget is a hard cap, every step, in every run.
-for replay, budget in ((chunked, 32), (fcfs, None), (prio, None)):
+for replay, budget in ((chunked, 32), (fcfs, None), (prio, None), (serial, None)):
     for step in replay.steps[1:]:
         sched = replay.view(step).sched_step
         if sched:
@@ -760,7 +1148,7 @@ for replay, budget in ((chunked, 32), (fcfs, None), (prio, None)):
 
 # %%
 # A step that preempts admits nobody from the waiting queue.
-for replay in (fcfs, prio, nocache):
+for replay in (fcfs, prio, nocache, serial):
     for p in preemptions(replay):
         sched = replay.view(p.step).sched_step
         assert not sched.new_req_ids and not sched.resumed_req_ids, p
@@ -773,16 +1161,52 @@ assert LABEL[preemptions(prio)[0].request_id] == victim_by_rule(prio, preemption
 
 # %%
 # A preempted request comes back with its cursor at a block boundary (the
-# prefix-cache hit) and recomputes the rest; with no cache, all of it.
-for c in preemption_cost(fcfs, roomy) + preemption_cost(nocache, roomy):
-    assert c["prefix hit"] % 16 == 0
-    assert c["recomputed"] == c["tokens lost"] - c["prefix hit"]
-assert all(c["prefix hit"] == 0 for c in preemption_cost(nocache, roomy))
+# prefix-cache hit) and recomputes the rest in its resumption step: what it
+# had, plus what was in flight, minus the hit; with no cache, all of it.
+for replay in (fcfs, prio, nocache, serial):
+    for c in preemption_cost(replay):
+        assert c["prefix hit"] % 16 == 0
+        assert c["recomputed"] == c["tokens"] + c["in flight"] - c["prefix hit"]
+        resumption = replay.view(c["resumed at"]).sched_step
+        assert resumption.num_scheduled_tokens[ids_of(replay)[c["victim"]]] == c["recomputed"]
+assert all(c["prefix hit"] == 0 for c in preemption_cost(nocache))
+assert all(c["in flight"] == 0 for c in preemption_cost(serial))
 
 # %%
-# Preemption changes *when* tokens come, never *which*: greedy outputs match
-# the baseline run token for token.
-for out in (fcfs_out, prio_out, nocache_out):
+# Placeholders, walked from the trace's events, agree with the engine's own
+# count; each token read fills the placeholder its own step made; there are
+# never more than steps in flight (the batch queue's depth) and none is left
+# at the end. The serial loop makes none.
+for replay in (chunked, fcfs, prio, nocache, roomy):
+    assert replay.async_scheduling and replay.max_in_flight == 2
+    for name in ids_of(replay):
+        for row in placeholder_walk(replay, name):
+            if row["engine's count"] is not None:
+                assert len(row["coming"]) == row["engine's count"], (name, row["step"])
+            assert len(row["left"]) == row["state"].num_output_placeholders, (name, row["step"])
+            assert len(row["coming"]) <= replay.max_in_flight, (name, row["step"])
+            assert all(step == filled for step, filled, _ in row["read"]), (name, row["step"])
+    assert all(req.num_output_placeholders == 0 for req in replay.final_state.requests.values())
+assert not serial.async_scheduling and serial.max_in_flight == 1
+assert not any(serial.view(step).num_output_placeholders for step in serial.steps[1:])
+
+# %%
+# No block is hashed before the host knows every token id in it.
+for replay in (chunked, fcfs, prio, nocache, roomy, serial):
+    size, known = replay.final_state.block_size, {}
+    for e in replay.core_events:
+        if e.kind == "sched.queued":
+            known[e.request_id] = e.num_prompt_tokens
+        elif e.kind == "sched.update":
+            for rid, tokens in e.new_token_ids.items():
+                known[rid] += len(tokens)
+        elif e.kind == "kv.cached":
+            assert (e.block_index + 1) * size <= known[e.request_id], (LABEL[e.request_id], e.block_index)
+
+# %%
+# Neither preemption nor the loop changes *which* tokens come, only *when*:
+# greedy outputs match the baseline run token for token.
+for out in (fcfs_out, prio_out, nocache_out, serial_out):
     for rid in RIDS:
         assert out[rid].outputs[0].token_ids == roomy_out[rid].outputs[0].token_ids, rid
 print("all self-checks passed")
