@@ -29,12 +29,15 @@
 # 1. the files to read — vLLM at commit `52a31cc` beside the Glassbox twin,
 #    with line numbers computed from data so they cannot drift;
 # 2. one engine, in-process (one trace file, the same block layout on every
-#    run), a deliberately small KV pool, tracing on;
+#    run), a deliberately small KV pool, tracing on, running vLLM's default
+#    loop (async scheduling with a batch queue);
 # 3. six requests: one cold, one that hits the prefix cache, two that share it
 #    at the same time, an unrelated long prompt that forces evictions, and one
 #    more conversation that finds only part of the prefix left;
 # 4. the trace read back with `load_trace` and replayed with `TraceReplay`:
-#    block tables, the hash chain, the free queue, reference counts, evictions;
+#    block tables, the hash chain, the free queue, reference counts, evictions,
+#    and (on two small engines, one async, one serial) the step at which a
+#    block filled by a *generated* token becomes a prefix-cache hit;
 # 5. the session's exercise — *exactly how many prefill FLOPs did the shared
 #    prompt skip, and what time did that save?* — answered with numbers from
 #    the run;
@@ -49,11 +52,12 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | `vllm/v1/core/kv_cache_manager.py` | the scheduler's only door into the cache: `get_computed_blocks` (the prefix-cache lookup), `allocate_slots`, `free` |
-# | `vllm/v1/core/kv_cache_coordinator.py` | the layer between the manager and the per-type managers (one per KV cache group) |
-# | `vllm/v1/core/single_type_kv_cache_manager.py` | per-request block lists; `free` hands a request's blocks to the pool tail first; `find_longest_cache_hit` walks the hash chain |
-# | `vllm/v1/core/block_pool.py` | the physical pool: `get_new_blocks` pops the free queue, `touch` revives a cached block, `free_blocks` appends blocks to the free queue in the order it is given, `cache_full_blocks` registers hashes |
-# | `vllm/v1/core/kv_cache_utils.py` | `KVCacheBlock`, `FreeKVCacheBlockQueue` (the LRU list), `hash_block_tokens`, `get_request_block_hasher` |
+# | [`vllm/v1/core/kv_cache_manager.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_manager.py) | the scheduler's only door into the cache: `get_computed_blocks` (the prefix-cache lookup), `allocate_slots` (which also caches every full block whose tokens are known), `free` |
+# | [`vllm/v1/core/kv_cache_coordinator.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_coordinator.py) | the layer between the manager and the per-type managers (one per KV cache group) |
+# | [`vllm/v1/core/single_type_kv_cache_manager.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/single_type_kv_cache_manager.py) | per-request block lists; `free` hands a request's blocks to the pool tail first; `find_longest_cache_hit` walks the hash chain |
+# | [`vllm/v1/core/block_pool.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/block_pool.py) | the physical pool: `get_new_blocks` pops the free queue, `touch` revives a cached block, `free_blocks` appends blocks to the free queue in the order it is given, `cache_full_blocks` registers hashes |
+# | [`vllm/v1/core/kv_cache_utils.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py) | `KVCacheBlock`, `FreeKVCacheBlockQueue` (the LRU list), `hash_block_tokens`, `get_request_block_hasher` |
+# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py) | `_update_request_with_output`: with async scheduling, caches a request's blocks after each update, but only up to `num_computed_tokens - num_output_placeholders` (§3h) |
 #
 # The table below is computed: vLLM's lines come from `docs/data/vllm_twins_52a31cc.json`
 # (extracted from vLLM at `52a31cc` by `scripts/gen_source_map.py`), ours from
@@ -85,7 +89,7 @@ from lab import reading_table, vllm_line  # noqa: E402
 SESSION_FILES = {
     "vllm/v1/core/kv_cache_manager.py": [
         "KVCacheBlocks", "KVCacheManager", "KVCacheManager.get_computed_blocks",
-        "KVCacheManager.allocate_slots", "KVCacheManager.free",
+        "KVCacheManager.allocate_slots", "KVCacheManager.cache_blocks", "KVCacheManager.free",
     ],
     "vllm/v1/core/kv_cache_coordinator.py": [
         "KVCacheCoordinator", "UnitaryKVCacheCoordinator", "UnitaryKVCacheCoordinator.find_longest_cache_hit",
@@ -105,6 +109,7 @@ SESSION_FILES = {
         "FreeKVCacheBlockQueue.popleft_n", "FreeKVCacheBlockQueue.remove", "FreeKVCacheBlockQueue.append_n",
         "hash_block_tokens", "get_request_block_hasher",
     ],
+    "vllm/v1/core/sched/async_scheduler.py": ["AsyncScheduler._update_request_with_output"],
 }
 display(Markdown(reading_table(SESSION_FILES)))
 
@@ -143,6 +148,13 @@ for item in gen_source_map.STALE:
 #   token ids, which lets us recompute every block hash ourselves.
 #
 # Prefix caching is on by default, as in vLLM. Sampling is greedy.
+#
+# Async scheduling is on by default too, as in vLLM: the engine schedules and
+# launches step N+1 before it reads step N's sampled tokens (a batch queue of
+# two steps, `step_with_batch_queue`; session 01). In this workload that
+# changes *when* things happen, not what is shared or evicted: §3a shows the
+# extra step each phase ends with. §3h shows a case where the timing decides
+# whether a block is hit: a block filled by a generated token.
 
 # %%
 import subprocess
@@ -267,12 +279,13 @@ print(f"all phases: {time.perf_counter() - t0:.1f} s")
 # `load_trace` returns every event in time order, each a typed struct whose
 # fields are attributes (`e.kind`, `e.block_ids`; the classes are in
 # `engine/tracing/events.py`). `TraceReplay` re-applies the scheduler's and
-# the KV cache's events one by one and can hand back the engine's state after
-# any step (`state_at(n)`): queues, requests and their block tables, and every
-# block's reference count, hash, owners and place in the free queue. It
-# checks itself against the engine as it goes (a block the engine allocated
-# that is not at the head of its free queue raises `ReplayError`), so what it
-# shows is what happened.
+# the KV cache's events one by one and can hand back the engine's state at any
+# step (`state_at(n)`: the engine just before step n+1 is scheduled, so with
+# async scheduling step n is still in flight): queues, requests and their
+# block tables, and every block's reference count, hash, owners and place in
+# the free queue. It checks itself against the engine as it goes (a block the
+# engine allocated that is not at the head of its free queue raises
+# `ReplayError`), so what it shows is what happened.
 #
 # Every event names a request by its internal id. `request.added`, written
 # when the front end registers the request, is the one that carries both:
@@ -329,6 +342,44 @@ for e in events:
               f"hit {e.num_cached_tokens:>3} tokens in blocks [{runs(e.block_ids)}]")
 
 # %% [markdown]
+# The lookups are five steps apart, although each request generates four
+# tokens (`max_tokens=4`: a prefill step and three decode steps). With the
+# serial loop (`async_scheduling=False`) they would be at steps 1, 5, 9, 13
+# and 17. Under the async loop each phase ends with a step that schedules
+# nothing:
+#
+# * when step s+4 is scheduled, step s+3, the last decode, is still in flight,
+#   and its token is already counted as a placeholder. `schedule()` skips a
+#   running request whose output, placeholders included, reaches `max_tokens`
+#   ([vLLM](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L369));
+# * the request is not finished until that token is read, so the scheduler
+#   still has work and `step_with_batch_queue` schedules and queues the
+#   empty step anyway
+#   ([vLLM](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L496));
+#   the runner returns at once from a step with no tokens;
+# * only then does the engine wait for step s+3: the request finishes, its
+#   blocks are freed, `llm.chat` returns, and the next phase's requests are
+#   added while the empty step is still queued. They are scheduled at s+5.
+#
+# So every step number in §3a–3g is the serial loop's plus one per
+# earlier phase (B at 6, not 5; C and D at 11, not 9; E at 16; F at 21); the
+# blocks, hashes, hits and evictions are the same.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+sched_steps = {e.step: e for e in events if e.kind == "sched.step"}
+finished_seq = {e.request_id: e.seq for e in events if e.kind == "sched.finished"}
+for group in (["A"], ["B"], ["C", "D"], ["E"], ["F"]):
+    rids = {BY_LABEL[label] for label in group}
+    used = [n for n, e in sorted(sched_steps.items()) if rids & set(e.num_scheduled_tokens)]
+    nxt = sched_steps[used[-1] + 1]
+    late = all(finished_seq[r] > nxt.seq for r in rids)
+    print(f"{'+'.join(group):<4} scheduled in steps {runs(used)}; step {nxt.step} scheduled "
+          f"{nxt.total_num_scheduled_tokens} tokens; finished after step {nxt.step} was scheduled: {late}")
+empty_steps = [n for n, e in sorted(sched_steps.items()) if e.total_num_scheduled_tokens == 0]
+print("steps that scheduled no token:", empty_steps)
+
+# %% [markdown]
 # ### 3b. B's block table, and the free queue before and after B arrived
 #
 # The free queue (`FreeKVCacheBlockQueue`) is a doubly linked list; the
@@ -358,7 +409,8 @@ print(f"touched (revived from the queue's middle): [{runs(touched.block_ids)}]; 
 #
 # Each full block is hashed as `hash(parent_hash, its 16 token ids, extra keys)`
 # (`hash_block_tokens`, with `sha256` of the pickled tuple; the hash function
-# lives in `engine/utils/hashing.py`, as vLLM's does in `vllm/utils/hashing.py`);
+# lives in `engine/utils/hashing.py`, as vLLM's does in
+# [`vllm/utils/hashing.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/utils/hashing.py#L26));
 # the first block's parent is a fixed seed, `NONE_HASH` (`init_none_hash`).
 # Because the parent's hash is inside the child's, two blocks with equal
 # hashes hold equal *prefixes*, not just equal 16-token windows — which is
@@ -468,6 +520,9 @@ dot_svg(hash_chain_dot())
 # also got two blocks of its own. C and D finish in the same step and C is
 # freed first: the trunk blocks drop to `ref_cnt == 1` and stay out of the
 # free queue — only C's own blocks go back. The trunk follows when D is freed.
+# The `kv.freed` events carry the step whose output held C's and D's last
+# tokens; under the async loop that output is read after the next (empty) step
+# has been scheduled.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -641,6 +696,101 @@ fig.tight_layout()
 show(fig)
 
 # %% [markdown]
+# ### 3h. When does a generated token's block become a hit? Async vs serial
+#
+# A prompt's full blocks are cached when its prefill is scheduled:
+# `allocate_slots` caches every full block up to
+# `min(computed + new tokens, request.num_tokens)`
+# ([vLLM](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_manager.py#L421)),
+# and a prompt's tokens are all known. A block that a *generated* token
+# completes has to wait for that token: its hash covers it, and
+# `request.num_tokens` counts it only once the step that sampled it has been
+# read back. The serial loop reads step N before it schedules N+1, so the
+# block is cached in step N+1's `schedule()`. The async loop schedules N+1
+# first, while N's token is still a placeholder, so the block is cached in
+# step N+2's `schedule()`, one step later.
+# (`AsyncScheduler._update_request_with_output` also caches after every
+# update, up to `num_computed_tokens - num_output_placeholders`, so never past
+# a position whose token is still a placeholder
+# ([vLLM](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L57));
+# that is what caches a block completed in a request's last step, which no
+# later `schedule()` sees.)
+#
+# Two requests on two small engines that differ only in `async_scheduling`
+# show the difference. G's prompt is 31 tokens, one full block and 15 tokens,
+# so the first token G generates completes its block #1. H's prompt is G's
+# prompt, that token, and three more. H is added after the engine's first loop
+# turn (one `LLMEngine.step()`, which in-process calls the core's `step_fn`
+# once), so in both loops it is looked up in step 2's `schedule()`, after G:
+# running requests are scheduled before waiting ones. The serial engine has
+# G's first token by then and builds H from it; the async engine has not, and
+# gets the same H.
+
+# %%
+TRACE_3H = {"serial": TRACE.with_name("serial.jsonl"), "async": TRACE.with_name("async.jsonl")}
+G_TEXT = ("Paged attention keeps the keys and values of every sequence in fixed-size blocks of sixteen "
+          "tokens, which the block pool hands out one at a time, on demand, as the sequence grows.")
+G_IDS = tokenizer.encode(G_TEXT)[: 2 * BLOCK_SIZE - 1]  # block #0 full, block #1 one token short
+H_TAIL = tokenizer.encode(" Why blocks?")
+
+
+def g_then_h(engine, h_ids: list[int] | None = None) -> tuple[list[int], int]:
+    """Run G, adding H after the first loop turn; H's prompt is built from G's
+    first token unless given. Returns H's prompt and the turn that token came out in."""
+    engine.add_request("G", {"prompt_token_ids": G_IDS}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    turn, first_turn = 0, None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        turn += 1
+        for out in outs:
+            if out.request_id == "G" and first_turn is None:
+                first_turn, g_token = turn, out.outputs[0].token_ids[0]
+        if turn == 1:
+            if h_ids is None:
+                h_ids = G_IDS + [g_token] + H_TAIL
+            engine.add_request("H", {"prompt_token_ids": h_ids}, SamplingParams(temperature=0.0, max_tokens=1))
+    return h_ids, first_turn
+
+
+h_ids, first_turn = {}, {}
+for loop in ("serial", "async"):  # serial first: it has G's first token after one turn
+    small = LLM(trace_path=str(TRACE_3H[loop]), trace_level="full", num_gpu_blocks_override=16,
+                max_model_len=128, block_size=BLOCK_SIZE, disable_log_stats=True,
+                async_scheduling=loop == "async")
+    h_ids[loop], first_turn[loop] = g_then_h(small.llm_engine, h_ids.get("serial"))
+    small.llm_engine.tracer.flush()
+    small.shutdown()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+decoded = {}
+for loop, path in TRACE_3H.items():
+    ev = load_trace(str(path))
+    internal_of = {e.external_req_id: e.request_id for e in ev if e.kind == "request.added"}
+    g, h = internal_of["G"], internal_of["H"]
+    g_cached = next(e for e in ev if e.kind == "kv.cached" and e.request_id == g and e.block_index == 1)
+    h_hit = next(e for e in ev if e.kind == "kv.cache_hit" and e.request_id == h)
+    h_own = [e.block_id for e in ev if e.kind == "kv.cached" and e.request_id == h and e.block_index == 1]
+    decoded[loop] = {"cached_step": g_cached.step, "hit_step": h_hit.step, "hit": h_hit.num_cached_tokens}
+    print(f"{loop:>6}: G's first token out after loop turn {first_turn[loop]}; G's block #1 cached in step "
+          f"{g_cached.step} (block {g_cached.block_id}), {'before' if g_cached.seq < h_hit.seq else 'after'} H's lookup")
+    print(f"        H, {h_hit.num_tokens} tokens, looked up in step {h_hit.step}: hit {h_hit.num_cached_tokens} "
+          f"in blocks [{runs(h_hit.block_ids)}]; H cached its own copy of block #1: "
+          f"{'block ' + str(h_own[0]) if h_own else 'no'}")
+print("same H prompt in both loops:", h_ids["serial"] == h_ids["async"])
+
+# %% [markdown]
+# In the async run H was looked up in step 2, after G's token was sampled and
+# before its block could be cached: H missed block #1, computed those 16
+# tokens again and cached its own copy, so two blocks now hold one hash
+# (`BlockHashToBlockMap` keeps both,
+# [vLLM](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/block_pool.py#L34)).
+# A client that sends H when G's first token reaches it loses nothing: under
+# the async loop that token also comes out one loop turn later, H is then
+# looked up in step 3, and step 3's `schedule()` caches G's block #1 before it
+# looks at H.
+
+# %% [markdown]
 # ## 4. Exercise: what did the shared prompt save?
 #
 # *Trace a request that shares a ~500-token system prompt with an existing
@@ -797,6 +947,16 @@ assert [e.block_id for e in evicted] == [b for b in popped if before_e.block(b).
 f_hit = first("kv.cache_hit", BY_LABEL["F"])
 assert f_hit.block_ids == survivors[: len(f_hit.block_ids)] and f_hit.block_ids[0] == 1
 print("LRU eviction from the head; F hit the surviving start of the trunk: ok")
+
+# %%
+# Under the async loop every phase ended with one step that scheduled nothing.
+assert empty_steps == [admitted_step(label) + greedy.max_tokens for label in ["A", "B", "C", "E", "F"]]
+# A block completed by a generated token is cached one step later than with the
+# serial loop, so H, looked up in step 2 in both, hit one block less.
+assert decoded["async"]["cached_step"] == decoded["serial"]["cached_step"] + 1
+assert decoded["async"]["hit_step"] == decoded["serial"]["hit_step"]
+assert decoded["serial"]["hit"] == 2 * BLOCK_SIZE and decoded["async"]["hit"] == BLOCK_SIZE
+print("one empty step per phase; a generated token's block cached one step later: ok")
 
 # %%
 # The skipped-FLOPs arithmetic: linear part = 2 x layer weights x tokens.
