@@ -22,6 +22,10 @@
 # into one token list (positions, slot mapping, `query_start_loc`,
 # `seq_lens`, block tables), and how CUDA graphs fit in: captured for a fixed
 # set of batch sizes, with a runtime batch padded up to the next one.
+# Scheduling is asynchronous, the default in vLLM and here: the runner hands
+# back an `AsyncGPUModelRunnerOutput` without waiting for the sampled ids, the
+# engine reads it one loop turn later, after it has launched the next step,
+# and that next step takes those ids as inputs on the device.
 #
 # The lab:
 #
@@ -31,7 +35,9 @@
 #    that a long prompt is chunked and shares steps with two decodes;
 # 3. the mixed step taken apart, from the trace's `runner.batch` event and from
 #    the live runner's own tensors (the notebook wraps `_prepare_inputs` to
-#    keep a copy of what it built), and recomputed by hand;
+#    keep a copy of what it built), and recomputed by hand; then which input
+#    ids were not on the host at all, but taken on the device from the
+#    previous step's samples;
 # 4. CUDA graphs: the dispatcher's decision for a range of batch sizes (the
 #    same code the runner calls), the H200 numbers committed in
 #    `benchmarks/results/`, and — when this notebook runs on a GPU — a live
@@ -48,12 +54,23 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | `vllm/v1/worker/gpu_worker.py` | `Worker`: one device, one runner; `determine_available_memory` sizes the KV cache, `initialize_from_config` allocates it, `compile_or_warm_up_model` captures graphs |
-# | `vllm/v1/worker/gpu_model_runner.py` | `GPUModelRunner`: `_update_states` → `_prepare_inputs` → `execute_model` → `sample_tokens`; `_determine_batch_execution_and_padding`, `_dummy_run`, `capture_model` |
-# | `vllm/v1/worker/gpu_input_batch.py` | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`); rows are added, removed, swapped and condensed, and every change is passed on to the logits processors |
-# | `vllm/v1/worker/block_table.py` | block ids per row, and positions → slots |
-# | `vllm/v1/attention/backend.py` | `CommonAttentionMetadata`: what every attention backend gets |
-# | `vllm/v1/cudagraph_dispatcher.py`, `vllm/config/compilation.py` | which graph runs a batch; the graph modes and capture sizes |
+# | [`vllm/v1/worker/gpu_worker.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_worker.py) | `Worker`: one device, one runner; `determine_available_memory` sizes the KV cache, `initialize_from_config` allocates it, `compile_or_warm_up_model` captures graphs |
+# | [`vllm/v1/worker/gpu_model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py) | `GPUModelRunner`: `_update_states` → `_prepare_inputs` → `execute_model` → `sample_tokens`; `_determine_batch_execution_and_padding`, `_dummy_run`, `capture_model`; async scheduling: `_prepare_input_ids` and `AsyncGPUModelRunnerOutput` |
+# | [`vllm/v1/worker/gpu_input_batch.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_input_batch.py) | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`); rows are added, removed, swapped and condensed, and every change is passed on to the logits processors; `prev_sampled_token_ids` / `prev_req_id_to_index`: the last step's samples, still on the device |
+# | [`vllm/v1/worker/block_table.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/block_table.py) | block ids per row, and positions → slots |
+# | [`vllm/v1/attention/backend.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/attention/backend.py) | `CommonAttentionMetadata`: what every attention backend gets |
+# | [`vllm/v1/cudagraph_dispatcher.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/cudagraph_dispatcher.py), [`vllm/config/compilation.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/compilation.py) | which graph runs a batch; the graph modes and capture sizes |
+#
+# At `52a31cc` vLLM has two GPU model runners. `Worker.init_device`
+# ([gpu_worker.py#L313](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_worker.py#L313)) builds model
+# runner V2 ([`vllm/v1/worker/gpu/model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu/model_runner.py#L110))
+# when [`use_v2_model_runner`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/vllm.py#L493) holds: unless
+# `VLLM_USE_V2_MODEL_RUNNER` says otherwise, only for `Qwen3ForCausalLM`
+# without MoE or quantisation ([`vllm/config/vllm.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/vllm.py#L69)).
+# Every other model runs on `gpu_model_runner.py`, the runner this session
+# reads; SmolLM2 is a `LlamaForCausalLM`, so that is the file to compare
+# with. Glassbox has only this runner, for every model (the Qwen3-0.6B
+# benchmark of section 4a included).
 
 # %%
 import json
@@ -81,10 +98,11 @@ SESSION_FILES = {
     ],
     "vllm/v1/worker/gpu_model_runner.py": [
         "GPUModelRunner", "GPUModelRunner._update_states", "GPUModelRunner._may_reorder_batch",
-        "GPUModelRunner._prepare_inputs",
+        "GPUModelRunner._prepare_inputs", "GPUModelRunner._prepare_input_ids",
         "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens",
         "GPUModelRunner._determine_batch_execution_and_padding", "GPUModelRunner._dummy_run",
         "GPUModelRunner.capture_model", "GPUModelRunner.initialize_kv_cache",
+        "AsyncGPUModelRunnerOutput", "AsyncGPUModelRunnerOutput.get_output",
     ],
     "vllm/v1/worker/gpu_input_batch.py": [
         "CachedRequestState", "InputBatch", "InputBatch.add_request", "InputBatch.remove_request",
@@ -136,7 +154,11 @@ for item in gen_source_map.STALE:
 # Those are the *mixed* batches this session is about.
 #
 # We drive `LLMEngine` by hand (`add_request`, `step`) to control when each
-# request arrives. `add_request("r0", ...)` returns the request's internal id
+# request arrives. Under async scheduling one `step()` schedules and launches
+# a step, then reads the output of the step before it (the first call has
+# none to read): after the two calls below, step 1's tokens are on the host
+# and step 2 is still in flight when `r2` is added; `r2` joins at step 3.
+# `add_request("r0", ...)` returns the request's internal id
 # (`r0-` and eight random hex digits, as in vLLM; session 02 explains why),
 # and that is the only id the scheduler, the worker and the trace see.
 # `LABEL` maps it back to `r0`, so the tables below read the same on every
@@ -145,7 +167,9 @@ for item in gen_source_map.STALE:
 # Ours returns a `PreparedInputs`, a dataclass of Glassbox's own (vLLM's
 # returns the logits indices and the spec-decode metadata and leaves the rest
 # in the runner's buffers); the wrapper takes the attention metadata and the
-# logits indices from it, the token ids and positions from the buffers.
+# logits indices from it, the token ids and positions from the buffers. It
+# also keeps the token ids as the host had them (`input_ids_np`) and the
+# batch's `prev_req_id_to_index`, for section 3d.
 
 # %%
 import tempfile
@@ -197,7 +221,11 @@ def recording_prepare_inputs(scheduler_output):
             scheduler_output.scheduled_cached_reqs.new_block_ids,
             scheduler_output.scheduled_cached_reqs.num_computed_tokens)},
         "num_scheduled_tokens": {LABEL[r]: n for r, n in scheduler_output.num_scheduled_tokens.items()},
-        "input_ids": runner.input_ids[:num_tokens].cpu().tolist(),
+        "input_ids": runner.input_ids[:num_tokens].cpu().tolist(),  # what the model reads
+        "host_input_ids": inputs.input_ids_np[:num_tokens].tolist(),  # gathered from the host's token lists
+        # request -> its row in the previous step, for each request whose sample
+        # the runner kept on the device there (None before the first sample)
+        "prev_rows": {LABEL[r]: i for r, i in (runner.input_batch.prev_req_id_to_index or {}).items()},
         "positions": runner.positions[:num_tokens].cpu().tolist(),
         "query_start_loc": common.query_start_loc.cpu().tolist(),
         "seq_lens": common.seq_lens.cpu().tolist(),
@@ -236,7 +264,7 @@ texts = {}
 add("r0", PROMPTS["r0"], params["r0"])
 add("r1", PROMPTS["r1"], params["r1"])
 step_log = []
-for _ in range(2):  # prefill both, then one decode step
+for _ in range(2):  # launch step 1 (both prefills), then step 2 (one decode) and read step 1
     step_log += llm_engine.step()
 add("r2", PROMPTS["r2"], params["r2"])  # arrives while r0 and r1 decode
 while llm_engine.has_unfinished_requests():
@@ -284,7 +312,9 @@ for step, b in sorted(batches.items()):
 # its 64 prompt tokens. The runner flattens all 32 tokens into one list. Per
 # token it needs:
 #
-# * `input_ids` — the token to embed;
+# * `input_ids` — the token to embed: gathered from the host's token lists,
+#   except the last token of each request that sampled in the previous step,
+#   which is not on the host yet (section 3d);
 # * `positions` — its position in its own sequence (for RoPE):
 #   `num_computed_tokens[row] + offset within the row's chunk`;
 # * `slot_mapping` — the flat KV-cache slot its key and value are written to:
@@ -319,8 +349,9 @@ print("trace slot runs [block, offset, count]:", b.slot_mapping)
 print("discarded samples (mid-prompt):", [LABEL[r] for r in b.discard_req_ids])
 
 # %% [markdown]
-# Read it row by row. `r0` has 7 prompt tokens and has sampled 2: the token
-# it feeds in now is the second of those, at position 8, so its key and value
+# Read it row by row. `r0` has 7 prompt tokens and has sampled 2: step 1's
+# token, read by the host, and step 2's, whose output the engine has not read
+# yet. It feeds in that second one now, at position 8, so its key and value
 # go to slot `1 * 16 + 8 = 24` (block 1 is its only block). `r2` is new:
 # positions 0–29, slots 48–63 (all of block 3) and 64–77 (most of block 4). `query_start_loc = [0, 1, 2, 32]` says rows 0 and 1 are one token
 # each and row 2 is thirty. Only three hidden states (indices 0, 1, 31) reach
@@ -426,7 +457,9 @@ for step in sorted(captured):
 # come before prefills. The logits processors (min-p, logit bias, min-tokens)
 # are persistent too: built once when the runner starts, they are told of
 # every row added, removed or moved as a `BatchUpdate` (`refresh_metadata`)
-# instead of being rebuilt each step.
+# instead of being rebuilt each step. Under async scheduling a sampled token
+# enters the row's token ids (`token_ids_cpu`) as -1 and stays so: the one
+# step that reads it as input takes it from the device (section 3d).
 #
 # The scheduler therefore sends full data only once per request
 # (`NewRequestData`) and small deltas after that (`CachedRequestData`).
@@ -450,13 +483,104 @@ print("logits processors kept by the input batch:",
       [type(proc).__name__ for proc in runner.input_batch.logitsprocs.all])
 
 # %% [markdown]
+# ### 3d. Input ids the host does not have yet
+#
+# Under async scheduling the runner does not wait for its samples.
+# `sample_tokens` returns an `AsyncGPUModelRunnerOutput` at once (on CUDA its
+# device→host copy is queued on a stream of its own), writes a -1 into the
+# token list of each row whose sample is kept, and leaves the ids on the
+# device:
+# `input_batch.prev_sampled_token_ids`, with `prev_req_id_to_index` giving
+# each request's row. The engine calls the output's `get_output()` one loop
+# turn later, after it has scheduled and launched the next step. So when
+# that step's `_prepare_inputs` gathers ids from the host, the last token of
+# every request that sampled is the -1. `_prepare_input_ids` copies the
+# host's ids to the device and then writes the previous step's samples over
+# those positions, on the device: one slice copy when those decodes lead the
+# batch in the rows they had, an indexed copy otherwise. The scheduler had counted each of those
+# tokens as a placeholder (`Request.num_output_placeholders`) when it
+# scheduled the step that samples it.
+#
+# In vLLM, `_prepare_inputs` gathers the host's ids
+# ([L1923](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L1923)) and
+# [`_prepare_input_ids`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L1691) fills in the rest: it uploads the host's
+# ids only when not every token is one of those samples, then does a slice
+# `copy_` or a `scatter_`, with each row's previous row from
+# [`_compute_prev_positions`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L1676). `_bookkeeping_sync` keeps the
+# samples on the device ([L3597](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L3597)) and writes the -1s
+# ([L3612](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L3612)); `sample_tokens` wraps the output in an
+# [`AsyncGPUModelRunnerOutput`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L236) ([L4569](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L4569)), whose
+# [`get_output`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L279) waits for the copy.
+#
+# Per step of the run: the positions of `input_ids` the runner filled on the
+# device (each request's row in the previous step in brackets), what the
+# host had there, whether the id the model read is the one the trace's
+# `sampler.sampled` event recorded for that request, at that row, one step
+# earlier, and the replay's count of placeholder inputs per request
+# (`TraceReplay.view(step).num_placeholder_inputs`, derived from the
+# scheduler's events alone).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+sampled = {}  # (step, request) -> (row, token id), from the trace's sampler.sampled events
+for e in events:
+    if e.kind == "sampler.sampled":
+        sampled[e.step, LABEL[e.request_id]] = (e.row, e.token_id)
+
+
+def from_device(step: int) -> list[tuple[int, str, int]]:
+    """(flat index, request, its row at step - 1) of each input id taken on the device."""
+    live = captured[step]
+    ends = live["query_start_loc"][1:]
+    return [(ends[row] - 1, rid, live["prev_rows"][rid])
+            for row, rid in enumerate(live["req_ids"]) if rid in live["prev_rows"]]
+
+
+def matches_last_sample(step: int) -> bool:
+    live = captured[step]
+    return all(sampled[step - 1, rid] == (prev, live["input_ids"][i]) for i, rid, prev in from_device(step))
+
+
+print(f"engine loop: {core.step_fn.__name__}, batch queue of {core.batch_queue_size}")
+print("step  rows               on the device                host had  = sampled at step-1  trace: placeholder inputs")
+for step in sorted(batches):
+    live, dev = captured[step], from_device(step)
+    rows = " ".join(f"{r}:{q}" for r, q in zip(live["req_ids"], np.diff(live["query_start_loc"])))
+    took = ", ".join(f"{i}<-{rid}({prev})" for i, rid, prev in dev)
+    host = ",".join(str(t) for t in sorted({live["host_input_ids"][i] for i, _, _ in dev}))
+    trace = {LABEL[r]: n for r, n in replay.view(step).num_placeholder_inputs.items()}
+    print(f"{step:>4}  {rows:<18} {took or '-':<28} {host or '-':<9} "
+          f"{str(matches_last_sample(step)) if dev else '-':<18} {trace or '-'}")
+n_inputs = sum(len(captured[s]["input_ids"]) for s in batches)
+n_device = sum(len(from_device(s)) for s in batches)
+n_minus_one = sum(captured[s]["host_input_ids"].count(-1) for s in batches)
+print(f"input ids in steps 1-{max(batches)}: {n_inputs}; taken on the device: {n_device}; "
+      f"-1 on the host: {n_minus_one}")
+
+# %% [markdown]
+# Every decode input of the run came from the device — 16 ids, one per
+# decoding request per step, exactly where the host held its 16 -1s. `r2`
+# shows the rule: at steps 4 and 5 it has no entry in
+# `prev_req_id_to_index`, because its samples at steps 3 and 4 (mid-prompt)
+# were thrown away, and all its inputs are prompt tokens from the host; its
+# first decode, at step 6, reads the token sampled at step 5 in row 2. Here
+# the decodes always lead the batch in the rows they had, so every step took
+# the one-slice copy; when rows move (`condense` refilling a finished request's row, a reorder
+# that puts decodes first) the same lookup feeds the indexed copy. With
+# `async_scheduling=False` the host has every id before it prepares the
+# step: no -1, and `prev_sampled_token_ids` stays `None`.
+
+# %% [markdown]
 # ## 4. CUDA graphs: capture sizes and padding
 #
 # A CUDA graph records a sequence of kernel launches once and replays it
 # with one call. It replays *fixed shapes at fixed addresses*: the graph for
 # 16 tokens always reads 16 input ids from the same buffer. So the runner
 # keeps persistent input buffers (`runner.input_ids`, `positions`,
-# `slot_mapping`, …) and copies each step's values into them; the engine
+# `slot_mapping`, …) and copies each step's values into them (the previous
+# step's samples too: `_prepare_input_ids` writes them into the same
+# `input_ids`, so a replayed graph reads them without a trip through the
+# host); the engine
 # captures one graph per size in `cudagraph_capture_sizes`; and each step the
 # dispatcher picks the smallest captured size that fits, or says "eager".
 # The rows added to reach that size are padding: token 0 at position 0, slot
@@ -508,10 +632,15 @@ for n, uniform in [(1, True), (3, True), (5, True), (8, True), (13, True), (17, 
 #
 # `benchmarks/gpu_throughput.py` ran on an H200 with the Qwen3-0.6B
 # architecture (dummy weights, bf16): decode steps at a 512-token context,
-# timed as whole `EngineCore.step()` calls, once with CUDA graphs and once
-# with `enforce_eager=True`. Its latest run is committed as
+# timed as whole `EngineCore.step()` calls — the serial loop, each step
+# waiting for its own tokens — once with CUDA graphs and once with
+# `enforce_eager=True`. That run is committed as
 # `benchmarks/results/gpu_throughput_h200.json` (earlier runs are in
-# `history.jsonl` beside it); these are its numbers.
+# `history.jsonl` beside it). `benchmarks/async_scheduling.py` timed the
+# same decode steps with the serial loop and with the default async one
+# (`benchmarks/results/async_scheduling_h200.json`), and
+# `benchmarks/gpu_profile_step.py` profiled the async batch-1 step. These
+# are their numbers.
 
 # %%
 gpu = json.loads((REPO / "benchmarks/results/gpu_throughput_h200.json").read_text())
@@ -527,10 +656,17 @@ print(f"throughput (nano-vllm workload): {gpu['throughput_cudagraphs']['output_t
 # benchmarks/gpu_profile_step.py: one request, batch-1 decode steps, under torch.profiler and cProfile.
 profile = json.loads((REPO / "benchmarks/results/gpu_profile_step_b1_h200.json").read_text())
 host = profile["host_ms_per_step_under_cprofile"]
-print(f"batch-1 step: {profile['wall_ms_per_step']:.2f} ms wall, GPU busy {profile['gpu_ms_per_step']:.2f} ms "
+print(f"batch-1 step, {'async' if profile['async_scheduling'] else 'serial'} loop: "
+      f"{profile['wall_ms_per_step']:.2f} ms wall, GPU busy {profile['gpu_ms_per_step']:.2f} ms "
       f"({profile['gpu_kernels_per_step']:.0f} kernels); host: _prepare_inputs "
       f"{host['GPUModelRunner._prepare_inputs']:.2f} ms, attention metadata "
       f"{host['AttentionMetadataBuilder.build']:.2f} ms")
+# benchmarks/async_scheduling.py: decode step latency with graphs, serial vs async loop (median per round).
+overlap = json.loads((REPO / "benchmarks/results/async_scheduling_h200.json").read_text())
+for n in ("1", "16", "64"):
+    medians = {loop: ", ".join(f"{r[n]['median_ms']:.2f}" for r in overlap["runs"][loop]["latency"])
+               for loop in ("sync", "async")}
+    print(f"batch {n:>2}, graphs: serial loop {medians['sync']} ms, async loop {medians['async']} ms")
 
 # %%
 import matplotlib
@@ -559,12 +695,14 @@ show(fig)
 # the time is not arithmetic or memory traffic (the floor is 0.3–3.8 ms) but
 # the host launching kernels one by one from Python, and it barely depends on
 # how much work each kernel does. Graphs remove most of that. What remains at
-# batch 1 (~2.3 ms) is about 1.5 ms of GPU time (hundreds of small kernels,
-# each far from the bandwidth limit) plus the Python part of the step —
-# scheduling, input preparation, FlashInfer's `plan` — during which the GPU
-# waits: nothing overlaps the host's work with the device's. vLLM hides that
-# with async scheduling (the host prepares step N+1 while the GPU runs step
-# N), which Glassbox does not have.
+# batch 1 in the serial loop (~2.3 ms) is about 1.5 ms of GPU time (hundreds
+# of small kernels, each far from the bandwidth limit) plus the Python part
+# of the step — scheduling, input preparation, FlashInfer's `plan` — during
+# which the GPU waits. The async loop, the default, overlaps the two: the
+# host schedules and prepares step N+1 while the device runs step N, and the
+# batch-1 step falls to about its GPU time (~1.6 ms). That works only with
+# graphs: an eager step's host work, the launches themselves, is far longer
+# than its GPU work, so there is nothing to hide it behind.
 #
 # ### 4b. How many launches is "one by one"?
 #
@@ -612,10 +750,10 @@ def counted_forward(*args, **kwargs):
 
 model.forward = counted_forward
 add("count", "Counting kernels", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-llm_engine.step()          # the prefill
+llm_engine.step()          # launches the prefill
 counter.counts.clear()
 with kernels_disabled():   # the plain-torch CPU paths, visible to the dispatch mode
-    llm_engine.step()      # one decode step: count this forward
+    llm_engine.step()      # launches one decode step (count this forward), then reads the prefill's output
 model.forward = _forward
 launching = {k: v for k, v in counter.counts.items() if k not in NO_KERNEL}
 num_layers = llm.llm_engine.model_config.get_num_layers()
@@ -762,6 +900,23 @@ for step, live in captured.items():
         for s in live["slot_mapping"][qsl[r]:qsl[r + 1]]:
             assert s // BLOCK_SIZE in table
 print("slot mapping: unique and inside each row's blocks: ok")
+
+# %%
+# Async input path: the host held -1 exactly where the runner took the id on the device; that id
+# is the previous step's sample for the request, from the row the trace recorded; every other id
+# is the host's; the replay counts the same placeholder inputs; and in this run every decode row
+# (one token on top of a computed context) took its input that way.
+assert replay.async_scheduling
+for step, b in batches.items():
+    live, dev = captured[step], from_device(step)
+    on_device = {i for i, _, _ in dev}
+    assert {i for i, t in enumerate(live["host_input_ids"]) if t == -1} == on_device
+    assert all(t == live["input_ids"][i] for i, t in enumerate(live["host_input_ids"]) if i not in on_device)
+    assert matches_last_sample(step)
+    assert {LABEL[r]: n for r, n in replay.view(step).num_placeholder_inputs.items()} == {r: 1 for _, r, _ in dev}
+    decodes = {LABEL[r] for r, q, c in zip(b.req_ids, b.query_lens, b.num_computed_tokens) if q == 1 and c > 0}
+    assert decodes == {r for _, r, _ in dev}
+print("async input path: the device filled in the previous step's samples where the host had -1: ok")
 
 # %%
 # The dispatcher pads a uniform decode to the smallest captured size that fits, and never a mixed batch.
