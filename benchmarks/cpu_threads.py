@@ -180,6 +180,8 @@ def measure_trace(mode: str, cpus: list[int] | None, timeout: float) -> dict[str
             TRACE_PROMPT,
             "--trace-path",
             os.path.join(tmp, "trace.jsonl"),
+            "--device",
+            "cpu",  # a CPU benchmark, also on a machine with a GPU
         ]
         wall, cpu, proc = run_timed(cmd, child_env(mode), cpus, timeout)
     if proc.returncode != 0:
@@ -213,6 +215,7 @@ def batch_child(n: int) -> None:
     llm = LLM(
         model=os.environ.get(BENCH_MODEL_ENV) or None,
         load_format=os.environ.get(BENCH_LOAD_FORMAT_ENV, "auto"),
+        device="cpu",  # a CPU benchmark, also on a machine with a GPU
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=BATCH_TOKENS, ignore_eos=True)

@@ -27,6 +27,8 @@ Series names (``current_name``):
   ``tracing_overhead_gpu_<gpu>`` (SmolLM2 shapes with dummy weights; another
   model adds ``_<model>``); ``tracing_profile_...`` the same way (``_full`` added for a
   profile of level ``full``).
+* ``cpu_threads_cpu_<N>c`` (N: the CPUs the run used, ``cpus_used`` in its ``machine``;
+  ``_busy<K>`` added for a run with K busy processes alongside), e.g. ``cpu_threads_cpu_16c``.
 
 A benchmark stores its run with ``--record`` (CPU scripts) or, for results
 written elsewhere (the GPU machine's ``$OUT``), with
@@ -109,6 +111,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"gpu_throughput_{machine}"
     if benchmark == "async_scheduling":
         return f"async_scheduling_{machine}"
+    if benchmark == "cpu_threads":
+        return cpu_threads_name(result)
     if benchmark == "gpu_profile_step":
         return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):
@@ -122,6 +126,20 @@ def current_name(result: dict[str, Any]) -> str:
         # A profile of level full is a series of its own (lifecycle's is the default).
         return name + ("_full" if result.get("level") == "full" else "")
     raise ValueError(f"no series for a result of benchmark {benchmark!r}")
+
+
+def cpu_threads_name(result: dict[str, Any]) -> str:
+    """``cpu_threads_cpu_<N>c[_busy<K>]``, as ``benchmarks/cpu_threads.py --out DIR/`` names
+    its file: N counts the CPUs used, not the machine's, so a run confined with
+    ``--cores`` is a series of its own."""
+    info = result.get("machine")
+    info = info if isinstance(info, dict) else {}
+    cpus = len(info.get("cpus_used") or []) or info.get("logical_cpus")
+    if not cpus:
+        raise ValueError("a cpu_threads result without machine.cpus_used")
+    # Older files lack the key: they ran with none alongside.
+    busy = info.get("busy_processes_alongside") or 0
+    return f"cpu_threads_cpu_{cpus}c" + (f"_busy{busy}" if busy else "")
 
 
 def history_record(

@@ -1,7 +1,8 @@
 """The tables of benchmark figures in the docs, generated from benchmarks/results.
 
 Every table of measured figures in README.md, benchmarks/README.md,
-docs/gpu.md and docs/trace_format.md sits between two marker comments::
+docs/gpu.md, docs/trace_format.md and docs/reliability.md sits between two
+marker comments::
 
     <!-- results-table:NAME -->
     ...generated...
@@ -30,6 +31,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,13 @@ from benchmarks import results_store  # noqa: E402
 
 RESULTS = Path("benchmarks/results")  # relative to the repo root
 # The docs that may name result files and hold tables.
-DOCS = ("README.md", "benchmarks/README.md", "docs/gpu.md", "docs/trace_format.md")
+DOCS = (
+    "README.md",
+    "benchmarks/README.md",
+    "docs/gpu.md",
+    "docs/trace_format.md",
+    "docs/reliability.md",
+)
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
 # How many of the functions tracing adds the GPU profile table shows.
@@ -456,6 +464,105 @@ def cpu_history_table(res: Results) -> str:
     return "\n".join(lines)
 
 
+# --- CPU threads ---------------------------------------------------------------------
+
+# cpu_threads.py's modes as the table names them; an ompK mode is the new code with K threads.
+THREAD_MODES = {
+    "old": "old: torch's default threads",
+    "new": "new: Glassbox's default",
+    "omp1": "`OMP_NUM_THREADS=1`",
+    "passive": "torch's default threads, `OMP_WAIT_POLICY=PASSIVE`",
+}
+
+
+def thread_mode(mode: str) -> str:
+    if mode in THREAD_MODES:
+        return THREAD_MODES[mode]
+    m = re.fullmatch(r"omp(\d+)", mode)
+    return f"new, `OMP_NUM_THREADS={m.group(1)}`" if m else f"`{mode}`"
+
+
+def _secs(x: float) -> str:
+    """Seconds to 2 decimals, half up from the figure as stored: 7.305 -> 7.31, which
+    ``f"{7.305:.2f}"`` makes 7.30 (the binary float is a hair below)."""
+    return str(Decimal(repr(x)).quantize(Decimal("0.01"), ROUND_HALF_UP))
+
+
+def _threads(n: Any) -> str:
+    return f"{n} thread{'' if n == 1 else 's'}"
+
+
+def _batch_sizes(r: dict[str, Any]) -> list[int]:
+    return [int(n) for n in r["workload"]["batch_sizes"]]
+
+
+def core_threads(row: dict[str, Any], sizes: list[int]) -> str:
+    """EngineCore's logged thread count over a mode's batches (``2 / 3`` if they differ)."""
+    counts = {row.get(f"batch{n}_engine_core_threads") for n in sizes} - {None}
+    return " / ".join(str(c) for c in sorted(counts)) or "—"
+
+
+def cpu_threads_names(res: Results) -> list[str]:
+    """The current cpu_threads files, fewest CPUs first (quiet before busy)."""
+    names = [n for n in res.current if n.startswith("cpu_threads_")]
+    return sorted(names, key=lambda n: (len(res.current[n]["machine"]["cpus_used"]), n))
+
+
+def cpu_threads_table(res: Results) -> str:
+    """docs/reliability.md: wall seconds per thread mode, one table per cpu_threads series."""
+    parts = []
+    for name in cpu_threads_names(res):
+        r = res.current[name]
+        line = res.line_of(name)
+        machine, workload, summary = r["machine"], r["workload"], r["summary"]
+        cpus = len(machine["cpus_used"])
+        # --cores confines a run to some of the machine's CPUs.
+        of = f" of {machine['logical_cpus']}" if machine.get("confined_with") else ""
+        where = f"{cpus}{of} CPUs"
+        busy = machine.get("busy_processes_alongside") or 0
+        beside = f"{busy or 'no'} busy process{'es' if busy > 1 else ''} alongside"
+        weights = ", dummy weights" if workload.get("load_format") == "dummy" else ""
+        rounds = workload["repeats"]
+        how = f"median of {rounds} rounds" if rounds > 1 else "1 round"
+        note = line.get("note", "").rstrip(".")
+        note = f" {note[:1].upper()}{note[1:]}." if note else ""
+        model = workload["model"]
+        model = model if model.startswith("default") else f"`{model}`"  # else a path
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {where}, {beside}; "
+            f"model {model}{weights}; {how}).{note}"
+        )
+        modes = [m for m in r["modes"] if m in summary]
+        sizes = _batch_sizes(r)
+        trace = any("trace_wall_s" in summary[m] for m in modes)
+        head = ["mode", "EngineCore threads"] + ["trace"] * trace + [f"batch {n}" for n in sizes]
+        rows = [
+            "| " + " | ".join(head) + " |",
+            "|" + " --- |" * len(head),
+        ]
+        for mode in modes:
+            row = summary[mode]
+            keys = ["trace_wall_s"] * trace + [f"batch{n}_wall_s" for n in sizes]
+            cells = [thread_mode(mode), core_threads(row, sizes)]
+            cells += [_secs(row[k]) if k in row else "—" for k in keys]
+            rows.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
+
+
+def cpu_threads_says(r: dict[str, Any]) -> str:
+    """One line on a cpu_threads file: its largest batch, mode by mode."""
+    n = max(_batch_sizes(r))
+    summary = r["summary"]
+    modes = [m for m in r["modes"] if f"batch{n}_wall_s" in summary.get(m, {})]
+    figures = ", ".join(
+        f"{m} {_secs(summary[m][f'batch{n}_wall_s'])} s "
+        f"({_threads(summary[m].get(f'batch{n}_engine_core_threads', '?'))})"
+        for m in modes
+    )
+    return f"batch {n}, {len(r['machine']['cpus_used'])} CPUs: {figures}"
+
+
 # --- summaries: README's status and the list of files ------------------------------------
 
 
@@ -567,6 +674,8 @@ def _file_says(res: Results, name: str) -> str:
             f"`lifecycle` {_pct(s['lifecycle'])}, `full` {_pct(s['full'])} against "
             f"`{baseline(r)}`; `off` {off_figure(r)}"
         )
+    if benchmark == "cpu_threads":
+        return cpu_threads_says(r)
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
     return ""
@@ -650,6 +759,7 @@ BLOCKS = (
     Block("tracing-overhead-gpu-history", "docs/gpu.md", tracing_gpu_history_table),
     Block("tracing-profile-gpu", "docs/gpu.md", tracing_profile_table),
     Block("tracing-overhead", "docs/trace_format.md", tracing_overhead_table),
+    Block("cpu-threads", "docs/reliability.md", cpu_threads_table),
 )
 
 
