@@ -9,6 +9,7 @@ from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
+from engine.config.speculative import SpeculativeConfig
 
 __all__ = [
     "CacheConfig",
@@ -21,4 +22,5 @@ __all__ = [
     "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
 ]

@@ -25,6 +25,7 @@ from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
+from engine.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 # The resolved async-scheduling setting, once logged (vLLM logs it once).
@@ -41,6 +42,7 @@ class GlassboxConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig | None = None
     shutdown_timeout: int = 0
     """Seconds a stopping engine lets the requests in flight finish before it
     aborts them; 0 aborts them at once."""
@@ -50,12 +52,29 @@ class GlassboxConfig:
             raise ValueError(
                 f"shutdown_timeout must be an integer >= 0 (seconds), got {self.shutdown_timeout!r}"
             )
+        self._check_speculative_config()
         self._resolve_async_scheduling()
+
+    def _check_speculative_config(self) -> None:
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if spec.method != "ngram":
+            # Accepted by SpeculativeConfig (vLLM's rules), not built here yet.
+            raise ValueError(
+                f"speculative_config.method: {spec.method!r} is not available in Glassbox yet; "
+                "use 'ngram'"
+            )
 
     def _resolve_async_scheduling(self) -> None:
         from engine.v1.executor.abstract import Executor
 
         scheduler_config = self.scheduler_config
+        if self.speculative_config is not None:
+            # vLLM's rule: only some speculative methods overlap steps.
+            scheduler_config.async_scheduling = self.speculative_config.resolve_async_scheduling(
+                scheduler_config.async_scheduling
+            )
         backend = self.parallel_config.distributed_executor_backend
         name = getattr(backend, "__name__", backend)
         supported = Executor.get_class(self).supports_async_scheduling()

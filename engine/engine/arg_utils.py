@@ -22,6 +22,7 @@ from engine.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -109,6 +110,9 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None
     """Name(s) the model answers to in requests; the first also labels the
     metrics. None: MODEL as given."""
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding, as a JSON object: {"method": "ngram",
+    "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
     async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs on the device (vLLM's default); None:
     on unless the executor cannot overlap steps; --no-async-scheduling runs the
@@ -120,6 +124,16 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        spec = self.speculative_config
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(
+                f"speculative_config must be a JSON object (a dict), got {type(spec).__name__}"
+            )
+        return SpeculativeConfig.from_dict(spec)
 
     def create_engine_config(self) -> GlassboxConfig:
         model = self.model
@@ -199,5 +213,6 @@ class EngineArgs:
             observability_config=ObservabilityConfig(
                 trace_path=self.trace_path, trace_level=self.trace_level
             ),
+            speculative_config=self._speculative_config(),
             shutdown_timeout=self.shutdown_timeout,
         )

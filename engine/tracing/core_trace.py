@@ -34,6 +34,7 @@ from engine.tracing.events import (
     SchedQueued,
     SchedStep,
     SchedUpdate,
+    SpecVerified,
 )
 from engine.tracing.tracer import SubsystemTrace, Tracer
 
@@ -226,6 +227,21 @@ class SchedulerTrace(SubsystemTrace):
             )
         )
 
+    def drafts_verified(self, request: Any, draft_token_ids: list[int], token_ids: list[int]):
+        """``spec.verified``: ``token_ids`` came back for ``draft_token_ids``;
+        the request's cursor has been rolled back already."""
+        num_accepted = len(token_ids) - 1
+        self.tracer.record(
+            SpecVerified(
+                request_id=request.request_id,
+                draft_token_ids=list(draft_token_ids),
+                num_accepted=num_accepted,
+                token_ids=list(token_ids),
+                num_rejected=len(draft_token_ids) - num_accepted,
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+
     def admitted(self, request: Any, num_new_tokens: int) -> None:
         """A waiting request joined the running list (after its cursor was set).
         One that was preempted before is resumed: a fresh one has none."""
@@ -264,6 +280,7 @@ class SchedulerTrace(SubsystemTrace):
                 num_common_prefix_blocks=scheduler_output.num_common_prefix_blocks,
                 kv_cache_usage=scheduler.kv_cache_manager.usage,
                 duration_ns=int((time.monotonic() - started) * 1e9),
+                scheduled_spec_decode_tokens=scheduler_output.scheduled_spec_decode_tokens,
             )
         )
 

@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.4"
+TRACE_FORMAT_VERSION = "1.5"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.4"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.5"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -426,6 +426,33 @@ class SchedStep(TraceEvent, kw_only=True, tag="sched.step"):
     ] = []
     kv_cache_usage: Annotated[float, doc("used fraction of the usable blocks, 0..1")] = 0.0
     duration_ns: Annotated[int, doc("time spent in `schedule()`, ns")] = 0
+    scheduled_spec_decode_tokens: Annotated[
+        dict[str, list[int]],
+        doc(
+            "speculative decoding: the drafts each request verifies this step, counted in its "
+            "`num_scheduled_tokens` (absent before 1.5)"
+        ),
+    ] = {}
+
+
+class SpecVerified(TraceEvent, kw_only=True, tag="spec.verified"):
+    """Speculative decoding, in ``update_from_output()``: the runner's verdict
+    on one request's drafts. The accepted drafts and one token of the target's
+    own (the bonus token if every draft was accepted, else the one that
+    replaced the first rejected draft) are appended; the cursor steps back
+    over the rejected drafts. Written before the step's ``sched.update``,
+    which holds what was appended (a stop or ``max_tokens`` may keep fewer
+    than ``token_ids``). Replay: ``num_computed_tokens`` (and, with async
+    scheduling, the placeholders) drop by ``num_rejected`` where above 0,
+    and the cursor must then equal this event's; ``StepView.spec.verified``
+    keeps the verdict."""
+
+    request_id: str
+    draft_token_ids: Annotated[list[int], doc("the drafts the step verified")]
+    num_accepted: Annotated[int, doc("leading drafts the target agreed with")]
+    token_ids: Annotated[list[int], doc("what the step produced: accepted drafts + one")]
+    num_rejected: Annotated[int, doc("drafts thrown away; their KV is overwritten later")]
+    num_computed_tokens: Annotated[int, doc("the request's cursor after the rollback")]
 
 
 class SchedUpdate(TraceEvent, kw_only=True, tag="sched.update"):
@@ -600,6 +627,22 @@ class RunnerBatch(TraceEvent, kw_only=True, tag="runner.batch"):
     max_seq_len: Annotated[int, doc("the largest of `seq_lens`")] = 0
 
 
+class SpecProposed(TraceEvent, kw_only=True, tag="spec.proposed"):
+    """Speculative decoding: written by ``GPUModelRunner`` after sampling
+    (``propose_draft_token_ids``), one per request the proposer drafted
+    for; it follows the step's ``sampler.sampled``. The next step verifies
+    these drafts: its ``sched.step`` lists them in
+    ``scheduled_spec_decode_tokens``, cut short where the token budget or
+    ``max_model_len`` leaves less room, and not at all for a request that
+    finished or was not scheduled. Replay: ``StepView.spec.proposed``."""
+
+    request_id: str
+    draft_token_ids: Annotated[
+        list[int], doc("the drafts, in order (at most `num_speculative_tokens`)")
+    ]
+    method: Annotated[str, doc("the proposer (`SpeculativeConfig.method`, e.g. `ngram`)")] = ""
+
+
 class TensorSummary(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One input tensor in summary: all its values when short (a small 2-D
     tensor keeps its rows), else the first and last ``SUMMARY_VALUES``."""
@@ -728,6 +771,7 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         SchedPreempted,
         SchedStep,
         SchedUpdate,
+        SpecVerified,
         SchedFinished,
     ),
     "KV cache (engine core)": (
@@ -745,6 +789,7 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         RunnerInputs,
         RunnerForward,
         SamplerSampled,
+        SpecProposed,
     ),
     "Written by tools": (TraceCli, TraceTokenTexts),
 }

@@ -38,6 +38,15 @@ away. Copies share the requests copy-on-write (``replay_state.py``), so a
 snapshot costs the per-block arrays and the queues, not every request the
 run ever had. Step views (``view``) are built on demand.
 
+Speculative decoding: a step verifies the drafts proposed after the step
+before it (``spec.proposed``, written by the runner), scheduled after each
+request's known tokens (``sched.step``'s ``scheduled_spec_decode_tokens``,
+counted in ``num_scheduled_tokens``); ``spec.verified`` says how many the
+target accepted and which token it added, and the cursor steps back over
+the rejected ones. ``StepView.spec`` (a ``SpecDecodeStep``) keeps, per
+request, the drafts and their fate (``SpecDecodeRow``) and the drafts
+proposed for the next step.
+
 Ids: the engine's events name a request by its internal id (the id it was
 sent under, ``-`` and 8 random hex digits, as vLLM's ``assign_request_id``
 makes it); ``external_req_ids`` finds the internal ids of a user's id.
@@ -61,6 +70,8 @@ from engine.tracing.events import (
     SamplerSampled,
     SchedStep,
     SchedUpdate,
+    SpecProposed,
+    SpecVerified,
     TraceEvent,
 )
 from engine.tracing.reader import gc_paused, load_trace
@@ -128,6 +139,73 @@ class StepPhases:
         return start, max(start, end)
 
 
+@dataclass(frozen=True)
+class SpecDecodeRow:
+    """One request's drafts in one step and their fate (``spec.verified``).
+    Greedy example, drafts ``[a, b, c]``: the target agrees with ``a`` and
+    ``b``, not ``c``, and picks ``d`` there: ``num_accepted`` 2,
+    ``token_ids`` ``[a, b, d]``, ``d`` the recovered token, 1 rejected. Had
+    it agreed with all three, ``token_ids`` would end in a bonus token (the
+    target's pick after ``c``)."""
+
+    request_id: str
+    draft_token_ids: list[int]  # the drafts verified, in order
+    num_accepted: int  # leading drafts the target agreed with
+    token_ids: list[int]  # what the step produced: the accepted drafts + one of the target's
+    num_rejected: int
+    num_computed_tokens: int  # the cursor after the rollback
+    # What the request kept (``sched.update``): ``token_ids``, or fewer when a
+    # stop or ``max_tokens`` ended it within them.
+    new_token_ids: list[int]
+
+    @property
+    def accepted_token_ids(self) -> list[int]:
+        return self.draft_token_ids[: self.num_accepted]
+
+    @property
+    def rejected_token_ids(self) -> list[int]:
+        return self.draft_token_ids[self.num_accepted :]
+
+    @property
+    def all_accepted(self) -> bool:
+        return self.num_rejected == 0
+
+    @property
+    def bonus_token_id(self) -> int | None:
+        """Every draft accepted: the target's token after the last one."""
+        return self.token_ids[-1] if self.all_accepted and self.token_ids else None
+
+    @property
+    def recovered_token_id(self) -> int | None:
+        """A draft rejected: the target's token in place of the first rejected one."""
+        return self.token_ids[-1] if not self.all_accepted and self.token_ids else None
+
+    @property
+    def num_computed_tokens_scheduled(self) -> int:
+        """The cursor ``schedule()`` left, the drafts counted (before the rollback)."""
+        return self.num_computed_tokens + self.num_rejected
+
+
+@dataclass
+class SpecDecodeStep:
+    """Speculative decoding in one step: the verdict on each request's drafts
+    (in the order the scheduler wrote them) and the drafts the proposer made
+    after the step, for the next one to verify (cut short or dropped there
+    when the budget or the request's end says so)."""
+
+    verified: dict[str, SpecDecodeRow] = field(default_factory=dict)
+    proposed: dict[str, list[int]] = field(default_factory=dict)
+    method: str | None = None  # the proposer's (``spec.proposed``), None when it proposed none
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(r.draft_token_ids) for r in self.verified.values())
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(r.num_accepted for r in self.verified.values())
+
+
 @dataclass
 class StepView:
     """Everything the trace says about one step, with the state after it."""
@@ -159,6 +237,9 @@ class StepView:
     # runner takes on the device). Requests with none are left out.
     num_output_placeholders: dict[str, int] = field(default_factory=dict)
     num_placeholder_inputs: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: the drafts verified this step and proposed after
+    # it; None when the step has neither (always, without speculation).
+    spec: SpecDecodeStep | None = None
 
     @property
     def waiting(self) -> list[str]:
@@ -295,6 +376,20 @@ class TraceReplay:
         scheduling, none without."""
         return [s for s, steps in sorted(self._in_flight_after_launch.items()) if len(steps) > 1]
 
+    @cached_property
+    def speculative(self) -> bool:
+        """The run decoded speculatively: it holds ``spec.proposed`` or
+        ``spec.verified`` events (format 1.5)."""
+        return any(type(e) in (SpecProposed, SpecVerified) for e in self.core_events)
+
+    @cached_property
+    def spec_method(self) -> str | None:
+        """The proposer's method as ``spec.proposed`` names it (e.g.
+        ``ngram``); None when no event names one."""
+        return next(
+            (e.method for e in self.core_events if type(e) is SpecProposed and e.method), None
+        )
+
     @property
     def max_in_flight(self) -> int:
         """The most steps that were in flight at once (0: no step ran)."""
@@ -424,6 +519,7 @@ class TraceReplay:
         else:
             batch, source = [], "none"
         placeholders, inputs = self._placeholders.get(step, ({}, {}))
+        new_token_ids = dict(update.new_token_ids) if update else {}
         return StepView(
             step=step,
             state=state,
@@ -432,12 +528,13 @@ class TraceReplay:
             batch_source=source,
             runner_batch=runner_batch,
             sampler=sampler,
-            new_token_ids=dict(update.new_token_ids) if update else {},
+            new_token_ids=new_token_ids,
             events=events,
             phases=self.step_phases.get(step),
             in_flight=self.in_flight_after_launch(step),
             num_output_placeholders=dict(placeholders),
             num_placeholder_inputs=dict(inputs),
+            spec=_spec_step(events, new_token_ids),
         )
 
     def _batch_from_scheduler(self, step: int, sched: SchedStep) -> list[BatchSlot]:
@@ -505,6 +602,34 @@ class TraceReplay:
         return [e for e in self.events if _names_request(e, request_id)]
 
 
+def _spec_step(
+    events: list[TraceEvent], new_token_ids: dict[str, list[int]]
+) -> SpecDecodeStep | None:
+    """The step's ``spec.verified`` and ``spec.proposed`` events as a
+    ``SpecDecodeStep``; None when it has neither."""
+    spec: SpecDecodeStep | None = None
+    for e in events:
+        t = type(e)
+        if t is SpecVerified:
+            if spec is None:
+                spec = SpecDecodeStep()
+            spec.verified[e.request_id] = SpecDecodeRow(
+                request_id=e.request_id,
+                draft_token_ids=list(e.draft_token_ids),
+                num_accepted=e.num_accepted,
+                token_ids=list(e.token_ids),
+                num_rejected=e.num_rejected,
+                num_computed_tokens=e.num_computed_tokens,
+                new_token_ids=list(new_token_ids.get(e.request_id, ())),
+            )
+        elif t is SpecProposed:
+            if spec is None:
+                spec = SpecDecodeStep()
+            spec.proposed[e.request_id] = list(e.draft_token_ids)
+            spec.method = e.method or spec.method
+    return spec
+
+
 def _seq(event: TraceEvent) -> int:
     return event.seq
 
@@ -533,6 +658,8 @@ __all__ = [
     "ReplayBlock",
     "ReplayError",
     "ReplayRequest",
+    "SpecDecodeRow",
+    "SpecDecodeStep",
     "StepPhases",
     "StepView",
     "TraceReplay",

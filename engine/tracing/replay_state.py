@@ -15,7 +15,11 @@ re-enacts, event by event, what ``engine/v1/core/sched/scheduler.py``,
     append at the tail (in the given, tail-first order) on free;
   * with async scheduling (``engine/v1/core/sched/async_scheduler.py``),
     each request's placeholders -- tokens sampled by steps still in flight,
-    ``num_output_placeholders`` -- and the steps in flight (``in_flight``).
+    ``num_output_placeholders`` -- and the steps in flight (``in_flight``);
+  * with speculative decoding, the rollback of the cursor: ``sched.step``
+    advances it over the drafts too, ``spec.verified`` steps it back over
+    the rejected ones (``Scheduler.update_from_output``), and each request
+    counts its drafts and the accepted ones.
 
 Read it for: which event changes which piece of state (``EngineState.apply``
 and the ``_on_*`` handlers). ``replay.py`` (``TraceReplay``) drives it over a
@@ -56,6 +60,7 @@ from engine.tracing.events import (
     SchedQueued,
     SchedStep,
     SchedUpdate,
+    SpecVerified,
     TraceEvent,
 )
 
@@ -90,6 +95,10 @@ class ReplayRequest:
     # reset_prefix_cache preemption (the engine's fields).
     num_output_placeholders: int = 0
     async_tokens_to_discard: int = 0
+    # Speculative decoding: drafts verified for it so far, and how many the
+    # target accepted (``spec.verified``).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # Steps at which it was admitted, preempted, finished.
@@ -509,6 +518,25 @@ class EngineState:
         self.last_update = e
         self._check_counts(e)
 
+    def _on_spec_verified(self, e: SpecVerified) -> None:
+        """The drafts' verdict, before the step's tokens are appended: the
+        positions of the rejected drafts were computed for nothing, so the
+        cursor (and, with async scheduling, the placeholders) steps back over
+        them, each only where above 0, as the scheduler does."""
+        req = self._request(e)
+        if req.num_computed_tokens > 0:
+            req.num_computed_tokens -= e.num_rejected
+        if req.num_output_placeholders > 0:
+            req.num_output_placeholders -= e.num_rejected
+        req.num_draft_tokens += len(e.draft_token_ids)
+        req.num_accepted_tokens += e.num_accepted
+        if req.num_computed_tokens != e.num_computed_tokens:
+            raise ReplayError(
+                f"step {self.step}: {req.request_id} rejected {e.num_rejected} drafts; the "
+                f"replay's cursor is then {req.num_computed_tokens}, the engine's "
+                f"{e.num_computed_tokens}"
+            )
+
     def _check_counts(self, e: SchedStep | SchedUpdate) -> None:
         if (len(self.running), len(self.waiting)) != (e.num_running, e.num_waiting):
             raise ReplayError(
@@ -542,6 +570,7 @@ _HANDLERS: dict[type[TraceEvent], Any] = {
     SchedPreempted: EngineState._on_preempted,
     SchedStep: EngineState._on_step,
     SchedUpdate: EngineState._on_update,
+    SpecVerified: EngineState._on_spec_verified,
     SchedFinished: EngineState._on_finished,
 }
 

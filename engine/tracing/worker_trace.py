@@ -31,6 +31,7 @@ from engine.tracing.events import (
     RunnerInputs,
     SamplerSampled,
     SamplerStage,
+    SpecProposed,
 )
 from engine.tracing.tensors import HostListsCopy, array_summaries
 from engine.tracing.tracer import SubsystemTrace, Tracer
@@ -258,9 +259,14 @@ class RunnerTrace(SubsystemTrace):
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._stream: torch.cuda.Stream | None = None
         self._pending_forward: dict[int, _PendingForward] = {}
+        # Speculative decoding: the proposer's method (read at set-up), "" without one.
+        self._spec_method = ""
 
     def initialized(self, runner: Any, kv_cache_config: Any) -> None:
-        """``runner.init``, once the KV cache is allocated."""
+        """``runner.init``, once the KV cache is allocated (and the method of
+        the runner's speculative config, for ``spec.proposed``)."""
+        speculative_config = getattr(runner, "speculative_config", None)
+        self._spec_method = getattr(speculative_config, "method", None) or ""
         self.tracer.record(
             RunnerInit(
                 model=runner.model_config.model,
@@ -394,9 +400,27 @@ class RunnerTrace(SubsystemTrace):
         discard = set(discard_rows)
         self.sampler.begin([None if i in discard else r for i, r in enumerate(req_ids)])
 
-    def sampled(self, step: int, sampled_token_ids: Sequence[int]) -> None:
+    def drafts_proposed(self, req_ids: Sequence[str], draft_token_ids: Sequence[Any]) -> None:
+        """``spec.proposed``: the drafter's proposals after this step, one
+        list per row (``[]``: none; those rows get no event). The next step
+        verifies them."""
+        rows = [i for i, drafts in enumerate(draft_token_ids) if len(drafts)]
+        if not rows:
+            return
+        self.tracer.record_rows(
+            SpecProposed,
+            {
+                "request_id": [req_ids[i] for i in rows],
+                "draft_token_ids": [list(draft_token_ids[i]) for i in rows],
+                "method": [self._spec_method] * len(rows),
+            },
+        )
+
+    def sampled(self, step: int, sampled_token_ids: Sequence[int] | None) -> None:
         """``step``'s sampled tokens reached the host (the device has been
-        waited for): record what waited for that. With async scheduling this
+        waited for): record what waited for that. ``sampled_token_ids``: one
+        per row, or None to take the sampler's own picks (speculative decoding:
+        the bonus rows; ``spec.verified`` says what the request kept). With async scheduling this
         is after the next step was launched, so the events are stamped with
         ``step`` again."""
         self.tracer.set_step(step)

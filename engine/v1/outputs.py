@@ -1,7 +1,8 @@
 """What the sampler and the worker hand back after one step.
 
 vLLM twin: ``vllm/v1/outputs.py`` (``SamplerOutput``, ``LogprobsTensors``,
-``LogprobsLists``, ``ModelRunnerOutput``, ``AsyncModelRunnerOutput``).
+``LogprobsLists``, ``ModelRunnerOutput``, ``AsyncModelRunnerOutput``,
+``DraftTokenIds``).
 Read it for:
 
 - the Sampler's answer (``SamplerOutput``): one sampled id per request row
@@ -19,9 +20,10 @@ Importable without torch: the scheduler imports this module and must stay
 torch-free, so torch appears here only in annotations (the tensor-holding
 types never need torch to be defined).
 
-Simpler than vLLM: one sampled token per request per step (no speculative
-decoding), so there is no ``cu_num_generated_tokens`` bookkeeping;
-``LogprobsLists`` holds Python lists where vLLM holds numpy arrays.
+Simpler than vLLM: no ``cu_num_generated_tokens`` bookkeeping (with
+speculative decoding a request may get several tokens; their logprob rows
+follow each other in request order); ``LogprobsLists`` holds Python lists
+where vLLM holds numpy arrays.
 
 Differs from vLLM on purpose: ``LogprobsTensors.logprob_token_ids`` stay
 int64 (vLLM narrows them to int32 to halve the copy) so they can index a
@@ -101,6 +103,16 @@ class ModelRunnerOutput:
     # Rows follow req_ids order, one row per sampled token.
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
+
+
+@dataclass
+class DraftTokenIds:
+    """The drafts a proposer made after a step (speculative decoding), per
+    request, for the scheduler to verify in the next one."""
+
+    req_ids: list[str]
+    # [num_reqs][<= num_speculative_tokens]
+    draft_token_ids: list[list[int]]
 
 
 class AsyncModelRunnerOutput(ABC):

@@ -34,6 +34,7 @@ Sessions: 01 (the engine loop, end to end); all (the tracer).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -180,6 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="overlap step N+1's scheduling with step N's forward (vLLM's default; "
         "--no-async-scheduling shows the serial loop) (default: on)",
     )
+    engine.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\' (default: off)',
+    )
 
 
 @dataclass
@@ -298,6 +306,7 @@ def record_trace(args: argparse.Namespace) -> str:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
         disable_log_stats=True,
         trace_path=trace_path,
         trace_level=args.trace_level,

@@ -147,6 +147,7 @@ class EngineCore:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         self.async_scheduling = glassbox_config.scheduler_config.async_scheduling
+        self.use_spec_decode = glassbox_config.speculative_config is not None
 
         cache_config = glassbox_config.cache_config
         self.request_block_hasher: Callable[[Request], list[BlockHash]] | None = None
@@ -223,6 +224,15 @@ class EngineCore:
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.trace.step_done(self.scheduler, engine_core_outputs)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def post_step(self, model_executed: bool) -> None:
+        """Speculative decoding on the serial loop: hand the scheduler the
+        drafts the worker proposed after this step, for the next one to
+        verify. (With async scheduling the drafts never leave the worker.)"""
+        if not self.async_scheduling and self.use_spec_decode and model_executed:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
         """One turn of the loop with a batch queue (async scheduling).
@@ -509,6 +519,7 @@ class EngineCoreProc(EngineCore):
         outputs, model_executed = self.step_fn()
         for client_index, engine_core_outputs in (outputs or {}).items():
             self._put_output(client_index, engine_core_outputs)
+        self.post_step(model_executed)
         return model_executed
 
     def _handle_shutdown(self) -> bool:

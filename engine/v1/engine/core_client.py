@@ -149,7 +149,8 @@ class InprocClient(EngineCoreClient):
         self.engine_core = EngineCore(glassbox_config, executor_class, log_stats, tracer)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step_fn()
+        outputs, model_executed = self.engine_core.step_fn()
+        self.engine_core.post_step(model_executed)
         return (outputs and outputs.get(0)) or EngineCoreOutputs()
 
     def add_request(self, request: EngineCoreRequest) -> None:

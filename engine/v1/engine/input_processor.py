@@ -140,6 +140,13 @@ class InputProcessor:
                 "prompt_logprobs is not supported by Glassbox yet (only logprobs of "
                 "generated tokens are); leave prompt_logprobs unset"
             )
+        if self.glassbox_config.speculative_config is not None and (
+            params.min_p > 1e-5 or params.logit_bias
+        ):
+            # As vLLM: the rejection sampler does not apply them to the drafts.
+            raise ValueError(
+                "min_p and logit_bias are not supported with speculative decoding; leave them unset"
+            )
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engine.config import GlassboxConfig
     from engine.v1.core.sched.output import SchedulerOutput
     from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-    from engine.v1.outputs import ModelRunnerOutput
+    from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 
 class Executor(ABC):
@@ -88,6 +88,11 @@ class Executor(ABC):
         """Sample the step ``execute_model`` ran (``grammar_output``: vLLM's
         structured-output bitmask; always None here)."""
         raise NotImplementedError(f"{type(self).__name__} samples inside execute_model")
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """Speculative decoding: the drafts the worker proposed after the last
+        step (None when it proposed none)."""
+        return None
 
     def shutdown(self) -> None:
         """Release workers and device memory. Safe to call twice."""

@@ -75,6 +75,9 @@ class UniProcExecutor(Executor):
             return AsyncOutputFuture(future.result())
         return future
 
+    def take_draft_token_ids(self):
+        return self._worker().take_draft_token_ids()
+
     @cached_property
     def max_concurrent_batches(self) -> int:
         return 2 if self.glassbox_config.scheduler_config.async_scheduling else 1

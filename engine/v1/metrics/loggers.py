@@ -14,6 +14,14 @@ measures:
   glassbox:prompt_tokens          counter prompt tokens of requests that produced output
   glassbox:generation_tokens      counter tokens generated
 
+with speculative decoding on, also (counters; mean acceptance length =
+1 + accepted_tokens / drafts):
+
+  glassbox:spec_decode_num_drafts                requests that verified drafts, per step
+  glassbox:spec_decode_num_draft_tokens          draft tokens verified
+  glassbox:spec_decode_num_accepted_tokens       of those, accepted
+  glassbox:spec_decode_num_accepted_tokens_per_pos   accepted at draft position N (label position)
+
 and the latency histograms (seconds, vLLM's bucket bounds):
 
   glassbox:time_to_first_token_seconds  arrival in the front end -> first token back there
@@ -48,6 +56,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.v1.engine import EngineCoreOutputs
 from engine.v1.metrics.reader import Counter, Gauge, Histogram, Metric
@@ -73,6 +82,10 @@ _HELP = {
     "glassbox:num_preemptions": "Cumulative number of preemptions.",
     "glassbox:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "glassbox:prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "glassbox:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "glassbox:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "glassbox:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "glassbox:spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
     "glassbox:prompt_tokens": "Prompt tokens of requests that produced output.",
     "glassbox:generation_tokens": "Generated tokens.",
     "glassbox:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
@@ -122,8 +135,14 @@ class _RequestTimes:
 
 
 class StatLogger:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_spec_tokens: int = 0) -> None:
         self.labels = {"model_name": model_name}
+        # Speculative decoding (num_spec_tokens > 0: its counters are shown).
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos = [0] * num_spec_tokens
         self.last_scheduler_stats = SchedulerStats()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -150,6 +169,13 @@ class StatLogger:
         self.num_preemptions += stats.num_preemptions
         self.prefix_cache_queries += stats.prefix_cache_stats.queries
         self.prefix_cache_hits += stats.prefix_cache_stats.hits
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            self.spec_decode_num_drafts += spec.num_drafts
+            self.spec_decode_num_draft_tokens += spec.num_draft_tokens
+            self.spec_decode_num_accepted_tokens += spec.num_accepted_tokens
+            for i, n in enumerate(spec.num_accepted_tokens_per_pos):
+                self.spec_decode_num_accepted_tokens_per_pos[i] += n
 
     def record_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -229,6 +255,33 @@ class StatLogger:
             Counter("glassbox:prompt_tokens", dict(labels), self.prompt_tokens),
             Counter("glassbox:generation_tokens", dict(labels), self.generation_tokens),
             Gauge("glassbox:engine_dead", dict(labels), float(self.engine_dead)),
+            *self._spec_decode_metrics(),
+        ]
+
+    def _spec_decode_metrics(self) -> list[Metric]:
+        if not self.num_spec_tokens:
+            return []
+        labels = self.labels
+        return [
+            Counter("glassbox:spec_decode_num_drafts", dict(labels), self.spec_decode_num_drafts),
+            Counter(
+                "glassbox:spec_decode_num_draft_tokens",
+                dict(labels),
+                self.spec_decode_num_draft_tokens,
+            ),
+            Counter(
+                "glassbox:spec_decode_num_accepted_tokens",
+                dict(labels),
+                self.spec_decode_num_accepted_tokens,
+            ),
+            *(
+                Counter(
+                    "glassbox:spec_decode_num_accepted_tokens_per_pos",
+                    {**labels, "position": str(pos)},
+                    n,
+                )
+                for pos, n in enumerate(self.spec_decode_num_accepted_tokens_per_pos)
+            ),
         ]
 
     def get_histograms(self) -> list[Histogram]:
@@ -244,8 +297,13 @@ class StatLogger:
     def render_prometheus(self) -> str:
         """Every metric in the Prometheus text exposition format (version 0.0.4)."""
         lines: list[str] = []
+        headed: set[str] = set()
 
         def header(name: str, family: str, kind: str) -> None:
+            # Once per family: a labelled counter has one line per label set.
+            if name in headed:
+                return
+            headed.add(name)
             lines.append(f"# HELP {name} {_HELP[family]}")
             lines.append(f"# TYPE {name} {kind}")
 
@@ -274,6 +332,12 @@ class StatLogger:
             header("glassbox:cache_config_info", "glassbox:cache_config_info", "gauge")
             lines.append(f"glassbox:cache_config_info{_labels(self.cache_config_info)} 1.0")
         return "\n".join(lines) + "\n"
+
+
+def num_spec_tokens(glassbox_config: Any) -> int:
+    """Drafts per step at most; 0 without speculative decoding."""
+    spec = glassbox_config.speculative_config
+    return spec.num_speculative_tokens if spec is not None else 0
 
 
 def _labels(labels: dict[str, str]) -> str:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.v1.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
 class PrefixCacheStats:
@@ -72,6 +74,8 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # Preemptions during this step (Glassbox's own field).
     num_preemptions: int = 0
+    # Speculative decoding: this step's drafts and acceptances (None: no drafts).
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 @dataclass

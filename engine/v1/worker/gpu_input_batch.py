@@ -38,8 +38,7 @@ and the rows get a -1 placeholder; the next step reads the real ids on the
 device, and the output lists get them once their host copy is done.
 
 Simpler than vLLM: one KV cache group (``block_sizes`` has one entry and the
-kernel block size is the block size); no spec-decode tokens (``spec_token_ids``
-stays empty per row), LoRA, pooling, multimodal inputs, prompt embeddings,
+kernel block size is the block size); no LoRA, pooling, multimodal inputs, prompt embeddings,
 thinking budgets or ``logprob_token_ids``.
 ``output_token_ids`` is always handed to the sampler (vLLM leaves it empty
 when no penalty, bad word or custom processor reads it).

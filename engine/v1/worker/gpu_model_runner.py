@@ -45,8 +45,17 @@ padding rows get slot -1 and zero-length requests. Mixed batches run eagerly.
 The logits processors (``build_logitsprocs``) are built once here and live
 in the ``InputBatch``.
 
-Simpler than vLLM: no piecewise graphs (they need torch.compile), speculative
-decoding, LoRA, multimodal or pipeline parallelism; no
+Speculative decoding (session 06): a request's drafts follow its last token
+in the step's inputs (``_update_spec_token_ids``), the model's head runs on
+its last 1 + num_drafts positions (``_calc_spec_decode_metadata``), the
+``RejectionSampler`` keeps the accepted drafts plus one token, and the
+``NgramProposer`` drafts for the next step (``propose_draft_token_ids``;
+``EngineCore`` collects them with ``take_draft_token_ids``). Steps with
+drafts run eagerly (their query length is above 1).
+
+Simpler than vLLM: no piecewise graphs (they need torch.compile), draft-model
+or EAGLE proposers, speculative decoding with async scheduling, LoRA,
+multimodal or pipeline parallelism; no
 custom logits processors from the config (``build_logitsprocs`` accepts them,
 ``ModelConfig`` has no ``logits_processors`` yet); one attention builder, so
 ``reorder_batch_threshold`` is its threshold (vLLM takes the smallest over
@@ -77,13 +86,17 @@ from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     AsyncModelRunnerOutput,
+    DraftTokenIds,
     LogprobsLists,
     LogprobsTensors,
     ModelRunnerOutput,
     SamplerOutput,
 )
 from engine.v1.sample.logits_processor import build_logitsprocs
+from engine.v1.sample.rejection_sampler import RejectionSampler
 from engine.v1.sample.sampler import Sampler
+from engine.v1.spec_decode.metadata import SpecDecodeMetadata
+from engine.v1.spec_decode.ngram_proposer import NgramProposer
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -94,10 +107,11 @@ class ExecuteModelState:
     """What execute_model hands to sample_tokens (vLLM's two-phase step)."""
 
     scheduler_output: SchedulerOutput
-    logits: torch.Tensor  # [num_reqs, vocab]
+    logits: torch.Tensor  # [num_reqs, vocab]; with drafts [num_drafts + num_reqs, vocab]
     req_ids: list[str]
     # Rows whose sample is thrown away: their prompt is not fully computed yet.
     discard_rows: list[int]
+    spec_decode_metadata: SpecDecodeMetadata | None = None
 
 
 @dataclass
@@ -109,7 +123,9 @@ class PreparedInputs:
 
     common_attn_metadata: CommonAttentionMetadata
     num_tokens: int  # scheduled tokens, before any CUDA-graph padding
-    logits_indices: torch.Tensor  # [num_reqs] on the device: each request's last token
+    # On the device, [num_reqs]: each request's last token; with drafts, each
+    # request's last 1 + num_drafts tokens ([num_drafts + num_reqs]).
+    logits_indices: torch.Tensor
     # Rows whose sample is thrown away: their prompt is not fully computed yet.
     discard_rows: list[int]
     cudagraph_mode: CUDAGraphMode
@@ -117,7 +133,8 @@ class PreparedInputs:
     input_ids_np: np.ndarray  # [num_tokens (+ padding)]
     positions_np: np.ndarray
     slot_mapping_np: np.ndarray
-    logits_indices_np: np.ndarray  # [num_reqs]
+    logits_indices_np: np.ndarray  # as logits_indices, on the host
+    spec_decode_metadata: SpecDecodeMetadata | None = None
 
 
 class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
@@ -144,7 +161,10 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         step: int,
         trace: RunnerTrace,
         placeholders: list[tuple[int, list[int], int]],
+        vocab_size: int | None = None,
     ) -> None:
+        # vocab_size: set when the output is the rejection sampler's ([N, drafts + 1]).
+        self._vocab_size = vocab_size
         self._model_runner_output = model_runner_output
         self._invalid_req_indices = invalid_req_indices
         self._placeholders = placeholders
@@ -174,6 +194,8 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
     def get_output(self) -> ModelRunnerOutput:
         if self.async_copy_ready_event is not None:
             self.async_copy_ready_event.synchronize()
+        if self._vocab_size is not None:
+            return self._get_spec_decode_output()
         sampled = self.sampled_token_ids_cpu.squeeze(-1).tolist()  # CPU: waits for nothing
         del self._sampled_token_ids, self._logprobs_tensors
         self._trace.sampled(self._step, sampled)
@@ -194,6 +216,24 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
                 [lists.logprobs[i] for i in kept_rows],
                 [lists.sampled_token_ranks[i] for i in kept_rows],
             )
+        return output
+
+    def _get_spec_decode_output(self) -> ModelRunnerOutput:
+        """Speculative decoding: each row holds its accepted drafts and one
+        token of the target's own, then -1s."""
+        assert self._vocab_size is not None
+        del self._sampled_token_ids, self._logprobs_tensors
+        # sampler.sampled records what the sampler itself drew (the bonus rows).
+        self._trace.sampled(self._step, None)
+        parsed = RejectionSampler.parse_output(
+            self.sampled_token_ids_cpu,
+            self._vocab_size,
+            self._invalid_req_indices,
+            self._logprobs_tensors_cpu,
+        )
+        output = self._model_runner_output
+        output.sampled_token_ids = parsed.sampled_token_ids
+        output.logprobs = parsed.logprobs
         return output
 
 
@@ -241,6 +281,15 @@ class GPUModelRunner:
             ),
         )
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode, trace=trace.sampler)
+        # Speculative decoding: after each step the drafter proposes tokens
+        # for the next; the rejection sampler verifies them there.
+        self.speculative_config = glassbox_config.speculative_config
+        self.drafter: NgramProposer | None = None
+        self.rejection_sampler: RejectionSampler | None = None
+        if self.speculative_config is not None:
+            self.drafter = NgramProposer(glassbox_config)
+            self.rejection_sampler = RejectionSampler(self.sampler)
+        self._draft_token_ids: list[list[int]] | None = None
         # Async scheduling: sampled ids stay on the device for the next step,
         # and their host copy runs on a stream of its own (CUDA only).
         self.use_async_scheduling = bool(self.scheduler_config.async_scheduling)
@@ -403,9 +452,25 @@ class GPUModelRunner:
             batch.add_request(state)
         batch.condense()
         self._may_reorder_batch(scheduler_output)
+        self._update_spec_token_ids(scheduler_output.scheduled_spec_decode_tokens)
         # The logits processors follow the rows (swaps included); the sampling
         # metadata is rebuilt (asynchronously) only if the batch changed.
         batch.refresh_metadata()
+
+    def _update_spec_token_ids(self, scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
+        """Put this step's drafts after each row's known tokens (in
+        ``token_ids_cpu``, where ``_prepare_inputs`` reads the inputs, and in
+        ``spec_token_ids``, which penalties read); rows without drafts drop
+        last step's."""
+        batch = self.input_batch
+        for row, req_id in enumerate(batch.req_ids):
+            drafts = batch.spec_token_ids[row]
+            drafts.clear()
+            new = scheduled_spec_decode_tokens.get(req_id)
+            if new:
+                drafts.extend(new)
+                start = int(batch.num_tokens_no_spec[row])
+                batch.token_ids_cpu[row, start : start + len(new)] = new
 
     def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:
         """Put decodes before prefills if the attention builder asks for it."""
@@ -479,9 +544,19 @@ class GPUModelRunner:
             block_table_tensor=batch.block_table.block_table[:num_rows],
             slot_mapping=self.slot_mapping[:padded],
         )
-        # The logits we need: each request's last scheduled token.
-        logits_indices_np = cu_num_tokens - 1
-        logits_indices = torch.from_numpy(logits_indices_np).to(self.device, non_blocking=True)
+        spec_decode_metadata = None
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if spec_tokens:
+            # Drafts: the logits of each request's last 1 + num_drafts tokens.
+            num_draft_tokens = np.array([len(spec_tokens.get(r, ())) for r in req_ids])
+            spec_decode_metadata, logits_indices_np = self._calc_spec_decode_metadata(
+                num_draft_tokens, cu_num_tokens
+            )
+            logits_indices = spec_decode_metadata.logits_indices
+        else:
+            # The logits we need: each request's last scheduled token.
+            logits_indices_np = cu_num_tokens - 1
+            logits_indices = torch.from_numpy(logits_indices_np).to(self.device, non_blocking=True)
         # A request whose context still stops short of its known tokens is in
         # the middle of its prompt: whatever it samples is discarded.
         discard_rows = [i for i in range(num_reqs) if seq_lens_np[i] < batch.num_tokens_no_spec[i]]
@@ -496,7 +571,55 @@ class GPUModelRunner:
             positions_np=positions_np,
             slot_mapping_np=slot_mapping_np,
             logits_indices_np=logits_indices_np,
+            spec_decode_metadata=spec_decode_metadata,
         )
+
+    def _calc_spec_decode_metadata(
+        self, num_draft_tokens: np.ndarray, cu_num_scheduled_tokens: np.ndarray
+    ) -> tuple[SpecDecodeMetadata, np.ndarray]:
+        """Where the drafts and their logits rows are (and the logits indices
+        on the host, for the trace). Example:
+            cu_num_scheduled_tokens [4, 104, 107]   (3 drafts, a prefill, 2 drafts)
+            num_draft_tokens        [3, 0, 2]
+            logits_indices          [0 1 2 3 | 103 | 104 105 106]
+            target_logits_indices   [0 1 2 5 6]   (rows that judge a draft)
+            bonus_logits_indices    [3 4 7]       (each request's last row)
+        """
+        num_sampled_tokens = num_draft_tokens + 1
+        cu_num_sampled_tokens = np.cumsum(num_sampled_tokens)
+        # Each request's last num_sampled positions: [0 1 2 3 | 103 | 104 105 106].
+        first_sampled = np.repeat(cu_num_scheduled_tokens - num_sampled_tokens, num_sampled_tokens)
+        offsets = self.arange_np[: cu_num_sampled_tokens[-1]] - np.repeat(
+            cu_num_sampled_tokens - num_sampled_tokens, num_sampled_tokens
+        )
+        logits_indices_np = first_sampled + offsets
+        bonus_logits_indices = cu_num_sampled_tokens - 1
+        # Target rows: each request's rows but its last.
+        cu_num_draft_tokens = np.cumsum(num_draft_tokens)
+        target_logits_indices = np.repeat(
+            cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens
+        ) + (
+            self.arange_np[: cu_num_draft_tokens[-1]]
+            - np.repeat(cu_num_draft_tokens - num_draft_tokens, num_draft_tokens)
+        )
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a.astype(np.int32)).to(self.device, non_blocking=True)
+
+        logits_indices = to_device(logits_indices_np)
+        target = to_device(target_logits_indices)
+        # The draft ids as the model read them: the input after each target row's position.
+        draft_token_ids = self.input_ids[logits_indices.long()][target.long() + 1]
+        metadata = SpecDecodeMetadata(
+            draft_token_ids=draft_token_ids.to(torch.int32),
+            num_draft_tokens=num_draft_tokens.tolist(),
+            cu_num_draft_tokens=to_device(cu_num_draft_tokens),
+            cu_num_sampled_tokens=to_device(cu_num_sampled_tokens),
+            target_logits_indices=target,
+            bonus_logits_indices=to_device(bonus_logits_indices),
+            logits_indices=logits_indices,
+        )
+        return metadata, logits_indices_np
 
     def _prepare_input_ids(self, cu_num_tokens: np.ndarray) -> None:
         """Async scheduling: the last token of each request that sampled in the
@@ -583,7 +706,11 @@ class GPUModelRunner:
         # After the launch: on a GPU the host describes the batch while the device runs it.
         self.trace.batch(self, scheduler_output, inputs)
         self.execute_model_state = ExecuteModelState(
-            scheduler_output, logits, list(self.input_batch.req_ids), inputs.discard_rows
+            scheduler_output,
+            logits,
+            list(self.input_batch.req_ids),
+            inputs.discard_rows,
+            inputs.spec_decode_metadata,
         )
         return None
 
@@ -613,7 +740,15 @@ class GPUModelRunner:
             for row in state.discard_rows
             if (gen := batch.generators.get(row)) is not None
         }
-        sampler_output = self.sampler(state.logits, batch.sampling_metadata)
+        spec_decode_metadata = state.spec_decode_metadata
+        if spec_decode_metadata is None:
+            sampler_output = self.sampler(state.logits, batch.sampling_metadata)
+        else:
+            assert self.rejection_sampler is not None
+            # draft_probs None: the n-gram drafts are certain (a point mass each).
+            sampler_output = self.rejection_sampler(
+                spec_decode_metadata, None, state.logits, batch.sampling_metadata
+            )
         for row, generator_state in saved_generators.items():
             batch.generators[row].set_state(generator_state)
         discard = set(state.discard_rows)
@@ -633,13 +768,18 @@ class GPUModelRunner:
             step=state.scheduler_output.step,
             trace=self.trace,
             placeholders=placeholders if self.use_async_scheduling else [],
+            vocab_size=self.model_config.vocab_size if spec_decode_metadata else None,
         )
         if not self.use_async_scheduling:
             result = output.get_output()  # waits for the device
             for i in kept_rows:
-                token = result.sampled_token_ids[i][0]
-                reqs[i].output_token_ids.append(token)
-                batch.append_token(i, token)
+                # One token, or with drafts the accepted ones plus one.
+                for token in result.sampled_token_ids[i]:
+                    reqs[i].output_token_ids.append(token)
+                    batch.append_token(i, token)
+            if self.drafter is not None:
+                self._draft_token_ids = self.propose_draft_token_ids(result.sampled_token_ids)
+                self.trace.drafts_proposed(state.req_ids, self._draft_token_ids)
             return result
         for i in kept_rows:
             reqs[i].output_token_ids.append(-1)
@@ -650,6 +790,25 @@ class GPUModelRunner:
             output.sampled_token_ids_cpu, output.async_copy_ready_event
         )
         return output
+
+    # ------------------------------------------------------------------
+    # 5. Speculative decoding: drafts for the next step
+    # ------------------------------------------------------------------
+    def propose_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """Drafts per row from each request's history, now ending in this
+        step's tokens ([] for rows that sampled nothing)."""
+        assert self.drafter is not None
+        batch = self.input_batch
+        return self.drafter.propose(
+            sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu
+        )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts of the last step, once (EngineCore.post_step asks)."""
+        if self._draft_token_ids is None:
+            return None
+        draft_token_ids, self._draft_token_ids = self._draft_token_ids, None
+        return DraftTokenIds(list(self.input_batch.req_ids), draft_token_ids)
 
     def _sampling_reads_output_token_ids(self) -> bool:
         """Whether sampling reads the values of output tokens (penalties, bad

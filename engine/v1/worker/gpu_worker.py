@@ -134,6 +134,10 @@ class Worker(WorkerBase):
         assert self.model_runner is not None
         return self.model_runner.sample_tokens()
 
+    def take_draft_token_ids(self):
+        assert self.model_runner is not None
+        return self.model_runner.take_draft_token_ids()
+
     def shutdown(self) -> None:
         self.model_runner = None
         if self.device is not None and self.device.type == "cuda":

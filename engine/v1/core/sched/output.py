@@ -9,8 +9,8 @@ changed travels in ``CachedRequestData`` -- new block ids and the cursor. The
 worker keeps the rest in its persistent input batch.
 Sessions: 02 (scheduler), 04 (worker).
 
-Simpler than vLLM: no encoder inputs, spec-decode tokens, structured-output
-bitmasks or KV-connector metadata.
+Simpler than vLLM: no encoder inputs, structured-output bitmasks, invalid
+spec-token counts or KV-connector metadata.
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Requests preempted in this step: the worker drops their state too.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> the draft tokens verified this step, scheduled after the
+    # request's known tokens (absent: no drafts). Speculative decoding only.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Step counter, for traces and the TUI (not in vLLM's struct).
     step: int = 0
 

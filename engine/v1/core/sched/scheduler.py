@@ -50,8 +50,13 @@ Placeholders (``num_output_placeholders``) are always 0 here; the
 ``AsyncScheduler`` subclass (async_scheduler.py) sets them, and
 ``schedule()`` counts them as tokens still to compute.
 
-Simpler than vLLM: no speculative decoding, encoder inputs, LoRA limits, KV
-connectors, streaming input or pause states. Nothing in
+Speculative decoding: a running request's drafts (``spec_token_ids``, set by
+``update_draft_token_ids`` after each step) are scheduled after its known
+tokens (``scheduled_spec_decode_tokens``); ``update_from_output`` steps
+``num_computed_tokens`` back over the drafts the runner rejected.
+
+Simpler than vLLM: no encoder inputs, LoRA limits, KV connectors, streaming
+input, pause states, or grammar-checked drafts. Nothing in
 Glassbox parks a request yet: ``structured_output_manager`` is None until
 structured outputs arrive, so only a test sets a ``WAITING_FOR_*`` status
 (with a ``structured_output_request`` whose ``grammar`` says when it is
@@ -83,8 +88,9 @@ from engine.v1.core.sched.utils import check_stop, remove_all
 from engine.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from engine.v1.kv_cache_interface import KVCacheConfig
 from engine.v1.metrics.stats import SchedulerStats
-from engine.v1.outputs import ModelRunnerOutput
+from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
+from engine.v1.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler(SchedulerInterface):
@@ -124,6 +130,15 @@ class Scheduler(SchedulerInterface):
         self.max_num_scheduled_tokens = self.scheduler_config.max_num_scheduled_tokens
         self.max_model_len = glassbox_config.model_config.max_model_len
         self.block_size = block_size
+        # Speculative decoding: drafts verified per step at most, and the KV
+        # slots reserved beyond the scheduled tokens for the drafts a model
+        # proposer writes in the same step (EAGLE, draft model; n-gram writes none).
+        speculative_config = glassbox_config.speculative_config
+        self.num_spec_tokens = self.num_lookahead_tokens = 0
+        if speculative_config is not None:
+            self.num_spec_tokens = speculative_config.num_speculative_tokens
+            if speculative_config.use_eagle() or speculative_config.uses_draft_model():
+                self.num_lookahead_tokens = self.num_spec_tokens
 
         # Every live request, by id. Removed once finished *and* freed.
         self.requests: dict[str, Request] = {}
@@ -170,6 +185,7 @@ class Scheduler(SchedulerInterface):
 
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         token_budget = self.max_num_scheduled_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         scheduled_timestamp = time.monotonic()
@@ -212,7 +228,9 @@ class Scheduler(SchedulerInterface):
                 continue
 
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt someone and retry.
@@ -226,6 +244,7 @@ class Scheduler(SchedulerInterface):
                         scheduled_running_reqs.remove(preempted_req)
                         token_budget += num_scheduled_tokens.pop(preempted_req.request_id)
                         req_to_new_blocks.pop(preempted_req.request_id)
+                        scheduled_spec_decode_tokens.pop(preempted_req.request_id, None)
                         req_index -= 1
                 else:
                     preempted_req = self.running.pop()
@@ -244,6 +263,22 @@ class Scheduler(SchedulerInterface):
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+
+            if request.spec_token_ids:
+                # The drafts are the scheduled tokens past the known ones (the
+                # budget or the model window may cut them short).
+                num_scheduled_spec_tokens = (
+                    num_new_tokens
+                    + request.num_computed_tokens
+                    - request.num_tokens
+                    - request.num_output_placeholders
+                )
+                if num_scheduled_spec_tokens > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[
+                        :num_scheduled_spec_tokens
+                    ]
+                # The proposer sets fresh drafts after this step.
+                request.spec_token_ids = []
 
         # -- 2. WAITING requests (only if nobody was preempted) -------------
         if not preempted_reqs:
@@ -301,6 +336,10 @@ class Scheduler(SchedulerInterface):
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
+                    # A fresh prompt has no drafts to write yet.
+                    num_lookahead_tokens=(
+                        0 if request.num_computed_tokens == 0 else self.num_lookahead_tokens
+                    ),
                     full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
@@ -360,6 +399,7 @@ class Scheduler(SchedulerInterface):
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={req.request_id for req in preempted_reqs},
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             step=self.step_counter,
         )
         self._update_after_schedule(scheduler_output)
@@ -476,6 +516,7 @@ class Scheduler(SchedulerInterface):
         stopped_running_reqs: set[Request] = set()
         # Async scheduling only: preempted while this step was in flight.
         stopped_preempted_reqs: set[Request] = set()
+        spec_decoding_stats: SpecDecodingStats | None = None
         # Logprob rows follow the runner's request order, one row per sampled
         # token: request k's rows start after all tokens of requests 0..k-1.
         logprob_row_start: dict[str, int] = {}
@@ -497,6 +538,24 @@ class Scheduler(SchedulerInterface):
             if request is None or request.is_finished():
                 # Aborted while the step was running: drop its tokens.
                 continue
+
+            scheduled_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if scheduled_spec_token_ids and generated:
+                # Speculative decoding: the runner returns the accepted drafts
+                # plus one token of its own. The positions of the rejected
+                # drafts were computed for nothing: step the cursor back over
+                # them, so the next step writes their slots again (the blocks
+                # stay allocated). Their placeholders go too (async).
+                num_draft_tokens = len(scheduled_spec_token_ids)
+                num_rejected = num_draft_tokens - (len(generated) - 1)
+                if request.num_computed_tokens > 0:
+                    request.num_computed_tokens -= num_rejected
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= num_rejected
+                spec_decoding_stats = self.make_spec_decoding_stats(
+                    spec_decoding_stats, num_draft_tokens, len(generated) - 1
+                )
+                self.trace.drafts_verified(request, scheduled_spec_token_ids, generated)
 
             status_before_stop = request.status
             new_token_ids: list[int] = []
@@ -554,13 +613,28 @@ class Scheduler(SchedulerInterface):
                         finished_requests=finished_set
                     )
             finished_req_ids.clear()
-        stats = self.make_stats()
+        stats = self.make_stats(spec_decoding_stats)
         if stats is not None:
             eco = engine_core_outputs.get(0)
             if eco is None:
                 eco = engine_core_outputs[0] = EngineCoreOutputs()
             eco.scheduler_stats = stats
         return engine_core_outputs
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Hand each request the drafts the proposer made after the last step;
+        the next schedule() verifies them."""
+        for req_id, spec_token_ids in zip(
+            draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished (or aborted) since the step ran
+            if request.is_prefill_chunk:
+                # Mid-prompt: nothing was sampled, so drafts cannot follow yet.
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = spec_token_ids
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
@@ -643,7 +717,9 @@ class Scheduler(SchedulerInterface):
         """(num_running_reqs, num_waiting_reqs), both waiting queues counted."""
         return len(self.running), len(self.waiting) + len(self.skipped_waiting)
 
-    def make_stats(self) -> SchedulerStats | None:
+    def make_stats(
+        self, spec_decoding_stats: SpecDecodingStats | None = None
+    ) -> SchedulerStats | None:
         if not self.log_stats:
             return None
         prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
@@ -657,7 +733,22 @@ class Scheduler(SchedulerInterface):
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=prefix_cache_stats,
             num_preemptions=num_preemptions,
+            spec_decoding_stats=spec_decoding_stats,
         )
+
+    def make_spec_decoding_stats(
+        self,
+        spec_decoding_stats: SpecDecodingStats | None,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+    ) -> SpecDecodingStats | None:
+        """Count one request's verified drafts into this step's stats."""
+        if not self.log_stats:
+            return None
+        if spec_decoding_stats is None:
+            spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted_tokens)
+        return spec_decoding_stats
 
     # ------------------------------------------------------------------
     # Cache resets

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 # Error when a pooling model is given custom processors (vLLM's text).
 STR_POOLING_REJECTS_LOGITSPROCS = "Pooling models do not support custom logits processors."
+STR_SPEC_DEC_REJECTS_LOGITSPROCS = (
+    "Custom logits processors are not supported with speculative decoding."
+)
 
 # Applied in this order within each group (vLLM's order).
 BUILTIN_LOGITS_PROCESSORS: list[type[LogitsProcessor]] = [
@@ -95,6 +98,12 @@ def build_logitsprocs(
         if custom_logitsprocs:
             raise ValueError(STR_POOLING_REJECTS_LOGITSPROCS)
         return LogitsProcessors()
+    if glassbox_config.speculative_config is not None:
+        # The rejection sampler applies min-tokens to the drafts; min-p and
+        # logit bias are refused per request (InputProcessor), custom ones here.
+        if custom_logitsprocs:
+            raise ValueError(STR_SPEC_DEC_REJECTS_LOGITSPROCS)
+        return LogitsProcessors([MinTokensLogitsProcessor(glassbox_config, device, is_pin_memory)])
     classes = itertools.chain(
         BUILTIN_LOGITS_PROCESSORS, _load_custom_logitsprocs(custom_logitsprocs)
     )

@@ -29,8 +29,8 @@ request now lives in row ``b`` and row ``a`` is empty (what ``condense`` does)
 Sessions: 05, 06 (custom logits processors).
 
 Simpler than vLLM: no ``AdapterLogitsProcessor`` (the wrapper that turns
-per-request callables into a batch processor) and no speculative-decoding
-variant of ``apply``.
+per-request callables into a batch processor). With speculative decoding
+only min-tokens runs (on the drafts, inside the rejection sampler), as in vLLM.
 
 Glassbox addition: ``is_active()`` (default True) tells the sampler trace
 whether ``apply`` would change anything this step, so a stage no row uses is

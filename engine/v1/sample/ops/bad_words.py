@@ -10,7 +10,9 @@ never the prompt. ``SamplingParams.update_from_tokenizer`` turns the words
 into token ids (``params.bad_words_token_ids``).
 Sessions: 05.
 
-Simpler than vLLM: no variant for speculative-decoding draft tokens.
+Simpler than vLLM: no ``apply_bad_words_with_drafts``; the rejection sampler
+applies this to each draft's target row with the drafts before it counted as
+generated.
 """
 
 from __future__ import annotations
