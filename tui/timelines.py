@@ -16,6 +16,11 @@ decode reads as a decode, lists the lines in step order, and ends a request
 at the step that finished it: a step already scheduled past its end only
 gets a note (its token is dropped).
 
+Speculative decoding: a decode step may verify drafts too (``sched.step``'s
+``scheduled_spec_decode_tokens``): it still reads as a decode, the cursor
+steps back over the rejected drafts (``spec.verified``), and a decode line
+counts its drafts and the accepted ones.
+
 Ids: the engine knows a request by its internal id (the user's id, ``-``
 and 8 random hex digits, as vLLM's), and so do the timelines; each
 timeline also keeps the id the user gave (``request.added``'s
@@ -43,6 +48,7 @@ from engine.tracing import (
     SchedQueued,
     SchedStep,
     SchedUpdate,
+    SpecVerified,
     TraceEvent,
     TraceReplay,
 )
@@ -99,6 +105,9 @@ class LifecycleEvent:
     text: str
     end_step: int | None = None  # last step of a range (decode/stalled/blocked runs)
     notes: list[str] = field(default_factory=list)
+    # A decode range with speculative decoding: drafts verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def last_step(self) -> int:
@@ -390,6 +399,7 @@ class _TimelineBuilder:
                 lvr.decode_open = None
                 lvr.range_open = ev
         sampling = []
+        spec_tokens = e.scheduled_spec_decode_tokens
         for r, n in scheduled.items():
             lvr = self.live.get(r)
             if lvr is None:
@@ -404,7 +414,9 @@ class _TimelineBuilder:
                 lvr.placeholders += 1  # this step samples a token for it
                 sampling.append(r)
             new_blocks = lvr.allocated.pop(step, [])
-            if n == 1 and start == num_tokens - 1 and start >= tl.num_prompt_tokens:
+            # A decode: the last known token, and any drafts after it.
+            num_drafts = len(spec_tokens.get(r, ())) if spec_tokens else 0
+            if n == 1 + num_drafts and start == num_tokens - 1 and start >= tl.num_prompt_tokens:
                 self._decode(lvr, step, new_blocks)
                 continue
             self.close_ranges(lvr)
@@ -438,6 +450,21 @@ class _TimelineBuilder:
             lvr.tl.events.append(ev)
             self.close_ranges(lvr)
             lvr.decode_open = ev
+
+    def on_spec_verified(self, e: SpecVerified, step: int) -> None:
+        """The drafts' verdict: the cursor steps back over the rejected ones
+        (the placeholders too, as the scheduler does); the decode line counts them."""
+        lv = self.live.get(e.request_id)
+        if lv is None:
+            return
+        if lv.cursor > 0:
+            lv.cursor -= e.num_rejected
+        if lv.placeholders > 0:
+            lv.placeholders -= e.num_rejected
+        decode = lv.decode_open
+        if decode is not None and decode.covers(step):
+            decode.num_draft_tokens += len(e.draft_token_ids)
+            decode.num_accepted_tokens += e.num_accepted
 
     def on_sched_update(self, e: SchedUpdate, step: int) -> None:
         # Each token appended retires a placeholder; a frame from before a
@@ -500,6 +527,7 @@ class _TimelineBuilder:
         SchedPreempted: on_sched_preempted,
         SchedStep: on_sched_step,
         SchedUpdate: on_sched_update,
+        SpecVerified: on_spec_verified,
         SchedFinished: on_sched_finished,
     }
 
@@ -544,7 +572,13 @@ class _TimelineBuilder:
             tl.events.sort(key=lambda ev: ev.step)
             for ev in tl.events:
                 n = ev.last_step - ev.step + 1
-                if ev.kind == "decode":
+                if ev.kind == "decode" and ev.num_draft_tokens:
+                    tokens = sum(ev.covers(s) for s, _ in tl.output_tokens)
+                    ev.text = (
+                        f"decoding: {tokens} tokens in {n} step{'s' if n != 1 else ''}, "
+                        f"{ev.num_accepted_tokens} of {ev.num_draft_tokens} drafts accepted"
+                    )
+                elif ev.kind == "decode":
                     ev.text = f"decoding: {n} token{'s' if n != 1 else ''}, one per step"
                 elif ev.kind in ("stalled", "blocked") and n > 1:
                     ev.text += f" (x{n} steps)"

@@ -57,6 +57,8 @@ _LAZY = {
     "ReplayBlock": "engine.tracing.replay",
     "ReplayError": "engine.tracing.replay",
     "ReplayRequest": "engine.tracing.replay",
+    "SpecDecodeRow": "engine.tracing.replay",
+    "SpecDecodeStep": "engine.tracing.replay",
     "StepPhases": "engine.tracing.replay",
     "StepView": "engine.tracing.replay",
     "TraceReplay": "engine.tracing.replay",

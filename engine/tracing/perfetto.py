@@ -12,7 +12,8 @@ Read it for how engine events map onto a timeline:
     ``external_req_id``), with an instant (``n``) per output; in the engine
     core ``core <id>`` from ``sched.queued`` to ``sched.finished``, split
     into ``waiting`` / ``running`` / ``preempted`` phases, with instants for
-    prefix-cache lookups and tokens. Front end and core get separate ids
+    prefix-cache lookups, tokens and (speculative decoding) the verdict on
+    its drafts (``drafts verified``). Front end and core get separate ids
     because their lifetimes overlap without nesting (a stop string ends the
     request in the front end before the core hears of it);
   * per engine step, complete slices (``ph`` X): on the ``scheduler``
@@ -37,7 +38,9 @@ Read it for how engine events map onto a timeline:
     the trace has them,
     otherwise ``request.added`` -> ``sched.queued`` and ``sched.update`` ->
     ``request.output``. Flow ends bind to small slices on an ``io`` thread;
-  * KV and API events as instants (``ph`` i) on their own threads;
+  * KV and API events as instants (``ph`` i) on their own threads, the
+    runner's (``runner.batch``, ``sampler.sampled``, ``spec.proposed``, ...)
+    on the ``model runner`` thread;
   * names for every process and thread (``ph`` M).
 
 Timestamps are microseconds since the first event. Slices on one thread are
@@ -79,6 +82,14 @@ _THREAD_NAMES = {
     TID_IN_FLIGHT: "steps in flight",
 }
 _FRONTEND_KINDS = ("request.added", "request.output", "request.finished")
+# Worker events drawn as instants on the model runner's thread.
+_RUNNER_INSTANTS = (
+    "runner.batch",
+    "runner.init",
+    "runner.inputs",
+    "sampler.sampled",
+    "spec.proposed",
+)
 _HOP_KINDS = ("request.sent", "request.received", "output.sent", "output.received")
 # Width of the small slices flow arrows bind to (µs).
 _POINT_US = 1.0
@@ -136,11 +147,11 @@ class _Builder:
     def build(self) -> dict[str, Any]:
         for e in self.events:
             kind = e.kind
-            if kind in ("request.received", "output.sent") or kind.startswith(
+            if kind in ("request.received", "output.sent", "spec.verified") or kind.startswith(
                 ("sched.", "kv.", "engine.")
             ):
                 self.roles[e.pid].add("engine core")
-            elif kind.startswith(("runner.", "sampler.")):
+            elif kind.startswith(("runner.", "sampler.")) or kind == "spec.proposed":
                 self.roles[e.pid].add("worker")
             elif kind.startswith("request."):
                 self.roles[e.pid].add("front end")
@@ -275,7 +286,7 @@ class _Builder:
                         },
                     ]
                 )
-            elif e.kind in ("runner.batch", "runner.init", "runner.inputs", "sampler.sampled"):
+            elif e.kind in _RUNNER_INSTANTS:
                 self._instant(e, TID_RUNNER, e.kind, _event_args(e))
         for pid, items in forwards.items():
             # Launched while the previous forward still ran (async scheduling on
@@ -435,6 +446,19 @@ class _Builder:
                 phase(e, rid, "preempted")
             elif k == "kv.cache_hit":
                 n(e, "prefix-cache lookup", rid, {"num_cached_tokens": e.num_cached_tokens})
+            elif k == "spec.verified":
+                n(
+                    e,
+                    "drafts verified",
+                    rid,
+                    {
+                        "draft_token_ids": e.draft_token_ids,
+                        "num_accepted": e.num_accepted,
+                        "token_ids": e.token_ids,
+                        "num_rejected": e.num_rejected,
+                        "num_computed_tokens": e.num_computed_tokens,
+                    },
+                )
             elif k == "sched.update":
                 for r, tokens in e.new_token_ids.items():
                     if r in opened:

@@ -8,7 +8,13 @@ of their tokens (and of the blocks before them) so a later request with the
 same prefix reuses them (ref count > 1); freed blocks go to the tail of the
 free queue but keep their hash, so they can still be hit until the queue
 hands them out again (eviction). Block 0 is the null block, never handed out.
-Sessions: 03 (KV cache).
+
+Speculative decoding: a step writes the K/V of its drafts like any scheduled
+token; after it, the scheduler steps the request's cursor
+(``num_computed_tokens``) back over the rejected drafts ("rollback"): their
+slots stay in the request's blocks and are written again by later tokens;
+no block is freed for them.
+Sessions: 03 (KV cache), 06 (speculative decoding).
 """
 
 from __future__ import annotations
@@ -164,6 +170,16 @@ def step_changes(ctx: StepContext) -> Table:
     cached = [e.block_id for e in ctx.view.events if isinstance(e, KVCached)]
     if cached:
         table.add_row("hashed", Text(f"{_ids(cached)} (full, now hittable)"))
+    spec = ctx.view.spec
+    for rid, verdict in spec.verified.items() if spec is not None else ():
+        if verdict.num_rejected:
+            n = verdict.num_rejected
+            text = request_chip(ctx, rid) + Text(
+                f" cursor {verdict.num_computed_tokens_scheduled} → "
+                f"{verdict.num_computed_tokens}: {n} rejected draft{'s' if n != 1 else ''}' "
+                "slots will be written again"
+            )
+            table.add_row("rollback", text)
     return table
 
 

@@ -8,7 +8,15 @@ the top candidates (with probabilities) after each stage, so you can watch
 temperature sharpen or flatten the distribution and top-k/top-p cut its
 tail; ``lifecycle`` traces keep only the chosen token and its logprob.
 Below: the output so far, one colour per token so token boundaries show.
-Sessions: 05 (sampling).
+
+Speculative decoding (``vllm/v1/sample/rejection_sampler.py``): a step that
+verifies drafts gets a draft row -- each draft, whether the target accepted
+it (✓) or rejected it (✗), and the target's own token: the one that
+replaced the first rejected draft (the recovered token), or, when every
+draft was accepted, the bonus token after them -- then the drafts the
+proposer made for the next step. The "chose" line is then the sampler's
+pick at the bonus position, kept only when every draft is accepted.
+Sessions: 05 (sampling), 06 (speculative decoding).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from engine.tracing import SamplerSampled, SamplingParamsSummary
+from engine.tracing import SamplerSampled, SamplingParamsSummary, SpecDecodeRow
 from tui.timelines import FINISHED, NOT_ARRIVED, PREEMPTED, STALLED, WAITING, visible_whitespace
 from tui.widgets.common import DIM, Panel, StepContext
 
@@ -31,6 +39,8 @@ STAGE_LABELS = {
 }
 TOKEN_COLUMN = 12
 MIN_SHOWN_PROB = 5e-5
+ACCEPTED = Style(color="#2ca02c", bold=True)
+REJECTED = Style(color="#d62728", bold=True)
 
 
 class SamplerPanel(Panel):
@@ -146,8 +156,10 @@ def render_sampler(ctx: StepContext, width: int) -> RenderableType:
     tl = ctx.session.timelines[ctx.follow]
     parts: list[RenderableType] = []
     sample = followed_sample(ctx)
+    verdict = draft_verdict(ctx, width)
     if sample is None:
         parts.append(Text(why_not_sampled(ctx), style=DIM))
+        parts.extend(verdict)
     else:
         head = Text()
         head.append("chose ", style=DIM)
@@ -159,14 +171,126 @@ def render_sampler(ctx: StepContext, width: int) -> RenderableType:
             head.append(f" · rank {sample.rank}", style=DIM)
         parts.append(head)
         parts.append(Text(_params_text(tl.sampling_params, sample), style=DIM))
+        if verdict:
+            parts.extend(verdict)
+            parts.append(
+                Text(
+                    "with drafts, the sampler draws at the bonus position (after the last "
+                    "draft): its pick above is kept only when every draft is accepted",
+                    style=DIM,
+                )
+            )
         if sample.stages:
             parts.append(stage_table(ctx, sample, width))
         else:
             parts.append(
                 Text("Per-stage candidates need a full trace (--trace-level full).", style=DIM)
             )
+    next_drafts = proposed_drafts(ctx)
+    if next_drafts is not None:
+        parts.append(next_drafts)
     parts.append(output_text(ctx))
     return Group(*parts)
+
+
+def draft_verdict(ctx: StepContext, width: int) -> list[RenderableType]:
+    """Speculative decoding: the draft row of the followed request -- the
+    drafts this step verified and their fate -- and the verdict in words;
+    [] when it verified none (always, in a run without speculation)."""
+    spec = ctx.view.spec
+    verdict = spec.verified.get(ctx.follow) if spec is not None and ctx.follow else None
+    if verdict is None:
+        return []
+    return [_draft_table(ctx, verdict, width), _verdict_text(ctx, verdict)]
+
+
+def proposed_drafts(ctx: StepContext) -> Text | None:
+    """The drafts the proposer made for the followed request after this step."""
+    spec = ctx.view.spec
+    proposed = spec.proposed.get(ctx.follow) if spec is not None and ctx.follow else None
+    if not proposed:
+        return None
+    line = Text()
+    method = f" ({spec.method})" if spec.method else ""
+    line.append(f"next drafts{method}: ", style=DIM)
+    line.append(" ".join(_token(ctx, t) for t in proposed))
+    req = ctx.view.state.requests.get(ctx.follow)
+    if req is not None and req.is_finished:
+        line.append(" — dropped: the request finished", style=DIM)
+    else:
+        line.append(" — for the next step to verify", style=DIM)
+    return line
+
+
+def _draft_table(ctx: StepContext, verdict: SpecDecodeRow, width: int) -> Table:
+    """Three rows, one column per draft (and one for a bonus token): the
+    drafts, the verdict on each, and the target's tokens (the accepted
+    drafts, then its own: recovered or bonus)."""
+    drafts = verdict.draft_token_ids
+    n_acc = verdict.num_accepted
+    cols = len(drafts) + (1 if verdict.all_accepted else 0)
+    cell = max(4, min(TOKEN_COLUMN, (width - 8) // max(cols, 1) - 1))
+    table = Table.grid(padding=(0, 1))
+    table.add_column(no_wrap=True, style=DIM)
+    for _ in range(cols):
+        table.add_column(no_wrap=True, max_width=cell)
+    draft_cells: list[Text] = []
+    fate_cells: list[Text] = []
+    target_cells: list[Text] = []
+    for i, t in enumerate(drafts):
+        draft_cells.append(Text(_token(ctx, t, cell)))
+        if i < n_acc:
+            fate_cells.append(Text("✓", style=ACCEPTED))
+            target_cells.append(Text(_token(ctx, t, cell)))
+        elif i == n_acc:
+            fate_cells.append(Text("✗", style=REJECTED))
+            own = verdict.token_ids[-1]
+            target_cells.append(
+                Text(_token(ctx, own, cell), style=Style(bold=True, underline=True))
+            )
+        else:
+            fate_cells.append(Text("✗", style=REJECTED))
+            target_cells.append(Text("·", style=DIM))
+    if verdict.all_accepted:
+        draft_cells.append(Text("", style=DIM))
+        fate_cells.append(Text("bonus", style=DIM))
+        bonus = verdict.bonus_token_id
+        target_cells.append(
+            Text(
+                _token(ctx, bonus, cell) if bonus is not None else "·",
+                style=Style(bold=True, underline=True),
+            )
+        )
+    table.add_row("drafts", *draft_cells)
+    table.add_row("verdict", *fate_cells)
+    table.add_row("target", *target_cells)
+    return table
+
+
+def _verdict_text(ctx: StepContext, verdict: SpecDecodeRow) -> Text:
+    """The verdict in words, with the cursor's rollback."""
+    n, acc = len(verdict.draft_token_ids), verdict.num_accepted
+    out = Text()
+    if verdict.all_accepted:
+        out.append(f"all {n} drafts accepted", style=ACCEPTED)
+        if verdict.bonus_token_id is not None:
+            out.append(f", plus the bonus token {_token(ctx, verdict.bonus_token_id)}")
+    else:
+        out.append(f"{acc} of {n} drafts accepted", style=ACCEPTED if acc else DIM)
+        out.append("; ")
+        out.append(f"{verdict.num_rejected} rejected", style=REJECTED)
+        recovered = verdict.recovered_token_id
+        if recovered is not None:
+            first = verdict.rejected_token_ids[0]
+            out.append(f": the target's {_token(ctx, recovered)} replaces {_token(ctx, first)}")
+        before, after = verdict.num_computed_tokens_scheduled, verdict.num_computed_tokens
+        out.append(f"; cursor rolled back {before} → {after}", style=DIM)
+    made = len(verdict.token_ids)
+    out.append(f" · {made} token{'s' if made != 1 else ''} from one step", style=DIM)
+    kept = len(verdict.new_token_ids)
+    if kept < made:
+        out.append(f" ({kept} kept: the request ended)", style=DIM)
+    return out
 
 
 def _params_text(params: SamplingParamsSummary | None, sample: SamplerSampled) -> str:

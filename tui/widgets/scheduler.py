@@ -12,7 +12,12 @@ the previous one is still in flight: a decoding request's next input is the
 token that step is still sampling, a placeholder (``◌``) whose id the runner
 takes on the device; the scheduler only counts it
 (``num_output_placeholders``).
-Sessions: 01 (engine loop), 02 (scheduler).
+
+With speculative decoding a decode also verifies the drafts proposed after
+the previous step: they are scheduled after the request's last known token
+and count in its tokens (``tok 9-12 (3 drafts)``); the rejected ones are rolled back
+after the step (the sampler and KV panels show which).
+Sessions: 01 (engine loop), 02 (scheduler), 06 (speculative decoding).
 """
 
 from __future__ import annotations
@@ -63,15 +68,20 @@ def scheduled_rows(ctx: StepContext) -> list[tuple[str, str, int, int, int]]:
     if sched is None:
         return []
     rows = []
+    spec = ctx.view.spec
     for rid, n in sched.num_scheduled_tokens.items():
         req = ctx.view.state.requests.get(rid)
         end = req.num_computed_tokens if req is not None else n
+        verdict = spec.verified.get(rid) if spec is not None else None
+        if verdict is not None:  # the cursor schedule() left, before the rollback
+            end = verdict.num_computed_tokens_scheduled
         tl = ctx.session.timelines.get(rid)
         phase = tl.phase_at(ctx.step) if tl is not None else ""
         kind = _KIND_OF_PHASE.get(phase)
         if kind is None:  # finished this step: its last decode, or a last chunk
             prompt = req.num_prompt_tokens if req is not None else 0
-            kind = "decode" if n == 1 and end - 1 >= prompt else "prefill"
+            drafts = len(sched.scheduled_spec_decode_tokens.get(rid, ()))
+            kind = "decode" if n == 1 + drafts and end - 1 - drafts >= prompt else "prefill"
         rows.append((rid, kind, end - n, end - 1, n))
     return rows
 
@@ -182,8 +192,13 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
 
 def token_span(ctx: StepContext, request_id: str, first: int, last: int) -> str | Text:
     """``tok 12-15``, after a ``◌`` when some of those tokens are
-    placeholders (first, so a narrow panel cuts the numbers, not the mark)."""
+    placeholders (first, so a narrow panel cuts the numbers, not the mark),
+    and ``(3 drafts)`` when the last of them are drafts to verify."""
     span = f"tok {first}" if first == last else f"tok {first}-{last}"
+    sched = ctx.view.sched_step
+    drafts = len(sched.scheduled_spec_decode_tokens.get(request_id, ())) if sched else 0
+    if drafts:
+        span += f" ({drafts} draft{'s' if drafts != 1 else ''})"
     if not ctx.view.num_placeholder_inputs.get(request_id, 0):
         return span
     return Text.assemble((PLACEHOLDER, PLACEHOLDER_STYLE), span)
