@@ -3,7 +3,7 @@
 #
 # Usage, on a CUDA machine, from the repo root:
 #   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async]   (`make test-gpu` = `all`)
-#     tests    every test marked `gpu` (tests/gpu, tests/v1/attention, tests/v1/worker); log
+#     tests    every test marked `gpu` (tests/gpu, tests/v1/{attention,worker,sample}); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
 #              decode latency, the batch-1 step profile
@@ -68,7 +68,7 @@ save_caches() {
 }
 gpu_tests() {  # pytest arguments beyond the gpu marker and the test folders
   "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=15 -m gpu "$@" \
-    tests/gpu tests/v1/attention tests/v1/worker 2>&1 | tee "$OUT/gpu_tests.log"
+    tests/gpu tests/v1/attention tests/v1/worker tests/v1/sample 2>&1 | tee "$OUT/gpu_tests.log"
   return "${PIPESTATUS[0]}"
 }
 rc=0
