@@ -9,6 +9,7 @@
 #   make soak    5,000 mixed requests against glassbox serve, memory sampled (~30 min on 2 cores)
 #   make bench-cpu-threads  torch thread counts on this machine's cores (docs/reliability.md)
 #   make bench-async  async scheduling on against off, default model on the CPU (~10 min)
+#   make bench-spec   n-gram speculation on against off, default model on the CPU (~5 min)
 
 PYTHON := .venv/bin/python
 # Session notebooks, run top to bottom by nbval (only when at least one exists).
@@ -22,7 +23,7 @@ NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env --nbval
 # What ruff checks (line length 100, rules in pyproject.toml).
 LINT_PATHS := engine tui tests benchmarks scripts
 
-.PHONY: setup test lint run test-gpu fuzz soak bench-cpu-threads bench-async
+.PHONY: setup test lint run test-gpu fuzz soak bench-cpu-threads bench-async bench-spec
 
 setup:
 	bash scripts/setup.sh
@@ -52,3 +53,6 @@ bench-cpu-threads:
 
 bench-async:
 	$(PYTHON) benchmarks/async_scheduling.py --device cpu --rounds 3 --out out/
+
+bench-spec:
+	$(PYTHON) benchmarks/spec_decode.py --device cpu --rounds 2 --out out/

@@ -29,6 +29,8 @@ Series names (``current_name``):
   profile of level ``full``).
 * ``cpu_threads_cpu_<N>c`` (N: the CPUs the run used, ``cpus_used`` in its ``machine``;
   ``_busy<K>`` added for a run with K busy processes alongside), e.g. ``cpu_threads_cpu_16c``.
+* ``spec_decode_<machine>`` (``spec_decode_cpu``, ``spec_decode_h200``: the default model;
+  another model adds ``_<model>``).
 
 A benchmark stores its run with ``--record`` (CPU scripts) or, for results
 written elsewhere (the GPU machine's ``$OUT``), with
@@ -113,6 +115,9 @@ def current_name(result: dict[str, Any]) -> str:
         return f"async_scheduling_{machine}"
     if benchmark == "cpu_threads":
         return cpu_threads_name(result)
+    if benchmark == "spec_decode":
+        model = str(result.get("model_arg") or "default")
+        return f"spec_decode_{machine}" + ("" if model == "default" else f"_{model_slug(result)}")
     if benchmark == "gpu_profile_step":
         return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):

@@ -1,8 +1,8 @@
 """The tables of benchmark figures in the docs, generated from benchmarks/results.
 
 Every table of measured figures in README.md, benchmarks/README.md,
-docs/gpu.md, docs/trace_format.md and docs/reliability.md sits between two
-marker comments::
+docs/gpu.md, docs/trace_format.md, docs/reliability.md and docs/spec_decode.md
+sits between two marker comments::
 
     <!-- results-table:NAME -->
     ...generated...
@@ -49,6 +49,7 @@ DOCS = (
     "docs/gpu.md",
     "docs/trace_format.md",
     "docs/reliability.md",
+    "docs/spec_decode.md",
 )
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
@@ -612,6 +613,14 @@ def status_table(res: Results) -> str:
             f"(serial loop) | {itl:.2f} ms ({serial:.2f} ms) | "
             f"{targets['decode_step_batch1_ms']} ms | {source('async_scheduling_h200.json')} |"
         )
+    if "spec_decode_cpu.json" in res.current:
+        r = res.current["spec_decode_cpu.json"]
+        figures = spec_status(r)
+        if figures:
+            lines.append(
+                "| CPU, default model, prompts that repeat their own text, batch 1: n-gram "
+                f"speculation against none | {figures} | — | {source('spec_decode_cpu.json')} |"
+            )
     cpu = cpu_summary(res.current["cpu_vs_transformers_cpu.json"])
     lines.append(
         f"| CPU, {cpu['threads']} thread, 32 chat prompts (default model, fp32): against "
@@ -676,6 +685,8 @@ def _file_says(res: Results, name: str) -> str:
         )
     if benchmark == "cpu_threads":
         return cpu_threads_says(r)
+    if benchmark == "spec_decode":
+        return spec_decode_says(r)
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
     return ""
@@ -715,6 +726,122 @@ def async_scheduling_table(res: Results) -> str:
                 )
         parts.append("\n".join(rows))
     return "\n\n".join(parts)
+
+
+# --- speculative decoding ------------------------------------------------------------
+
+
+def spec_mode(r: dict[str, Any], mode: str) -> str:
+    """A spec_decode mode as the table names it."""
+    m = r["modes"][mode]
+    config = m["speculative_config"]
+    if config is None:
+        return "off, " + ("async scheduling" if m["async_scheduling"] else "serial loop")
+    lo, hi = config["prompt_lookup_min"], config["prompt_lookup_max"]
+    window = f"{lo}" if lo == hi else f"{lo}–{hi}"
+    return f"n-gram, k = {config['num_speculative_tokens']}, lookup {window}"
+
+
+def _acceptance(p: dict[str, Any]) -> tuple[str, str, str]:
+    """(mean acceptance length, acceptance rate, per position) of one part's summary."""
+    if "mean_acceptance_length" not in p:
+        return "", "", ""
+    per_pos = " / ".join(f"{x:.2f}" for x in p["acceptance_per_position"])
+    return f"{p['mean_acceptance_length']:.2f}", f"{p['acceptance_rate']:.0%}", per_pos
+
+
+def spec_identical(r: dict[str, Any]) -> str:
+    """Whether greedy outputs stayed the same with speculation."""
+    n, of = len(r["mismatches"]), r["outputs_compared"]
+    if not n:
+        return f"greedy outputs token-identical to `off`'s ({of} outputs compared)"
+    return f"**{n} of {of} greedy outputs differ from `off`'s** (`mismatches`)"
+
+
+def _rounds(n: int) -> str:
+    return f"medians of {n} interleaved rounds" if n > 1 else "1 round"
+
+
+def spec_decode_table(res: Results) -> str:
+    """docs/spec_decode.md: tokens/s with and without n-gram speculation, per machine."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("spec_decode_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        w, summary = r["workload"], r["summary"]
+        where = r.get("gpu") or f"CPU, {r['machine']['logical_cpus']} logical CPUs"
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {where}; {r['model']}; "
+            f"{w['num_prompts']} prompts that repeat their own text, greedy, at most "
+            f"{w['max_tokens']} tokens; {_rounds(r['rounds'])}; "
+            f"{spec_identical(r)}):"
+        )
+        has = {p for m in summary.values() for p in m}
+        head = ["mode"]
+        if "batch" in has:
+            head += [f"batch {w['num_prompts']}: tok/s", "× off"]
+        if "batch1" in has:
+            head += [f"batch 1 ({w['batch1_prompts']} prompts): tok/s", "× off"]
+        head += ["mean acceptance length", "acceptance rate", "accepted per position"]
+        rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for mode, s in summary.items():
+            cells = [spec_mode(r, mode)]
+            for part in ("batch", "batch1"):
+                if part not in has:
+                    continue
+                p = s.get(part)
+                speedup = f"{p['speedup']:.2f}" if p and "speedup" in p else ""
+                cells += [f"{p['tokens_per_s']:,.1f}" if p else "failed", speedup]
+            # Greedy outputs make the drafts of both parts the same when batch 1 runs
+            # every prompt; the batch part's counters are shown, batch 1's where they differ.
+            acc = _acceptance(s.get("batch") or s.get("batch1") or {})
+            acc1 = _acceptance(s.get("batch1") or {})
+            if "batch" in s and acc1 != acc and any(acc1):
+                acc = tuple(f"{a} (batch 1: {b})" for a, b in zip(acc, acc1))
+            rows.append("| " + " | ".join(cells + list(acc)) + " |")
+        parts.append("\n".join(rows))
+        off = summary["off"]
+        tokens = [
+            f"{'batch 1' if p == 'batch1' else 'batch'}: {off[p]['output_tokens']:,}"
+            for p in ("batch", "batch1")
+            if p in off
+        ]
+        parts.append(
+            f"Output tokens of one `off` run: {'; '.join(tokens)}. "
+            f"Machine: {r['machine']['cpu_model']}, torch {r['torch']}."
+        )
+    return "\n\n".join(parts)
+
+
+def spec_status(r: dict[str, Any]) -> str:
+    """README's status figure: each n-gram mode's batch-1 speedup and acceptance length."""
+    figures = []
+    for mode, s in r["summary"].items():
+        p = s.get("batch1", {})
+        if "speedup" in p and "mean_acceptance_length" in p:
+            k = r["modes"][mode]["speculative_config"]["num_speculative_tokens"]
+            figures.append(
+                f"k = {k}: {p['speedup']:.2f}x, acceptance length {p['mean_acceptance_length']:.2f}"
+            )
+    if figures and r["mismatches"]:
+        figures.append(f"{len(r['mismatches'])} greedy outputs differ")
+    return "; ".join(figures)
+
+
+def spec_decode_says(r: dict[str, Any]) -> str:
+    """One line on a spec_decode file: each n-gram mode's speedup and acceptance length,
+    at batch 1 where measured."""
+    figures = []
+    for mode, s in r["summary"].items():
+        part = "batch1" if "batch1" in s else "batch"
+        p = s.get(part, {})
+        if "mean_acceptance_length" in p and "speedup" in p:
+            figures.append(
+                f"{mode} {p['speedup']:.2f}x ({'batch 1' if part == 'batch1' else 'batch'}), "
+                f"acceptance length {p['mean_acceptance_length']:.2f}"
+            )
+    identical = "identical" if not r["mismatches"] else f"{len(r['mismatches'])} differ"
+    return f"against off: {'; '.join(figures)}; greedy outputs {identical}"
 
 
 def results_files_table(res: Results) -> str:
@@ -760,6 +887,7 @@ BLOCKS = (
     Block("tracing-profile-gpu", "docs/gpu.md", tracing_profile_table),
     Block("tracing-overhead", "docs/trace_format.md", tracing_overhead_table),
     Block("cpu-threads", "docs/reliability.md", cpu_threads_table),
+    Block("spec-decode", "docs/spec_decode.md", spec_decode_table),
 )
 
 
