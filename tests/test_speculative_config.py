@@ -86,6 +86,10 @@ BAD_CONFIGS = {
     "k negative": ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens"),
     "k float": ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
     "k bool": ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    "k over the sampler's limit": (
+        {"method": "ngram", "num_speculative_tokens": 129},
+        "num_speculative_tokens must be at most 128",
+    ),
     "min > max": (
         {
             "method": "ngram",

@@ -93,6 +93,10 @@ _VLLM_ONLY_FIELDS = (
 # the user asks for it; n-gram (the CPU proposer) never.
 _ASYNC_SCHEDULING_DEFAULT_METHODS = ("eagle",)
 _ASYNC_SCHEDULING_ALLOWED_METHODS = ("eagle", "draft_model")
+# Most drafts one request may verify in a step: the rejection sampler's
+# kernels work on tiles of this size (vLLM asserts it in the sampler; Glassbox
+# refuses a larger num_speculative_tokens up front).
+MAX_NUM_SPECULATIVE_TOKENS = 128
 
 
 class _HasVocabSize(Protocol):
@@ -201,6 +205,11 @@ class SpeculativeConfig:
             )
         if not _is_int(k) or k <= 0:
             raise ValueError(f"num_speculative_tokens must be an integer > 0, got {k!r}")
+        if k > MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be at most {MAX_NUM_SPECULATIVE_TOKENS} (the "
+                f"rejection sampler's limit), got {k}"
+            )
 
     def _resolve_prompt_lookup(self) -> None:
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:

@@ -103,6 +103,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from engine.config.speculative import MAX_NUM_SPECULATIVE_TOKENS
 from engine.v1.outputs import LogprobsLists, LogprobsTensors, SamplerOutput
 from engine.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from engine.v1.sample.logits_processor.state import LogitsProcessors
@@ -117,8 +118,9 @@ from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 PLACEHOLDER_TOKEN_ID = -1
 # Greedy rows' temperature in SamplingMetadata; replaced by 1 before dividing.
 GREEDY_TEMPERATURE = 0
-# Most drafts one request may bring in a step (the expand kernel's tile size).
-MAX_SPEC_LEN = 128
+# Most drafts one request may bring in a step (the expand kernel's tile size;
+# SpeculativeConfig refuses a larger num_speculative_tokens).
+MAX_SPEC_LEN = MAX_NUM_SPECULATIVE_TOKENS
 # Rows with temperature below this are greedy (the Sampler's constant).
 _SAMPLING_EPS = 1e-5
 # Vocabulary tile of the recovered-token kernel.
