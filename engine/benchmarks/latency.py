@@ -104,6 +104,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _step(core: Any) -> None:
+    """One turn of EngineCore's loop as its busy loop takes it: the step, then
+    ``post_step`` (which hands a speculative run's drafts to the scheduler)."""
+    _, model_executed = core.step_fn()
+    core.post_step(model_executed)
+
+
 def run_decode_latency(
     engine_args: Any,
     batch_sizes: list[int],
@@ -156,14 +163,14 @@ def run_decode_latency(
             # Prefill (in chunks of the token budget) until every request decodes.
             steps = 0
             while any(r.num_output_tokens == 0 for r in requests):
-                core.step_fn()
+                _step(core)
                 steps += 1
                 if steps > MAX_PREFILL_STEPS:
                     raise RuntimeError(
                         f"batch {b}: not every request was decoding after {steps} steps"
                     )
             for _ in range(num_iters_warmup):
-                core.step_fn()
+                _step(core)
             scheduler = core.scheduler
             if len(scheduler.running) != b or scheduler.waiting:
                 raise RuntimeError(
@@ -174,12 +181,12 @@ def run_decode_latency(
             times_ms = []
             for _ in range(num_iters):
                 start = time.perf_counter()
-                core.step_fn()
+                _step(core)
                 times_ms.append((time.perf_counter() - start) * 1e3)
             core.abort_requests([r.request_id for r in requests])
             # Tell the worker, and read back any step still in flight.
             while core.scheduler.has_requests() or core.batch_queue:
-                core.step_fn()
+                _step(core)
             ordered = sorted(times_ms)
             results[str(b)] = {
                 "batch_size": b,
