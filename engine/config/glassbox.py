@@ -55,6 +55,14 @@ class GlassboxConfig:
         self._check_speculative_config()
         self._resolve_async_scheduling()
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per request per step at most; 0 without speculative decoding."""
+        spec = self.speculative_config
+        if spec is None or spec.num_speculative_tokens is None:
+            return 0
+        return spec.num_speculative_tokens
+
     def _check_speculative_config(self) -> None:
         spec = self.speculative_config
         if spec is None:

@@ -171,7 +171,8 @@ class Request:
         # preempted the request; their tokens are dropped when they arrive.
         self.async_tokens_to_discard = 0
 
-        # Draft tokens from a speculator (kept for the seam; no speculator yet).
+        # Speculative decoding: the drafts the proposer made after the last
+        # step (``Scheduler.update_draft_token_ids``), verified by the next.
         self.spec_token_ids: list[int] = []
         # The cursor: tokens whose KV is (or will be, after this step) in cache.
         self.num_computed_tokens = 0

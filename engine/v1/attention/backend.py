@@ -17,9 +17,11 @@ Sessions: 05 (attention backends).
 
 Simpler than vLLM: builders are made from the block size and the device
 (vLLM's take the KV cache spec, the layer names and the whole config);
-``_init_reorder_batch_threshold`` takes vLLM's arguments, but with no
-speculative decoding and no decode context parallelism in Glassbox its two
-flags change nothing: the threshold is the one given.
+``_init_reorder_batch_threshold`` takes vLLM's arguments, but its two flags
+change nothing here: the threshold is the one given. So a speculative
+verification row (query length 1 + k) counts as a prefill: it is ordered after
+the decodes and runs on the prefill path, never on a decode CUDA graph (vLLM
+can treat it as a decode when the backend supports that).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from engine.v1.engine.input_processor import InputProcessor, PromptType
 from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.v1.engine.parallel_sampling import ParentRequest
 from engine.v1.executor.abstract import Executor
-from engine.v1.metrics.loggers import StatLogger, num_spec_tokens
+from engine.v1.metrics.loggers import StatLogger
 from engine.v1.metrics.reader import Histogram, Metric
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class AsyncLLM:
             trace=OutputProcessorTrace.create(self.tracer),
         )
         self.stat_logger = (
-            StatLogger(model_config.served_model_name, num_spec_tokens(glassbox_config))
+            StatLogger(model_config.served_model_name, glassbox_config.num_speculative_tokens)
             if log_stats
             else None
         )

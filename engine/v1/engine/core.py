@@ -14,6 +14,9 @@ Read it for:
     (``max_concurrent_batches``), so step N+1 is scheduled and launched
     before step N's tokens are read. ``step_fn`` is whichever of the two the
     executor allows, chosen once at start-up.
+  * ``post_step()`` -- after each step (the busy loop and the in-process
+    client call it): with speculative decoding on the serial loop, the
+    drafts the worker proposed go to the scheduler for the next step.
   * ``EngineCoreProc`` -- the same core in its own process. Three threads:
     the input thread reads ZMQ frames, decodes them and puts
     ``(request_type, request)`` on ``input_queue``; the busy loop
@@ -31,7 +34,8 @@ refused, the ones in flight run for ``shutdown_timeout`` seconds
 aborted, and the loop ends once the scheduler is empty.
 
 Simpler than vLLM: no structured-output grammar bitmask (so no deferred
-sampling in the batch queue), no data parallelism, no separate aborts queue
+sampling in the batch queue, and no ``update_draft_token_ids_in_output`` for
+drafts kept in the worker under async scheduling), no data parallelism, no separate aborts queue
 (aborts are read between steps), no pipeline parallelism. ``log_error_detail``
 logs a summary of the step instead of vLLM's full dump of the config and the
 scheduler output.

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config import GlassboxConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import _SAMPLING_EPS, SamplingParams
 from engine.v1.engine import EngineCoreRequest
 from engine.v1.sample.logits_processor import validate_logits_processors_parameters
 
@@ -141,7 +141,7 @@ class InputProcessor:
                 "generated tokens are); leave prompt_logprobs unset"
             )
         if self.glassbox_config.speculative_config is not None and (
-            params.min_p > 1e-5 or params.logit_bias
+            params.min_p > _SAMPLING_EPS or params.logit_bias
         ):
             # As vLLM: the rejection sampler does not apply them to the drafts.
             raise ValueError(

@@ -56,7 +56,6 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.v1.engine import EngineCoreOutputs
 from engine.v1.metrics.reader import Counter, Gauge, Histogram, Metric
@@ -332,12 +331,6 @@ class StatLogger:
             header("glassbox:cache_config_info", "glassbox:cache_config_info", "gauge")
             lines.append(f"glassbox:cache_config_info{_labels(self.cache_config_info)} 1.0")
         return "\n".join(lines) + "\n"
-
-
-def num_spec_tokens(glassbox_config: Any) -> int:
-    """Drafts per step at most; 0 without speculative decoding."""
-    spec = glassbox_config.speculative_config
-    return spec.num_speculative_tokens if spec is not None else 0
 
 
 def _labels(labels: dict[str, str]) -> str:

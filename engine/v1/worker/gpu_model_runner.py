@@ -287,6 +287,9 @@ class GPUModelRunner:
         self.drafter: NgramProposer | None = None
         self.rejection_sampler: RejectionSampler | None = None
         if self.speculative_config is not None:
+            # The async path keeps one sampled id per row on the device; drafts
+            # would need 1 + k (vLLM's EAGLE path). The config never pairs them.
+            assert not self.scheduler_config.async_scheduling, "speculation runs the serial loop"
             self.drafter = NgramProposer(glassbox_config)
             self.rejection_sampler = RejectionSampler(self.sampler)
         self._draft_token_ids: list[list[int]] | None = None
@@ -461,7 +464,9 @@ class GPUModelRunner:
         """Put this step's drafts after each row's known tokens (in
         ``token_ids_cpu``, where ``_prepare_inputs`` reads the inputs, and in
         ``spec_token_ids``, which penalties read); rows without drafts drop
-        last step's."""
+        last step's. Differs from vLLM (``InputBatch.update_req_spec_token_ids``,
+        called per request before ``condense``): one pass over the final rows,
+        after condense and reorder, so no move can carry a stale draft."""
         batch = self.input_batch
         for row, req_id in enumerate(batch.req_ids):
             drafts = batch.spec_token_ids[row]

@@ -51,7 +51,8 @@ Batch order: the builder sets ``reorder_batch_threshold = 1`` as vLLM's
 does, so the runner puts a mixed batch's decodes (one query token) first.
 
 Simpler than vLLM: no cascade attention, TRT-LLM kernels, FP8/NVFP4 KV cache,
-sliding window, sinks, soft-cap, DCP or speculative decoding; the reordered
+sliding window, sinks, soft-cap, DCP, or speculative verification rows as
+decodes (they take the prefill wrapper); the reordered
 mixed batch is not split -- it goes to the prefill wrapper whole, where vLLM
 plans its leading decodes on the decode wrapper and the rest on the prefill
 wrapper.

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from engine.v1.core.sched.output import SchedulerOutput
     from engine.v1.engine import EngineCoreOutputs
     from engine.v1.metrics.stats import SchedulerStats
-    from engine.v1.outputs import ModelRunnerOutput
+    from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from engine.v1.request import Request, RequestStatus
+    from engine.v1.spec_decode.metrics import SpecDecodingStats
 
 
 class SchedulerInterface(ABC):
@@ -63,7 +64,14 @@ class SchedulerInterface(ABC):
         """(num_running_reqs, num_waiting_reqs)."""
 
     @abstractmethod
-    def make_stats(self) -> SchedulerStats | None: ...
+    def make_stats(
+        self, spec_decoding_stats: SpecDecodingStats | None = None
+    ) -> SchedulerStats | None: ...
+
+    @abstractmethod
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Speculative decoding: the drafts proposed after the last step, for
+        the next one to verify."""
 
     @abstractmethod
     def reset_prefix_cache(

@@ -336,7 +336,9 @@ class Scheduler(SchedulerInterface):
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
-                    # A fresh prompt has no drafts to write yet.
+                    # vLLM's rule (it matters for requests whose KV arrives from
+                    # elsewhere); here a waiting request's cursor is always 0, so
+                    # admission never reserves lookahead slots.
                     num_lookahead_tokens=(
                         0 if request.num_computed_tokens == 0 else self.num_lookahead_tokens
                     ),
