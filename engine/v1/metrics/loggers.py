@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from engine.v1.engine import EngineCoreOutputs
 from engine.v1.metrics.reader import Counter, Gauge, Histogram, Metric
 from engine.v1.metrics.stats import SchedulerStats
+from engine.v1.spec_decode.metrics import SpecDecodingStats
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -136,12 +137,10 @@ class _RequestTimes:
 class StatLogger:
     def __init__(self, model_name: str, num_spec_tokens: int = 0) -> None:
         self.labels = {"model_name": model_name}
-        # Speculative decoding (num_spec_tokens > 0: its counters are shown).
+        # Speculative decoding: every step's stats summed (num_spec_tokens > 0:
+        # its counters are shown).
         self.num_spec_tokens = num_spec_tokens
-        self.spec_decode_num_drafts = 0
-        self.spec_decode_num_draft_tokens = 0
-        self.spec_decode_num_accepted_tokens = 0
-        self.spec_decode_num_accepted_tokens_per_pos = [0] * num_spec_tokens
+        self.spec_decoding = SpecDecodingStats.new(num_spec_tokens)
         self.last_scheduler_stats = SchedulerStats()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -168,13 +167,8 @@ class StatLogger:
         self.num_preemptions += stats.num_preemptions
         self.prefix_cache_queries += stats.prefix_cache_stats.queries
         self.prefix_cache_hits += stats.prefix_cache_stats.hits
-        spec = stats.spec_decoding_stats
-        if spec is not None:
-            self.spec_decode_num_drafts += spec.num_drafts
-            self.spec_decode_num_draft_tokens += spec.num_draft_tokens
-            self.spec_decode_num_accepted_tokens += spec.num_accepted_tokens
-            for i, n in enumerate(spec.num_accepted_tokens_per_pos):
-                self.spec_decode_num_accepted_tokens_per_pos[i] += n
+        if stats.spec_decoding_stats is not None:
+            self.spec_decoding.add(stats.spec_decoding_stats)
 
     def record_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -260,18 +254,12 @@ class StatLogger:
     def _spec_decode_metrics(self) -> list[Metric]:
         if not self.num_spec_tokens:
             return []
-        labels = self.labels
+        totals, labels = self.spec_decoding, self.labels
         return [
-            Counter("glassbox:spec_decode_num_drafts", dict(labels), self.spec_decode_num_drafts),
+            Counter("glassbox:spec_decode_num_drafts", dict(labels), totals.num_drafts),
+            Counter("glassbox:spec_decode_num_draft_tokens", dict(labels), totals.num_draft_tokens),
             Counter(
-                "glassbox:spec_decode_num_draft_tokens",
-                dict(labels),
-                self.spec_decode_num_draft_tokens,
-            ),
-            Counter(
-                "glassbox:spec_decode_num_accepted_tokens",
-                dict(labels),
-                self.spec_decode_num_accepted_tokens,
+                "glassbox:spec_decode_num_accepted_tokens", dict(labels), totals.num_accepted_tokens
             ),
             *(
                 Counter(
@@ -279,7 +267,7 @@ class StatLogger:
                     {**labels, "position": str(pos)},
                     n,
                 )
-                for pos, n in enumerate(self.spec_decode_num_accepted_tokens_per_pos)
+                for pos, n in enumerate(totals.num_accepted_tokens_per_pos)
             ),
         ]
 

@@ -11,7 +11,7 @@ token included.
 
 The scheduler fills one per step in ``update_from_output`` and sends it in
 ``SchedulerStats.spec_decoding_stats``; the front end's ``StatLogger`` adds
-them up into the ``glassbox:spec_decode_*`` counters.
+them up (``add``) into the ``glassbox:spec_decode_*`` counters.
 Sessions: 06 (speculative decoding).
 
 Simpler than vLLM: the counters live in ``StatLogger`` (no separate
@@ -49,3 +49,11 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted_tokens
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        """Add another step's counts (the front end's running totals)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos[i] += n

@@ -455,7 +455,8 @@ class GPUModelRunner:
             batch.add_request(state)
         batch.condense()
         self._may_reorder_batch(scheduler_output)
-        self._update_spec_token_ids(scheduler_output.scheduled_spec_decode_tokens)
+        if self.drafter is not None:  # no per-row pass on the step without speculation
+            self._update_spec_token_ids(scheduler_output.scheduled_spec_decode_tokens)
         # The logits processors follow the rows (swaps included); the sampling
         # metadata is rebuilt (asynchronously) only if the batch changed.
         batch.refresh_metadata()

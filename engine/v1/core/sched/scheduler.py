@@ -134,11 +134,12 @@ class Scheduler(SchedulerInterface):
         # slots reserved beyond the scheduled tokens for the drafts a model
         # proposer writes in the same step (EAGLE, draft model; n-gram writes none).
         speculative_config = glassbox_config.speculative_config
-        self.num_spec_tokens = self.num_lookahead_tokens = 0
-        if speculative_config is not None:
-            self.num_spec_tokens = speculative_config.num_speculative_tokens
-            if speculative_config.use_eagle() or speculative_config.uses_draft_model():
-                self.num_lookahead_tokens = self.num_spec_tokens
+        self.num_spec_tokens = glassbox_config.num_speculative_tokens
+        self.num_lookahead_tokens = 0
+        if speculative_config is not None and (
+            speculative_config.use_eagle() or speculative_config.uses_draft_model()
+        ):
+            self.num_lookahead_tokens = self.num_spec_tokens
 
         # Every live request, by id. Removed once finished *and* freed.
         self.requests: dict[str, Request] = {}
@@ -336,12 +337,9 @@ class Scheduler(SchedulerInterface):
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
-                    # vLLM's rule (it matters for requests whose KV arrives from
-                    # elsewhere); here a waiting request's cursor is always 0, so
-                    # admission never reserves lookahead slots.
-                    num_lookahead_tokens=(
-                        0 if request.num_computed_tokens == 0 else self.num_lookahead_tokens
-                    ),
+                    # No lookahead slots at admission: a waiting request's cursor
+                    # is 0 here (vLLM reserves them only for one whose KV arrived
+                    # from elsewhere, which Glassbox has not).
                     full_sequence_must_fit=self.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
