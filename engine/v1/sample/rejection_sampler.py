@@ -53,12 +53,13 @@ generator, and draws nothing for a step in which it has no drafts.
 
 Two implementations of the same arithmetic, chosen by device: plain torch
 (``*_torch`` functions, the reference, what the CPU runs) and Triton kernels
-with vLLM's names (what CUDA runs), both in ``ops/rejection_kernels.py``. ``RejectionSampler(use_triton=None)``
-picks Triton for CUDA logits; every function below takes the choice as an
-explicit ``use_triton`` argument. Given the same draws the two produce the
-same tokens bit for bit: the kernels only compare, subtract, multiply and take
-the first maximum, all exact or identically rounded in IEEE arithmetic, and
-argmax / softmax / temperature are torch ops shared by both.
+with vLLM's names (what CUDA runs), both in ``ops/rejection_kernels.py``.
+``RejectionSampler(use_triton=None)`` picks Triton for CUDA logits; every
+function below takes the choice as an explicit ``use_triton`` argument.
+Given the same draws the two produce the same tokens bit for bit: the
+kernels only compare, subtract, multiply and take the first maximum, all
+exact or identically rounded in IEEE arithmetic, and argmax / softmax /
+temperature are torch ops shared by both.
 Importing this module imports triton (as vLLM's does).
 
 Sessions: 06 (speculative decoding).
