@@ -136,6 +136,12 @@ def test_model_must_be_a_local_folder(tmp_path):
         ModelConfig(model=str(tmp_path))
 
 
+def test_model_config_takes_a_path_and_keeps_strings(model_dir):
+    # A pathlib.Path model once reached the trace writer, which cannot encode it.
+    config = ModelConfig(model=model_dir, tokenizer=model_dir)
+    assert config.model == config.tokenizer == config.served_model_name == str(model_dir)
+
+
 def test_model_config_fields(model_dir):
     config = ModelConfig(model=str(model_dir))
     assert config.tokenizer == str(model_dir)

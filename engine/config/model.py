@@ -126,6 +126,11 @@ class ModelConfig:
     None: ``model`` as given (before it is resolved to a folder), as in vLLM."""
 
     def __post_init__(self) -> None:
+        # A pathlib.Path works as a model or tokenizer; the rest of the engine
+        # (the trace, the served name) keeps strings.
+        self.model = os.fspath(self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = os.fspath(self.tokenizer)
         if self.served_model_name is None:
             self.served_model_name = self.model
         if self.dtype not in _DTYPES:
