@@ -4,17 +4,19 @@ plain decode steps (verification steps run eagerly: their query length is
 1 + drafts), chunked prefill and preemption; and drafts really are accepted.
 
 Marked ``gpu``: skipped where torch sees no CUDA device (CI), run by
-``make test-gpu``. fp32 on a random tiny Llama, whose greedy text repeats, so
-n-gram drafts are accepted often (the acceptance count is asserted).
+``make test-gpu``. fp32 on the tiny random Qwen3 checkpoint of the CPU tests,
+with random prompts and prompts that repeat a short pattern: its greedy text
+continues the pattern, so n-gram drafts are accepted (the count is asserted).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.tracing import load_trace
-from tests.helpers.hf_checkpoints import random_prompts, save_random_llama
+from tests.helpers.hf_checkpoints import TINY_CONFIG, save_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +29,24 @@ PARAMS = [
 ]
 
 
+# Random prompts (prompt lookup rarely matches) and repeated patterns (it does).
+_g = torch.Generator().manual_seed(2)
+
+
+def _ids(n: int) -> list[int]:
+    return torch.randint(3, TINY_CONFIG["vocab_size"], (n,), generator=_g).tolist()
+
+
+PROMPTS = [{"prompt_token_ids": _ids(n)} for n in (3, 17, 64, 150)] + [
+    {"prompt_token_ids": _ids(n) * r} for n, r in ((6, 5), (4, 6), (8, 3), (5, 12))
+]
+
+
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return save_random_llama(
-        tmp_path_factory.mktemp("tiny_llama_spec"), hidden_size=128, intermediate_size=256
-    )
+def tiny_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3_spec")
+    save_tiny_checkpoint("qwen3", path)
+    return path
 
 
 def _run(model, speculative_config, trace_path=None, **kw):
@@ -46,8 +61,7 @@ def _run(model, speculative_config, trace_path=None, **kw):
         trace_level="lifecycle" if trace_path else "off",
         **kw,
     )
-    prompts = random_prompts([3, 17, 64, 150, 5, 40], 2)
-    outs = llm.generate(prompts, PARAMS + PARAMS[:2], use_tqdm=False)
+    outs = llm.generate(PROMPTS, PARAMS + PARAMS, use_tqdm=False)
     llm.shutdown()
     return [
         (o.outputs[0].token_ids, [sorted(p) for p in (o.outputs[0].logprobs or [])]) for o in outs
@@ -64,12 +78,12 @@ def _run(model, speculative_config, trace_path=None, **kw):
     ids=["graphs", "chunked-preempted"],
 )
 def test_ngram_greedy_equals_plain_decoding_on_cuda(
-    tiny_llama, tmp_path, monkeypatch, backend, engine_kw
+    tiny_qwen3, tmp_path, monkeypatch, backend, engine_kw
 ):
     monkeypatch.setenv("GLASSBOX_ATTENTION_BACKEND", backend)
-    plain = _run(tiny_llama, None, async_scheduling=False, **engine_kw)
+    plain = _run(tiny_qwen3, None, async_scheduling=False, **engine_kw)
     trace = str(tmp_path / "spec.jsonl")
-    spec = _run(tiny_llama, NGRAM, trace_path=trace, **engine_kw)
+    spec = _run(tiny_qwen3, NGRAM, trace_path=trace, **engine_kw)
     assert [t for t, _ in spec] == [t for t, _ in plain]
     # fp32: each logprob row names the same candidates (its token ids, sorted).
     assert [lp for _, lp in spec] == [lp for _, lp in plain]
