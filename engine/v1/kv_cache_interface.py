@@ -8,9 +8,13 @@ blocks the pool has and which layers share them). The scheduler only ever sees
 block ids; the worker turns this config into real tensors.
 Sessions: 03 (KV cache), 04 (worker).
 
-Simpler than vLLM: one spec type, ``FullAttentionSpec`` (no sliding-window,
-chunked-local, MLA, Mamba, cross-attention or sink specs, hence no
-``UniformTypeKVCacheSpecs`` and no ``KVCacheSpecKind``); no quantized KV
+``UniformTypeKVCacheSpecs`` holds layers of one type whose pages differ in
+size -- a target model and its draft model: they share one block table, and a
+block costs the sum of their pages.
+
+Simpler than vLLM: one layer spec type, ``FullAttentionSpec`` (no
+sliding-window, chunked-local, MLA, Mamba, cross-attention or sink specs, and
+no ``KVCacheSpecKind``); no quantized KV
 cache (``kv_quant_mode``), no separate V head size (``head_size_v``), no
 context-parallel sharding in ``max_memory_usage_bytes``.
 
@@ -109,6 +113,45 @@ class FullAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, glassbox_config: GlassboxConfig) -> int:
         max_model_len = glassbox_config.model_config.max_model_len
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Layers of one type (here: full attention) and one block size whose pages
+    may differ in size: one group, one block table, and one block id names a
+    page in every layer, so a block costs the sum of the layers' pages."""
+
+    kv_cache_specs: dict[str, KVCacheSpec]
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+    def max_memory_usage_bytes(self, glassbox_config: GlassboxConfig) -> int:
+        # Pages one max_model_len sequence needs (the same count in every layer).
+        max_num_pages = max(
+            cdiv(spec.max_memory_usage_bytes(glassbox_config), spec.page_size_bytes)
+            for spec in self.kv_cache_specs.values()
+        )
+        return max_num_pages * self.page_size_bytes
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        """Same block size and all full attention (the only type Glassbox has)."""
+        specs = list(kv_cache_specs.values())
+        return (
+            bool(specs)
+            and len({spec.block_size for spec in specs}) == 1
+            and all(isinstance(spec, FullAttentionSpec) for spec in specs)
+        )
+
+    @classmethod
+    def from_specs(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+        """The layers as one spec, or None when they are not of one type."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        block_size = next(iter(kv_cache_specs.values())).block_size
+        return cls(block_size=block_size, kv_cache_specs=dict(kv_cache_specs))
 
 
 @dataclass

@@ -17,8 +17,9 @@ Sessions: 03 (KV cache).
 
 Simpler than vLLM: extra hash keys are only the cache salt (no multimodal,
 LoRA or prompt-embedding keys; ``start_mm_idx`` is passed through untouched);
-one KV cache group of full-attention layers (no hybrid grouping, page-size
-unification or DeepSeek-V4 layouts); no auto-fit of ``max_model_len=-1``, no
+one KV cache group of full-attention layers -- equal specs, or, with a draft
+model, one ``UniformTypeKVCacheSpecs`` of pages of different sizes (no hybrid
+grouping, page-size unification or DeepSeek-V4 layouts); no auto-fit of ``max_model_len=-1``, no
 context parallelism, no integer block hashes for KV events.
 
 Differs from vLLM on purpose:
@@ -47,6 +48,7 @@ from engine.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    UniformTypeKVCacheSpecs,
 )
 from engine.v1.utils import cdiv
 
@@ -446,14 +448,30 @@ def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
 def get_kv_cache_groups(
     glassbox_config: GlassboxConfig, kv_cache_spec: dict[str, KVCacheSpec]
 ) -> list[KVCacheGroupSpec]:
-    """Split the layers into groups that share a block table: one group here."""
+    """Split the layers into groups that share a block table: one group here.
+    Equal specs make a plain group; full-attention layers whose pages differ
+    (a target and its draft model) one group of ``UniformTypeKVCacheSpecs``."""
     if not kv_cache_spec:
         raise ValueError("the model reported no attention layers to build a KV cache for")
-    if not is_kv_cache_spec_uniform(kv_cache_spec):
-        raise ValueError(
-            "all layers must share one KV cache spec (hybrid models are not supported)"
-        )
-    return create_kv_cache_group_specs(kv_cache_spec, [list(kv_cache_spec)])
+    if is_kv_cache_spec_uniform(kv_cache_spec):
+        return create_kv_cache_group_specs(kv_cache_spec, [list(kv_cache_spec)])
+    if uniform_spec := UniformTypeKVCacheSpecs.from_specs(kv_cache_spec):
+        return [KVCacheGroupSpec(list(kv_cache_spec), uniform_spec)]
+    block_sizes = sorted({spec.block_size for spec in kv_cache_spec.values()})
+    raise ValueError(
+        "all layers must be full attention with one block size, got block sizes "
+        f"{block_sizes} and types {sorted({type(s).__name__ for s in kv_cache_spec.values()})} "
+        "(hybrid models are not supported)"
+    )
+
+
+def _num_page_columns(group: KVCacheGroupSpec) -> int:
+    """Pages a block id names in this group, counted in units of the group's
+    ``page_size_bytes``: one per layer, or one in all for uniform-type specs
+    (whose page size already sums its layers')."""
+    if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):
+        return 1
+    return len(group.layer_names)
 
 
 def may_override_num_blocks(glassbox_config: GlassboxConfig, num_blocks: int) -> int:
@@ -485,8 +503,24 @@ def get_kv_cache_config_from_groups(
     """Blocks and backing tensors for one worker.
 
     Tensor *i* is shared by layer *i* of every group (with one group: one
-    tensor per layer), each ``num_blocks * page_size`` bytes.
+    tensor per layer), each ``num_blocks * page_size`` bytes. A group of
+    ``UniformTypeKVCacheSpecs``: one tensor per layer of that layer's pages.
     """
+    (first,) = kv_cache_groups[:1]
+    if isinstance(first.kv_cache_spec, UniformTypeKVCacheSpecs):
+        assert len(kv_cache_groups) == 1, "uniform-type specs make the only group"
+        specs = first.kv_cache_spec.kv_cache_specs
+        num_blocks = get_num_blocks(
+            glassbox_config, 1, available_memory, first.kv_cache_spec.page_size_bytes
+        )
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(size=specs[name].page_size_bytes * num_blocks, shared_by=[name])
+                for name in first.layer_names
+            ],
+            kv_cache_groups=kv_cache_groups,
+        )
     group_size = max(len(group.layer_names) for group in kv_cache_groups)
     page_size = get_uniform_page_size(group.kv_cache_spec for group in kv_cache_groups)
     num_blocks = get_num_blocks(glassbox_config, group_size, available_memory, page_size)
@@ -507,7 +541,7 @@ def get_max_concurrency_for_kv_cache_config(
 ) -> float:
     """How many ``max_model_len`` sequences the pool holds at once."""
     groups = kv_cache_config.kv_cache_groups
-    num_layers = max(len(group.layer_names) for group in groups)
+    num_layers = max(_num_page_columns(group) for group in groups)
     bytes_per_request = num_layers * max_memory_usage_bytes(
         glassbox_config, (group.kv_cache_spec for group in groups)
     )
@@ -538,18 +572,14 @@ def get_kv_cache_configs(
                 )
     groups = get_kv_cache_groups(glassbox_config, merged)
     per_worker_groups = [
-        [
-            KVCacheGroupSpec([n for n in g.layer_names if n in worker_spec], g.kv_cache_spec)
-            for g in groups
-        ]
-        for worker_spec in kv_cache_specs
+        [_group_for_worker(g, worker_spec) for g in groups] for worker_spec in kv_cache_specs
     ]
 
     override = glassbox_config.cache_config.num_gpu_blocks_override
     if override is not None:
         available_memory = [
             override
-            * max(len(g.layer_names) for g in worker_groups)
+            * max(_num_page_columns(g) for g in worker_groups)
             * get_uniform_page_size(g.kv_cache_spec for g in worker_groups)
             for worker_groups in per_worker_groups
         ]
@@ -573,8 +603,28 @@ def get_kv_cache_configs(
     return configs
 
 
+def _group_for_worker(
+    group: KVCacheGroupSpec, worker_spec: dict[str, KVCacheSpec]
+) -> KVCacheGroupSpec:
+    """The part of ``group`` whose layers live on this worker."""
+    names = [n for n in group.layer_names if n in worker_spec]
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = UniformTypeKVCacheSpecs(
+            block_size=spec.block_size,
+            kv_cache_specs={n: spec.kv_cache_specs[n] for n in names},
+        )
+    return KVCacheGroupSpec(names, spec)
+
+
 def generate_scheduler_kv_cache_config(kv_cache_configs: list[KVCacheConfig]) -> KVCacheConfig:
-    """The scheduler's copy: every worker has the same blocks, so take the first."""
+    """The scheduler's copy: every worker has the same blocks, so take the first.
+    The scheduler counts blocks, not bytes: a uniform-type group shows it one
+    of its layers' specs (they differ only in page size), as vLLM does."""
     if any(config.num_blocks != kv_cache_configs[0].num_blocks for config in kv_cache_configs):
         raise ValueError("all workers must have the same num_blocks")
-    return copy.deepcopy(kv_cache_configs[0])
+    config = copy.deepcopy(kv_cache_configs[0])
+    for group in config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):
+            group.kv_cache_spec = next(iter(group.kv_cache_spec.kv_cache_specs.values()))
+    return config

@@ -39,7 +39,12 @@ from engine.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
     resolve_kv_cache_block_sizes,
 )
-from engine.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from engine.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    UniformTypeKVCacheSpecs,
+)
 from tests.helpers.core import make_kv_cache_spec, make_model_config, make_request
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -720,15 +725,70 @@ def test_get_kv_cache_configs_without_memory_or_override():
         get_kv_cache_configs(make_config(16), [{"layer.0": make_kv_cache_spec()}], [0])
 
 
-def test_get_kv_cache_configs_rejects_no_layers_and_mixed_specs():
+def test_get_kv_cache_configs_rejects_no_layers_and_mixed_block_sizes():
     with pytest.raises(ValueError, match="no attention layers"):
         get_kv_cache_configs(make_config(16), [{}], [1 << 20])
     mixed = {
-        "layer.0": make_kv_cache_spec(head_size=8),
-        "layer.1": make_kv_cache_spec(head_size=16),
+        "layer.0": make_kv_cache_spec(block_size=16),
+        "layer.1": make_kv_cache_spec(block_size=32),
     }
-    with pytest.raises(ValueError, match="share one KV cache spec"):
+    with pytest.raises(ValueError, match=r"one block size, got block sizes \[16, 32\]"):
         get_kv_cache_configs(make_config(16), [mixed], [1 << 20])
+
+
+# A target's two layers (2 KV heads of 8: 2048-byte pages) and a draft's one
+# (1 KV head of 8: 1024 bytes): a block costs 2 * 2048 + 1024 = 5120 bytes.
+TARGET_AND_DRAFT = {
+    "model.layers.0.attn": make_kv_cache_spec(num_kv_heads=2),
+    "model.layers.1.attn": make_kv_cache_spec(num_kv_heads=2),
+    "draft_model.model.layers.0.attn": make_kv_cache_spec(num_kv_heads=1),
+}
+
+
+def test_layers_whose_pages_differ_share_one_block_table():
+    (config,) = get_kv_cache_configs(make_config(64), [TARGET_AND_DRAFT], [10 * 5120 + 100])
+    (group,) = config.kv_cache_groups
+    assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+    assert group.kv_cache_spec.page_size_bytes == 5120
+    assert config.num_blocks == 10
+    assert [(t.shared_by, t.size) for t in config.kv_cache_tensors] == [
+        (["model.layers.0.attn"], 10 * 2048),
+        (["model.layers.1.attn"], 10 * 2048),
+        (["draft_model.model.layers.0.attn"], 10 * 1024),
+    ]
+    # 64 tokens = 4 blocks per sequence: 10 blocks hold 2.5 sequences.
+    assert get_max_concurrency_for_kv_cache_config(make_config(64), config) == 2.5
+    # The scheduler counts blocks only: it sees one full-attention spec.
+    scheduler_config = generate_scheduler_kv_cache_config([config])
+    assert isinstance(scheduler_config.kv_cache_groups[0].kv_cache_spec, FullAttentionSpec)
+    assert scheduler_config.kv_cache_groups[0].layer_names == list(TARGET_AND_DRAFT)
+
+
+def test_layers_whose_pages_differ_with_a_block_override():
+    (config,) = get_kv_cache_configs(
+        make_config(64, num_gpu_blocks_override=7), [TARGET_AND_DRAFT], [1 << 30]
+    )
+    assert config.num_blocks == 7
+    assert sum(t.size for t in config.kv_cache_tensors) == 7 * 5120
+    # One sequence plus the null block needs 5 blocks: 4 do not fit.
+    with pytest.raises(ValueError, match="max seq len"):
+        get_kv_cache_configs(
+            make_config(64, num_gpu_blocks_override=4), [TARGET_AND_DRAFT], [1 << 30]
+        )
+
+
+def test_uniform_type_spec_needs_one_type_and_block_size():
+    assert UniformTypeKVCacheSpecs.from_specs({}) is None
+    assert (
+        UniformTypeKVCacheSpecs.from_specs(
+            {"a": make_kv_cache_spec(block_size=16), "b": make_kv_cache_spec(block_size=32)}
+        )
+        is None
+    )
+    spec = UniformTypeKVCacheSpecs.from_specs(TARGET_AND_DRAFT)
+    assert spec is not None and spec.block_size == 16
+    # max_model_len 64: 4 pages in every layer.
+    assert spec.max_memory_usage_bytes(make_config(64)) == 4 * 5120
 
 
 def test_get_kv_cache_configs_gives_every_worker_the_smallest_block_count():
