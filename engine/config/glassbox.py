@@ -65,14 +65,45 @@ class GlassboxConfig:
 
     def _check_speculative_config(self) -> None:
         spec = self.speculative_config
-        if spec is None:
+        if spec is None or spec.method == "ngram" or spec.draft_model_config is not None:
             return
-        if spec.method != "ngram":
-            # Accepted by SpeculativeConfig (vLLM's rules), not built here yet.
+        spec.draft_model_config = self._create_draft_model_config(spec)
+
+    def _create_draft_model_config(self, spec: SpeculativeConfig) -> ModelConfig:
+        """The draft's ModelConfig: its own checkpoint, the target's dtype and
+        seed, a context no longer than the target's. An EAGLE head's
+        architecture gets vLLM's ``Eagle`` prefix (``LlamaForCausalLM`` ->
+        ``EagleLlamaForCausalLM``), as vLLM's ``EAGLEConfig`` renames it."""
+        target = self.model_config
+        assert spec.model is not None
+        try:
+            probe = ModelConfig(model=spec.model, skip_tokenizer_init=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model={spec.model!r}: {e}") from e
+        overrides: dict = {}
+        if spec.use_eagle():
+            overrides["architectures"] = [
+                a if a.startswith("Eagle") else f"Eagle{a}" for a in probe.architectures
+            ]
+        spec.verify_equal_vocab_size_if_draft_model(target, probe)
+        max_model_len = spec._maybe_override_draft_max_model_len(
+            spec.max_model_len, probe.max_model_len or 0, target.max_model_len or 0
+        )
+        if max_model_len < (target.max_model_len or 0):
             raise ValueError(
-                f"speculative_config.method: {spec.method!r} is not available in Glassbox yet; "
-                "use 'ngram'"
+                f"speculative_config.model={spec.model!r}: the draft's max_model_len="
+                f"{max_model_len} is shorter than the target's max_model_len="
+                f"{target.max_model_len}; lower max_model_len to {max_model_len}"
             )
+        return ModelConfig(
+            model=probe.model,
+            skip_tokenizer_init=True,
+            dtype=target.dtype,
+            seed=target.seed,
+            max_model_len=max_model_len,
+            hf_overrides=overrides or None,
+            enforce_eager=target.enforce_eager,
+        )
 
     def _resolve_async_scheduling(self) -> None:
         from engine.v1.executor.abstract import Executor
@@ -80,9 +111,22 @@ class GlassboxConfig:
         scheduler_config = self.scheduler_config
         if self.speculative_config is not None:
             # vLLM's rule: only some speculative methods overlap steps.
-            scheduler_config.async_scheduling = self.speculative_config.resolve_async_scheduling(
-                scheduler_config.async_scheduling
-            )
+            asked = scheduler_config.async_scheduling
+            resolved = self.speculative_config.resolve_async_scheduling(asked)
+            if resolved is not False:
+                # Glassbox's runner drafts only in the serial loop so far.
+                method = self.speculative_config.method
+                if asked:
+                    raise ValueError(
+                        f"async_scheduling: speculative method={method!r} runs only in the "
+                        "serial loop in Glassbox so far; use --no-async-scheduling"
+                    )
+                logger.warning(
+                    "Async scheduling is off: Glassbox drafts with %s in the serial loop only.",
+                    method,
+                )
+                resolved = False
+            scheduler_config.async_scheduling = resolved
         backend = self.parallel_config.distributed_executor_backend
         name = getattr(backend, "__name__", backend)
         supported = Executor.get_class(self).supports_async_scheduling()

@@ -24,13 +24,16 @@ ngram_gpu or custom-class proposers (and no ``custom_class`` guess from a
 dotted ``model``); ``num_speculative_tokens`` is always required (vLLM can take
 it from a draft checkpoint's ``n_predict``); the method is never guessed from
 the draft's ``config.json`` (vLLM does so for medusa, mlp_speculator and MTP).
-The config does not build the draft's ``ModelConfig``: the engine does, then
-calls ``verify_equal_vocab_size_if_draft_model`` and
-``_maybe_override_draft_max_model_len``. Left out (vLLM fields with no meaning
-here): ``enforce_eager``, ``quantization``, ``revision``, ``code_revision``,
-``moe_backend``, ``attention_backend``, ``draft_load_config``,
-``disable_padded_drafter_batch`` (EAGLE always drafts on the padded batch,
-vLLM's default), ``use_local_argmax_reduction``, ``parallel_drafting``,
+The draft's ``ModelConfig`` (``draft_model_config``) is built by
+``GlassboxConfig`` (``_create_draft_model_config``), which then calls
+``verify_equal_vocab_size_if_draft_model`` and
+``_maybe_override_draft_max_model_len``; vLLM builds it in this class. The
+draft's context may not be shorter than the target's (vLLM allows it).
+Left out (vLLM fields with no meaning here): ``enforce_eager``,
+``quantization``, ``revision``, ``code_revision``, ``moe_backend``,
+``attention_backend``, ``draft_load_config``, ``disable_padded_drafter_batch``
+(the drafter's first pass always takes only the verified tokens, the way vLLM
+drafts with it set), ``use_local_argmax_reduction``, ``parallel_drafting``,
 ``rejection_sample_method`` and ``synthetic_acceptance_*`` (always the standard
 rejection sampler), ``draft_sample_method`` (drafts are always greedy) and the
 ``suffix_decoding_*`` fields. ``from_dict`` says so when given one of them.
@@ -127,6 +130,9 @@ class SpeculativeConfig:
     """n-gram: the longest suffix searched for in the request's tokens."""
     prompt_lookup_min: int | None = None
     """n-gram: the shortest suffix that counts as a match."""
+    draft_model_config: Any = dataclasses.field(default=None, init=False, repr=False)
+    """The draft's (or EAGLE head's) ``ModelConfig``; set by
+    ``GlassboxConfig`` from ``model`` (None for n-gram)."""
 
     def __post_init__(self) -> None:
         self._resolve_method()
@@ -238,7 +244,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config must be a dict (JSON object), got {type(data).__name__}"
             )
-        known = [f.name for f in dataclasses.fields(cls)]
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
         for key in data:
             if key in known:
                 continue

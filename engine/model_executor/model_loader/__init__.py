@@ -44,11 +44,15 @@ def get_model_loader(load_config: LoadConfig) -> BaseModelLoader:
 
 
 def get_model(
-    glassbox_config: GlassboxConfig, device: torch.device | str, dtype: torch.dtype
+    glassbox_config: GlassboxConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    prefix: str = "",
 ) -> nn.Module:
-    """Build the model of ``glassbox_config`` on ``device`` in ``dtype`` and load its weights."""
+    """Build the model of ``glassbox_config`` on ``device`` in ``dtype`` and load
+    its weights; ``prefix`` starts every layer name (``"draft_model"`` for a draft)."""
     loader = get_model_loader(glassbox_config.load_config)
-    return loader.load_model(glassbox_config, device=device, dtype=dtype)
+    return loader.load_model(glassbox_config, device=device, dtype=dtype, prefix=prefix)
 
 
 __all__ = [

@@ -49,10 +49,16 @@ class BaseModelLoader(ABC):
         """Fill the parameters of an already-built ``model``."""
 
     def load_model(
-        self, glassbox_config: GlassboxConfig, device: torch.device | str, dtype: torch.dtype
+        self,
+        glassbox_config: GlassboxConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        prefix: str = "",
     ) -> nn.Module:
+        """``prefix`` names the model's layers: a draft model is built under
+        ``"draft_model"`` so its attention layers do not clash with the target's."""
         model_config = glassbox_config.model_config
         with set_default_torch_dtype(dtype), torch.device(device):
-            model = initialize_model(glassbox_config)
+            model = initialize_model(glassbox_config, prefix=prefix)
         self.load_weights(model, model_config)
         return model.eval()
