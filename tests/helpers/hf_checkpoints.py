@@ -58,12 +58,13 @@ TINY_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def save_tiny_checkpoint(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
-    """Build a random fp32 ``arch`` model, save it to ``path``; return it in eval mode."""
+def save_tiny_checkpoint(arch: str, path: Path, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Build a random fp32 ``arch`` model, save it to ``path``; return it in eval
+    mode. ``overrides`` replace fields of ``TINY_CONFIG`` (e.g. a smaller draft)."""
     import transformers
 
     config_cls_name, model_cls_name, extra = TINY_ARCHS[arch]
-    config = getattr(transformers, config_cls_name)(**TINY_CONFIG, **extra)
+    config = getattr(transformers, config_cls_name)(**{**TINY_CONFIG, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls_name)(config).to(torch.float32).eval()
     path.mkdir(parents=True, exist_ok=True)

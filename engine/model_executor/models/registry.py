@@ -25,6 +25,9 @@ _TEXT_GENERATION_MODELS: dict[str, tuple[str, str]] = {
     "LLaMAForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    # EAGLE-1 heads (speculative decoding); vLLM's EAGLEConfig renames the
+    # checkpoint's architecture to this one.
+    "EagleLlamaForCausalLM": ("llama_eagle", "EagleLlamaForCausalLM"),
 }
 
 

@@ -49,12 +49,15 @@ Speculative decoding (session 06): a request's drafts follow its last token
 in the step's inputs (``_update_spec_token_ids``), the model's head runs on
 its last 1 + num_drafts positions (``_calc_spec_decode_metadata``), the
 ``RejectionSampler`` keeps the accepted drafts plus one token, and the
-``NgramProposer`` drafts for the next step (``propose_draft_token_ids``;
-``EngineCore`` collects them with ``take_draft_token_ids``). Steps with
+drafter proposes for the next step (``propose_draft_token_ids``;
+``EngineCore`` collects them with ``take_draft_token_ids``): the
+``NgramProposer`` from each request's history, or a model
+(``DraftModelProposer``, ``EagleProposer``) whose attention layers join the
+KV cache here (``get_kv_cache_spec``, ``initialize_kv_cache``). Steps with
 drafts run eagerly (their query length is above 1).
 
-Simpler than vLLM: no piecewise graphs (they need torch.compile), draft-model
-or EAGLE proposers, speculative decoding with async scheduling, LoRA,
+Simpler than vLLM: no piecewise graphs (they need torch.compile),
+speculative decoding with async scheduling, LoRA,
 multimodal or pipeline parallelism; no
 custom logits processors from the config (``build_logitsprocs`` accepts them,
 ``ModelConfig`` has no ``logits_processors`` yet); one attention builder, so
@@ -95,6 +98,9 @@ from engine.v1.outputs import (
 from engine.v1.sample.logits_processor import build_logitsprocs
 from engine.v1.sample.rejection_sampler import RejectionSampler
 from engine.v1.sample.sampler import Sampler
+from engine.v1.spec_decode.draft_model import DraftModelProposer
+from engine.v1.spec_decode.eagle import EagleProposer
+from engine.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 from engine.v1.spec_decode.ngram_proposer import NgramProposer
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -112,6 +118,8 @@ class ExecuteModelState:
     # Rows whose sample is thrown away: their prompt is not fully computed yet.
     discard_rows: list[int]
     spec_decode_metadata: SpecDecodeMetadata | None = None
+    # [num_tokens, hidden]: the step's last-layer states, which an EAGLE drafter reads.
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -284,13 +292,19 @@ class GPUModelRunner:
         # Speculative decoding: after each step the drafter proposes tokens
         # for the next; the rejection sampler verifies them there.
         self.speculative_config = glassbox_config.speculative_config
-        self.drafter: NgramProposer | None = None
+        self.drafter: NgramProposer | SpecDecodeBaseProposer | None = None
         self.rejection_sampler: RejectionSampler | None = None
         if self.speculative_config is not None:
             # The async path keeps one sampled id per row on the device; drafts
             # would need 1 + k (vLLM's EAGLE path). The config never pairs them.
             assert not self.scheduler_config.async_scheduling, "speculation runs the serial loop"
-            self.drafter = NgramProposer(glassbox_config)
+            method = self.speculative_config.method
+            if method == "ngram":
+                self.drafter = NgramProposer(glassbox_config)
+            elif method == "draft_model":
+                self.drafter = DraftModelProposer(glassbox_config, device)
+            else:
+                self.drafter = EagleProposer(glassbox_config, device)
             self.rejection_sampler = RejectionSampler(self.sampler)
         self._draft_token_ids: list[list[int]] | None = None
         # Async scheduling: sampled ids stay on the device for the next step,
@@ -346,20 +360,29 @@ class GPUModelRunner:
         }
         if not self.attn_layers:
             raise ValueError("the model has no Attention layers; nothing to build a KV cache for")
+        if isinstance(self.drafter, SpecDecodeBaseProposer):
+            self.drafter.load_model(self.model, self.dtype)
         logger.info("model loaded in %.2fs", time.perf_counter() - start)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return {
+        """Every attention layer's cache: the target's, then a draft model's."""
+        spec = {
             name: layer.get_kv_cache_spec(self.glassbox_config)
             for name, layer in self.attn_layers.items()
         }
+        if isinstance(self.drafter, SpecDecodeBaseProposer):
+            spec.update(self.drafter.get_kv_cache_spec())
+        return spec
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate one KV tensor per attention layer and bind it to the layer."""
         self.kv_caches = []
+        layers = dict(self.attn_layers)
+        if isinstance(self.drafter, SpecDecodeBaseProposer):
+            layers.update(self.drafter.attn_layers)
         for tensor_spec in kv_cache_config.kv_cache_tensors:
             (layer_name,) = tensor_spec.shared_by
-            layer = self.attn_layers[layer_name]
+            layer = layers[layer_name]
             shape = layer.attn_backend.get_kv_cache_shape(
                 kv_cache_config.num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )
@@ -370,6 +393,8 @@ class GPUModelRunner:
         self.attn_backend = backend
         self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
         self.calculate_reorder_batch_threshold()
+        if isinstance(self.drafter, SpecDecodeBaseProposer):
+            self.drafter.initialize_attn_backend(self.dtype)
         if self.device.type != "cuda" or not backend.supports_cudagraph:
             # Graphs need CUDA and a backend that never syncs with the host.
             self.cudagraph_dispatcher.mode = CUDAGraphMode.NONE
@@ -717,6 +742,7 @@ class GPUModelRunner:
             list(self.input_batch.req_ids),
             inputs.discard_rows,
             inputs.spec_decode_metadata,
+            hidden_states,
         )
         return None
 
@@ -784,7 +810,9 @@ class GPUModelRunner:
                     reqs[i].output_token_ids.append(token)
                     batch.append_token(i, token)
             if self.drafter is not None:
-                self._draft_token_ids = self.propose_draft_token_ids(result.sampled_token_ids)
+                self._draft_token_ids = self.propose_draft_token_ids(
+                    result.sampled_token_ids, state
+                )
                 self.trace.drafts_proposed(state.req_ids, self._draft_token_ids)
             return result
         for i in kept_rows:
@@ -800,13 +828,31 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     # 5. Speculative decoding: drafts for the next step
     # ------------------------------------------------------------------
-    def propose_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """Drafts per row from each request's history, now ending in this
-        step's tokens ([] for rows that sampled nothing)."""
+    def propose_draft_token_ids(
+        self, sampled_token_ids: list[list[int]], state: ExecuteModelState
+    ) -> list[list[int]]:
+        """Drafts per row ([] for rows that sampled nothing): n-gram from each
+        request's history, now ending in this step's tokens; a model from the
+        tokens this step verified (and, for EAGLE, the target's hidden states)."""
         assert self.drafter is not None
         batch = self.input_batch
+        if isinstance(self.drafter, NgramProposer):
+            return self.drafter.propose(
+                sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu
+            )
+        num_scheduled = np.array(
+            [state.scheduler_output.num_scheduled_tokens[r] for r in state.req_ids],
+            dtype=np.int64,
+        )
         return self.drafter.propose(
-            sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu
+            sampled_token_ids,
+            batch.token_ids_cpu,
+            batch.num_tokens_no_spec,
+            batch.num_computed_tokens_cpu,
+            num_scheduled,
+            np.cumsum(num_scheduled),
+            batch.block_table,
+            state.hidden_states,
         )
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -896,4 +942,8 @@ class GPUModelRunner:
         n = self.max_num_tokens
         with set_forward_context(None, self.glassbox_config):
             hidden = self.model(self.input_ids[:n], self.positions[:n])
-        self.model.compute_logits(hidden[: min(n, self.max_num_reqs)])
+        # With drafts a request scores 1 + k positions, not 1.
+        num_logits = self.max_num_reqs * (1 + self.glassbox_config.num_speculative_tokens)
+        self.model.compute_logits(hidden[: min(n, num_logits)])
+        if isinstance(self.drafter, SpecDecodeBaseProposer):
+            self.drafter.dummy_run(n)

@@ -166,6 +166,9 @@ class Scheduler(SchedulerInterface):
             enable_caching=self.cache_config.enable_prefix_caching,
             log_stats=log_stats,
             hash_block_size=hash_block_size,
+            # An EAGLE head's cache entry at a block's last position depends on
+            # the next token, so a prefix hit gives up its last block.
+            use_eagle=speculative_config is not None and speculative_config.use_eagle(),
             trace=trace.kv_cache,
         )
         # Glassbox's own counters: the step number (``SchedulerOutput.step``,

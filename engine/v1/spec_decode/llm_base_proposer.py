@@ -1,0 +1,328 @@
+"""SpecDecodeBaseProposer: draft k tokens per request with a small model of our own.
+
+vLLM twin: ``vllm/v1/spec_decode/llm_base_proposer.py``
+(``SpecDecodeBaseProposer``: ``load_model``, ``propose``,
+``set_inputs_first_pass``, ``prepare_inputs``, ``dummy_run``,
+``initialize_attn_backend``); the draft model and EAGLE proposers
+(``draft_model.py``, ``eagle.py``) subclass it.
+Read it for how a model drafts inside the engine. The drafter's attention
+layers get their own KV cache tensors but share the target's block table
+(``engine/v1/kv_cache_interface.py``, ``UniformTypeKVCacheSpecs``), so a slot
+means the same position in both caches. After the target's step:
+
+1. First pass, over the tokens the target just verified. Per request, the
+   positions from ``num_computed_tokens`` (where the target's step began) up
+   to its new last token; rejected drafts are left out, and the drafter's
+   stale cache entries for them are overwritten on a later step. A request in
+   the middle of its prompt runs its chunk only, to fill the drafter's cache,
+   and drafts nothing. The logits at each drafting request's last position
+   give draft 1 (greedy).
+2. k - 1 more passes of one token per drafting request: draft j goes in at
+   the next position, its KV into the lookahead slots the scheduler reserved
+   (``num_lookahead_tokens``), and draft j + 1 comes out.
+
+Which tokens the first pass reads is the subclass's choice
+(``first_pass_shift``): a draft model reads the token at each position; an
+EAGLE head reads the token one position later together with the target's
+hidden state at the position (``pass_hidden_states_to_model``).
+Sessions: 06 (speculative decoding).
+
+Simpler than vLLM: the first pass is gathered on the host with numpy (vLLM's
+Triton kernels build it on the device, and its default "padded" batch keeps
+the rejected tokens in place to avoid a host sync); drafting runs eagerly
+(vLLM captures CUDA graphs for it) in the serial loop only (vLLM also drafts
+under async scheduling); drafts are greedy (no draft probabilities for the
+rejection sampler, vLLM's default too); no tree drafting, multimodal inputs,
+M-RoPE or parallel drafting. Drafts that would reach ``max_model_len`` are cut
+off (vLLM clamps the position and pads the slot, then the scheduler cuts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.config import GlassboxConfig
+from engine.forward_context import set_forward_context
+from engine.model_executor.layers.attention.attention import Attention
+from engine.model_executor.model_loader import get_model
+from engine.v1.attention.backend import CommonAttentionMetadata
+from engine.v1.kv_cache_interface import KVCacheSpec
+from engine.v1.worker.block_table import BlockTable
+
+
+@dataclass
+class DraftPass:
+    """One drafter forward, laid out on the host: ``rows`` are batch rows,
+    each with ``query_lens[r]`` tokens (flattened in ``token_ids`` /
+    ``positions``), and its context is ``seq_lens[r]`` tokens long."""
+
+    rows: np.ndarray  # [R] batch rows, in the pass's order
+    query_lens: np.ndarray  # [R]
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [R]
+    # [T] flat index of each token's position in the target's step (EAGLE's
+    # hidden state); None on the lookahead passes.
+    target_indices: np.ndarray | None = None
+
+
+class SpecDecodeBaseProposer:
+    # Draft model 0: the token at each position; EAGLE 1: the next one.
+    first_pass_shift = 0
+    pass_hidden_states_to_model = False
+
+    def __init__(self, glassbox_config: GlassboxConfig, device: torch.device) -> None:
+        spec = glassbox_config.speculative_config
+        assert spec is not None and spec.draft_model_config is not None
+        self.glassbox_config = glassbox_config
+        self.speculative_config = spec
+        self.draft_model_config = spec.draft_model_config
+        self.num_speculative_tokens: int = spec.num_speculative_tokens or 0
+        self.device = device
+        self.max_model_len = glassbox_config.model_config.max_model_len or 0
+        self.model: nn.Module | None = None
+        self.attn_layers: dict[str, Attention] = {}
+        self.attn_metadata_builder = None
+        self.block_size = glassbox_config.cache_config.block_size
+
+    # ------------------------------------------------------------------
+    # Set-up
+    # ------------------------------------------------------------------
+    def _create_draft_glassbox_config(self) -> GlassboxConfig:
+        """The target's config with the draft's ModelConfig and no speculation."""
+        return dataclasses.replace(
+            self.glassbox_config, model_config=self.draft_model_config, speculative_config=None
+        )
+
+    def _get_model(self, dtype: torch.dtype) -> nn.Module:
+        # "draft_model.": layer names (and so cache tensors) apart from the target's.
+        return get_model(
+            self._create_draft_glassbox_config(), self.device, dtype, prefix="draft_model"
+        )
+
+    def load_model(self, target_model: nn.Module, dtype: torch.dtype) -> None:
+        self.model = self._get_model(dtype)
+        self._maybe_share_embeddings(target_model)
+        self._maybe_share_lm_head(target_model)
+        self.attn_layers = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
+        }
+        if not self.attn_layers:
+            raise ValueError("the draft model has no Attention layers")
+
+    def _maybe_share_embeddings(self, target_model: nn.Module) -> None:
+        """EAGLE reuses the target's embedding when its checkpoint has none."""
+
+    def _maybe_share_lm_head(self, target_model: nn.Module) -> None:
+        """EAGLE scores with the target's LM head."""
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return {
+            name: layer.get_kv_cache_spec(self.glassbox_config)
+            for name, layer in self.attn_layers.items()
+        }
+
+    def initialize_attn_backend(self, dtype: torch.dtype) -> None:
+        """A metadata builder of the drafter's own: its layers may differ in
+        shape from the target's (FlashInfer plans per shape)."""
+        backend = next(iter(self.attn_layers.values())).attn_backend
+        self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
+        if hasattr(self.attn_metadata_builder, "bind_layers"):
+            self.attn_metadata_builder.bind_layers(self.attn_layers.values(), dtype, [])
+
+    # ------------------------------------------------------------------
+    # Drafting
+    # ------------------------------------------------------------------
+    def set_inputs_first_pass(
+        self,
+        sampled_token_ids: list[list[int]],
+        token_ids_cpu: np.ndarray,
+        num_tokens_no_spec: np.ndarray,
+        num_computed_tokens: np.ndarray,
+        num_scheduled_tokens: np.ndarray,
+        cu_num_tokens: np.ndarray,
+    ) -> tuple[DraftPass, np.ndarray]:
+        """The first pass, and which of its rows draft (a bool per row).
+
+        Per batch row i, with c = num_computed_tokens[i] (where the target's
+        step began) and n = num_tokens_no_spec[i] (the verified tokens now):
+          drafting row (it sampled):  positions c .. n - 1 - shift
+          prompt chunk (it did not):  positions c .. c + num_scheduled - 1
+        Example, draft model, k = 3: c = 10, the target ran [t10 d1 d2 d3],
+        accepted d1 and sampled x: n = 12 (t10 d1 x), positions 10 11 12 with
+        tokens t10 d1 x; draft 1 comes from position 12. EAGLE reads d1 x and
+        t11 (unknown yet) is not needed: positions 10 11, tokens d1 x.
+        """
+        num_reqs = len(sampled_token_ids)
+        shift = self.first_pass_shift
+        drafts = np.array([len(t) > 0 for t in sampled_token_ids], dtype=bool)
+        starts = num_computed_tokens[:num_reqs].astype(np.int64)
+        ends = np.where(
+            drafts,
+            num_tokens_no_spec[:num_reqs] - shift,
+            starts + num_scheduled_tokens,
+        ).astype(np.int64)
+        query_lens = ends - starts
+        # Single-token rows first: builders that split decodes from prefills
+        # (FlashInfer) expect them at the front, as the runner's reorder does.
+        order = np.argsort(query_lens > 1, kind="stable")
+        rows, starts, query_lens = order, starts[order], query_lens[order]
+        offsets = np.arange(int(query_lens.sum())) - np.repeat(
+            np.cumsum(query_lens) - query_lens, query_lens
+        )
+        flat_rows = np.repeat(rows, query_lens)
+        positions = np.repeat(starts, query_lens) + offsets
+        step_starts = (cu_num_tokens - num_scheduled_tokens)[rows]
+        first = DraftPass(
+            rows=rows,
+            query_lens=query_lens,
+            token_ids=token_ids_cpu[flat_rows, positions + shift],
+            positions=positions,
+            seq_lens=starts + query_lens,
+            target_indices=np.repeat(step_starts, query_lens) + offsets,
+        )
+        return first, drafts[order]
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        token_ids_cpu: np.ndarray,
+        num_tokens_no_spec: np.ndarray,
+        num_computed_tokens: np.ndarray,
+        num_scheduled_tokens: np.ndarray,
+        cu_num_tokens: np.ndarray,
+        block_table: BlockTable,
+        target_hidden_states: torch.Tensor | None = None,  # [step tokens, hidden] (EAGLE)
+    ) -> list[list[int]]:
+        """Up to k greedy drafts per batch row ([] for rows that sampled nothing)."""
+        assert self.model is not None
+        num_reqs = len(sampled_token_ids)
+        first, drafting = self.set_inputs_first_pass(
+            sampled_token_ids,
+            token_ids_cpu,
+            num_tokens_no_spec,
+            num_computed_tokens,
+            num_scheduled_tokens,
+            cu_num_tokens,
+        )
+        hidden_in = None
+        if self.pass_hidden_states_to_model:
+            assert target_hidden_states is not None and first.target_indices is not None
+            hidden_in = target_hidden_states[torch.from_numpy(first.target_indices).to(self.device)]
+        last_hidden, hidden_out = self._run(first, block_table, hidden_in)
+        # Each drafting row's last token: its logits give draft 1.
+        out: list[list[int]] = [[] for _ in range(num_reqs)]
+        rows = first.rows[drafting]
+        if not len(rows):  # only prompt chunks: their caches are filled, nothing to draft
+            return out
+        last_index = np.cumsum(first.query_lens) - 1
+        sample_at = torch.from_numpy(last_index[drafting]).to(self.device)
+        draft_ids = [self._greedy_sample(last_hidden[sample_at])]
+
+        last_positions = first.positions[last_index[drafting]]
+        hidden = hidden_out[sample_at] if hidden_out is not None else None
+        for j in range(1, self.num_speculative_tokens):
+            # Draft j enters one position after the last token run.
+            positions = last_positions + j
+            step = DraftPass(
+                rows=rows,
+                query_lens=np.ones(len(rows), dtype=np.int64),
+                token_ids=np.zeros(len(rows), dtype=np.int64),  # replaced by the drafts below
+                positions=positions,
+                seq_lens=positions + 1,
+            )
+            last_hidden, hidden_out = self._run(step, block_table, hidden, input_ids=draft_ids[-1])
+            hidden = hidden_out
+            draft_ids.append(self._greedy_sample(last_hidden))
+
+        drafts = torch.stack(draft_ids, dim=1).tolist()  # [drafting rows, k]; waits for the device
+        # Drafts must not carry a request past max_model_len.
+        for row, row_drafts in zip(rows.tolist(), drafts):
+            room = self.max_model_len - int(num_tokens_no_spec[row])
+            out[row] = row_drafts[: max(room, 0)]
+        return out
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        return self.model.compute_logits(hidden_states).argmax(dim=-1)
+
+    def _run(
+        self,
+        draft_pass: DraftPass,
+        block_table: BlockTable,
+        hidden_states: torch.Tensor | None,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One drafter forward over ``draft_pass``: (hidden states to score,
+        hidden states for the next pass (EAGLE) or None)."""
+        assert self.model is not None and self.attn_metadata_builder is not None
+        p = draft_pass
+        positions = p.positions.copy()
+        token_rows = np.repeat(p.rows, p.query_lens)
+        # A lookahead position at or past max_model_len writes nowhere and
+        # reads a one-token context; its drafts are cut off in propose().
+        beyond = positions >= self.max_model_len
+        positions[beyond] = 0
+        slot_mapping = block_table.compute_slot_mapping(token_rows, positions)
+        slot_mapping[beyond] = -1
+        seq_lens = np.where(beyond[np.cumsum(p.query_lens) - 1], 1, p.seq_lens).astype(np.int32)
+        query_start_loc = np.zeros(len(p.rows) + 1, dtype=np.int32)
+        query_start_loc[1:] = np.cumsum(p.query_lens)
+        device = self.device
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        common = CommonAttentionMetadata(
+            query_start_loc=to_device(query_start_loc),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc),
+            seq_lens=to_device(seq_lens),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+            num_reqs=len(p.rows),
+            num_actual_tokens=len(positions),
+            max_query_len=int(p.query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table.block_table[to_device(p.rows.astype(np.int64))],
+            slot_mapping=to_device(slot_mapping.astype(np.int64)),
+        )
+        metadata = self.attn_metadata_builder.build(common)
+        if input_ids is None:
+            input_ids = to_device(p.token_ids.astype(np.int64))
+        kwargs = {}
+        if self.pass_hidden_states_to_model:
+            kwargs["hidden_states"] = hidden_states
+        with set_forward_context(
+            {name: metadata for name in self.attn_layers}, self.glassbox_config
+        ):
+            out = self.model(input_ids, to_device(positions), **kwargs)
+        if isinstance(out, tuple):  # EAGLE: (to score, to feed the next pass)
+            return out[0], out[1]
+        return out, None
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int) -> None:
+        """A forward over ``num_tokens`` dummy tokens with no KV cache, for the
+        memory profile that sizes the KV cache."""
+        assert self.model is not None
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        kwargs = {}
+        if self.pass_hidden_states_to_model:
+            hidden_size = int(self.draft_model_config.hf_config["hidden_size"])
+            kwargs["hidden_states"] = torch.zeros(
+                num_tokens, hidden_size, device=self.device, dtype=self._dtype()
+            )
+        with set_forward_context(None, self.glassbox_config):
+            out = self.model(input_ids, input_ids, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        max_num_seqs = self.glassbox_config.scheduler_config.max_num_seqs
+        self.model.compute_logits(hidden[: min(num_tokens, max_num_seqs)])
+
+    def _dtype(self) -> torch.dtype:
+        assert self.model is not None
+        return next(self.model.parameters()).dtype
