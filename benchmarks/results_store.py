@@ -31,6 +31,7 @@ Series names (``current_name``):
   ``_busy<K>`` added for a run with K busy processes alongside), e.g. ``cpu_threads_cpu_16c``.
 * ``spec_decode_<machine>`` (``spec_decode_cpu``, ``spec_decode_h200``: the default model;
   another model adds ``_<model>``).
+* ``spec_verify_cost_<machine>`` (a verification step against a decode step).
 
 A benchmark stores its run with ``--record`` (CPU scripts) or, for results
 written elsewhere (the GPU machine's ``$OUT``), with
@@ -120,6 +121,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"spec_decode_{machine}" + ("" if model == "default" else f"_{model_slug(result)}")
     if benchmark == "gpu_profile_step":
         return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
+    if benchmark == "spec_verify_cost":
+        return f"spec_verify_cost_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):
         model = model_slug(result)
         if machine == "cpu":

@@ -687,6 +687,8 @@ def _file_says(res: Results, name: str) -> str:
         return cpu_threads_says(r)
     if benchmark == "spec_decode":
         return spec_decode_says(r)
+    if benchmark == "spec_verify_cost":
+        return spec_verify_says(r)
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
     return ""
@@ -760,6 +762,43 @@ def spec_identical(r: dict[str, Any]) -> str:
 
 def _rounds(n: int) -> str:
     return f"medians of {n} interleaved rounds" if n > 1 else "1 round"
+
+
+def spec_verify_says(r: dict[str, Any]) -> str:
+    """One line: the dearest verification step against graphed decode."""
+    worst = max(r["results"], key=lambda x: x["ratio_to_decode_graphs"])
+    return (
+        f"one step verifying k drafts against a plain decode step; dearest: "
+        f"{worst['mode']} at batch {worst['batch']}, {worst['ratio_to_decode_graphs']:.2f}x"
+    )
+
+
+def spec_verify_table(res: Results) -> str:
+    """docs/spec_decode.md: step time per mode and batch, and the ratio to graphed decode."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("spec_verify_cost_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        where = r.get("gpu") or "CPU"
+        batches = sorted({x["batch"] for x in r["results"]})
+        modes = list(dict.fromkeys(x["mode"] for x in r["results"]))
+        cell = {(x["mode"], x["batch"]): x for x in r["results"]}
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {where}; {r['model']}; "
+            f"context {r['context']}; median step ms, and × graphed decode):"
+        )
+        parts.append("")
+        parts.append("| mode | " + " | ".join(f"batch {b}" for b in batches) + " |")
+        parts.append("| --- |" + " --- |" * len(batches))
+        for mode in modes:
+            cells = [
+                f"{cell[mode, b]['median_ms']:.2f} ({cell[mode, b]['ratio_to_decode_graphs']:.2f}x)"
+                for b in batches
+                if (mode, b) in cell
+            ]
+            parts.append(f"| {mode} | " + " | ".join(cells) + " |")
+        parts.append("")
+    return "\n".join(parts).strip() or "No result stored yet."
 
 
 def spec_decode_table(res: Results) -> str:
@@ -888,6 +927,7 @@ BLOCKS = (
     Block("tracing-overhead", "docs/trace_format.md", tracing_overhead_table),
     Block("cpu-threads", "docs/reliability.md", cpu_threads_table),
     Block("spec-decode", "docs/spec_decode.md", spec_decode_table),
+    Block("spec-verify", "docs/spec_decode.md", spec_verify_table),
 )
 
 

@@ -2,7 +2,7 @@
 # The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
 #
 # Usage, on a CUDA machine, from the repo root:
-#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async]   (`make test-gpu` = `all`)
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec]   (`make test-gpu` = `all`)
 #     tests    every test marked `gpu` (tests/gpu, tests/v1/{attention,worker,sample}); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
@@ -10,6 +10,9 @@
 #     tracing  only the tracing overhead benchmark and its profile
 #     async    async scheduling on against off: throughput, client inter-token time and
 #              decode step (benchmarks/async_scheduling.py -> async_scheduling_<gpu>.json)
+#     spec     speculative decoding: its gpu tests (Triton attention; tests/v1/sample), then
+#              the cost of a verification step (benchmarks/spec_verify_cost.py ->
+#              spec_verify_cost_<gpu>.json)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
@@ -46,8 +49,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing | async) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing|async]" >&2; exit 2 ;;
+  all | tests | bench | tracing | async | spec) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async|spec]" >&2; exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
@@ -107,6 +110,13 @@ if [ "$WHAT" = async ]; then
   "$PYTHON" benchmarks/async_scheduling.py --device cuda --rounds "${ASYNC_ROUNDS:-2}" \
     --parts "${ASYNC_PARTS:-itl,latency,throughput}" --out "$OUT/" 2>&1 \
     | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+fi
+if [ "$WHAT" = spec ]; then
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu -k "not FLASHINFER" \
+    tests/gpu/test_gpu_spec_decode.py tests/v1/sample 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  GLASSBOX_ATTENTION_BACKEND=${SPEC_BACKEND:-TRITON_ATTN} "$PYTHON" benchmarks/spec_verify_cost.py \
+    --device cuda --batch-sizes "${SPEC_BATCHES:-1,8,32}" --steps "${SPEC_STEPS:-20}" \
+    --out "$OUT/" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
 # The logs and results as one archive (kernel caches stay beside it).
