@@ -89,3 +89,36 @@ def test_ngram_greedy_equals_plain_decoding_on_cuda(
     assert [lp for _, lp in spec] == [lp for _, lp in plain]
     verified = [e for e in load_trace(trace) if e.kind == "spec.verified"]
     assert sum(e.num_accepted for e in verified) > 0
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory):
+    from tests.helpers.eagle_checkpoint import save_tiny_eagle_checkpoint
+
+    return save_tiny_eagle_checkpoint(tmp_path_factory.mktemp("tiny_eagle"), TINY_CONFIG)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_model_drafters_on_cuda(tiny_qwen3, eagle_head, tmp_path, monkeypatch, method):
+    """The draft-model proposer with the target as its own draft accepts every
+    draft; an EAGLE head (random, on a Llama-shaped target) keeps the greedy
+    output. CUDA graphs stay on for the plain decode steps."""
+    monkeypatch.setenv("GLASSBOX_ATTENTION_BACKEND", "TRITON_ATTN")
+    target = tiny_qwen3
+    if method == "eagle":
+        target = tmp_path / "llama"
+        save_tiny_checkpoint("llama", target)
+    plain = _run(target, None, async_scheduling=False, num_gpu_blocks_override=256)
+    draft = target if method == "draft_model" else eagle_head
+    spec_config = {"method": method, "model": str(draft), "num_speculative_tokens": 3}
+    trace = str(tmp_path / "spec.jsonl")
+    spec = _run(target, spec_config, trace_path=trace, num_gpu_blocks_override=256)
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    verified = [e for e in load_trace(trace) if e.kind == "spec.verified"]
+    assert sum(len(e.draft_token_ids) for e in verified) > 0
+    if method == "draft_model":
+        # Every draft holds except under repetition_penalty (PARAMS[3]): the
+        # draft proposes the raw argmax, the target samples the penalised one.
+        unpenalised = [e for e in verified if int(e.request_id.split("-")[0]) % 4 != 3]
+        drafted = sum(len(e.draft_token_ids) for e in unpenalised)
+        assert drafted > 0 and sum(e.num_accepted for e in unpenalised) == drafted
