@@ -25,8 +25,12 @@ def _cuda_unavailable_reason() -> str | None:
         import torch
     except ImportError:
         return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
+    # device_count() asks NVML; is_available() asks the CUDA runtime, which
+    # marks this process unsafe to fork (torch's "poison fork"), and an engine
+    # forked from it then fails with "Cannot re-initialize CUDA in forked
+    # subprocess" although torch.cuda.is_initialized() is False.
+    if torch.cuda.device_count() == 0:
+        return "no CUDA device (torch.cuda.device_count() is 0)"
     return None
 
 

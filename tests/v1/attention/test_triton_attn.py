@@ -43,7 +43,7 @@ from engine.v1.attention.selector import ATTENTION_BACKEND_ENV, get_attn_backend
 from tests.helpers.attention_batches import cpu_attn_fp32, scatter_requests
 from tests.helpers.triton_interpret import interpreting_worker, run_without_interpreter
 
-HAS_CUDA = torch.cuda.is_available()
+HAS_CUDA = torch.cuda.device_count() > 0  # NVML: is_available() would poison fork
 # Small checks: compiled on the GPU when there is one, else interpreted on the CPU.
 SMALL_DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 

@@ -38,7 +38,7 @@ from engine.v1.sample.sampler import Sampler
 from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 from tests.helpers.triton_interpret import interpreting_worker, run_without_interpreter
 
-HAS_CUDA = torch.cuda.is_available()
+HAS_CUDA = torch.cuda.device_count() > 0  # NVML: is_available() would poison fork
 # Small Triton checks: compiled on the GPU when there is one, else interpreted on the CPU.
 SMALL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 VOCAB = 10
