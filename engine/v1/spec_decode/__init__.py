@@ -12,6 +12,11 @@ the longest acceptable prefix and adds one token of its own.
   their logits rows sit in the flattened batch.
 - ``ngram_proposer.py``: ``NgramProposer``, drafts from the request's own
   history (prompt lookup).
+- ``llm_base_proposer.py``: ``SpecDecodeBaseProposer``, drafting with a model
+  of our own: a first pass over the verified tokens, then one pass per draft.
+- ``draft_model.py``: ``DraftModelProposer``, a smaller model of the same
+  vocabulary; ``eagle.py``: ``EagleProposer``, an EAGLE head over the
+  target's hidden states.
 - ``metrics.py``: ``SpecDecodingStats``, drafts and acceptances per step.
 
 Sessions: 06 (speculative decoding).

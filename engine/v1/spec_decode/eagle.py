@@ -17,8 +17,8 @@ position depends on the next block's first token, so a prefix-cache hit gives
 up its last block (``use_eagle`` in ``KVCacheManager``), as in vLLM.
 Sessions: 06 (speculative decoding).
 
-Simpler than vLLM: EAGLE-1 on Llama-style heads only (no EAGLE-3, MTP or
-DFlash; no tree drafting); the head drafts in the serial loop, eagerly.
+Simpler than vLLM: EAGLE-1 Llama-style heads only, without EAGLE-3, MTP,
+DFlash or tree drafting, and the head drafts in the serial loop, eagerly.
 """
 
 from __future__ import annotations
