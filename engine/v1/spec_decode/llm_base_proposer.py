@@ -71,6 +71,22 @@ class DraftPass:
     target_indices: np.ndarray | None = None
 
 
+@dataclass
+class DraftInputs:
+    """What the runner hands a model drafter after sampling, per batch row
+    (Glassbox's own: vLLM's ``propose`` takes device tensors and attention
+    metadata as arguments)."""
+
+    sampled_token_ids: list[list[int]]  # [num_reqs][0 or more]; [] = a prompt chunk
+    token_ids_cpu: np.ndarray  # [max_num_reqs, max_model_len], now with this step's tokens
+    num_tokens_no_spec: np.ndarray  # [>= num_reqs] verified tokens per row
+    num_computed_tokens: np.ndarray  # [>= num_reqs] where the target's step began
+    num_scheduled_tokens: np.ndarray  # [num_reqs] tokens the target ran per row
+    cu_num_tokens: np.ndarray  # [num_reqs] cumulative num_scheduled_tokens
+    block_table: BlockTable
+    target_hidden_states: torch.Tensor | None = None  # [step tokens, hidden] (EAGLE)
+
+
 class SpecDecodeBaseProposer:
     # Draft model 0: the token at each position; EAGLE 1: the next one.
     first_pass_shift = 0
@@ -138,15 +154,7 @@ class SpecDecodeBaseProposer:
     # ------------------------------------------------------------------
     # Drafting
     # ------------------------------------------------------------------
-    def set_inputs_first_pass(
-        self,
-        sampled_token_ids: list[list[int]],
-        token_ids_cpu: np.ndarray,
-        num_tokens_no_spec: np.ndarray,
-        num_computed_tokens: np.ndarray,
-        num_scheduled_tokens: np.ndarray,
-        cu_num_tokens: np.ndarray,
-    ) -> tuple[DraftPass, np.ndarray]:
+    def set_inputs_first_pass(self, inputs: DraftInputs) -> tuple[DraftPass, np.ndarray]:
         """The first pass, and which of its rows draft (a bool per row).
 
         Per batch row i, with c = num_computed_tokens[i] (where the target's
@@ -158,14 +166,14 @@ class SpecDecodeBaseProposer:
         tokens t10 d1 x; draft 1 comes from position 12. EAGLE reads d1 x and
         t11 (unknown yet) is not needed: positions 10 11, tokens d1 x.
         """
-        num_reqs = len(sampled_token_ids)
+        num_reqs = len(inputs.sampled_token_ids)
         shift = self.first_pass_shift
-        drafts = np.array([len(t) > 0 for t in sampled_token_ids], dtype=bool)
-        starts = num_computed_tokens[:num_reqs].astype(np.int64)
+        drafts = np.array([len(t) > 0 for t in inputs.sampled_token_ids], dtype=bool)
+        starts = inputs.num_computed_tokens[:num_reqs].astype(np.int64)
         ends = np.where(
             drafts,
-            num_tokens_no_spec[:num_reqs] - shift,
-            starts + num_scheduled_tokens,
+            inputs.num_tokens_no_spec[:num_reqs] - shift,
+            starts + inputs.num_scheduled_tokens,
         ).astype(np.int64)
         query_lens = ends - starts
         # Single-token rows first: builders that split decodes from prefills
@@ -177,11 +185,11 @@ class SpecDecodeBaseProposer:
         )
         flat_rows = np.repeat(rows, query_lens)
         positions = np.repeat(starts, query_lens) + offsets
-        step_starts = (cu_num_tokens - num_scheduled_tokens)[rows]
+        step_starts = (inputs.cu_num_tokens - inputs.num_scheduled_tokens)[rows]
         first = DraftPass(
             rows=rows,
             query_lens=query_lens,
-            token_ids=token_ids_cpu[flat_rows, positions + shift],
+            token_ids=inputs.token_ids_cpu[flat_rows, positions + shift],
             positions=positions,
             seq_lens=starts + query_lens,
             target_indices=np.repeat(step_starts, query_lens) + offsets,
@@ -189,32 +197,17 @@ class SpecDecodeBaseProposer:
         return first, drafts[order]
 
     @torch.inference_mode()
-    def propose(
-        self,
-        sampled_token_ids: list[list[int]],
-        token_ids_cpu: np.ndarray,
-        num_tokens_no_spec: np.ndarray,
-        num_computed_tokens: np.ndarray,
-        num_scheduled_tokens: np.ndarray,
-        cu_num_tokens: np.ndarray,
-        block_table: BlockTable,
-        target_hidden_states: torch.Tensor | None = None,  # [step tokens, hidden] (EAGLE)
-    ) -> list[list[int]]:
+    def propose(self, inputs: DraftInputs) -> list[list[int]]:
         """Up to k greedy drafts per batch row ([] for rows that sampled nothing)."""
         assert self.model is not None
-        num_reqs = len(sampled_token_ids)
-        first, drafting = self.set_inputs_first_pass(
-            sampled_token_ids,
-            token_ids_cpu,
-            num_tokens_no_spec,
-            num_computed_tokens,
-            num_scheduled_tokens,
-            cu_num_tokens,
-        )
+        num_reqs = len(inputs.sampled_token_ids)
+        block_table = inputs.block_table
+        first, drafting = self.set_inputs_first_pass(inputs)
         hidden_in = None
         if self.pass_hidden_states_to_model:
-            assert target_hidden_states is not None and first.target_indices is not None
-            hidden_in = target_hidden_states[torch.from_numpy(first.target_indices).to(self.device)]
+            target_hidden = inputs.target_hidden_states
+            assert target_hidden is not None and first.target_indices is not None
+            hidden_in = target_hidden[torch.from_numpy(first.target_indices).to(self.device)]
         last_hidden, hidden_out = self._run(first, block_table, hidden_in)
         # Each drafting row's last token: its logits give draft 1.
         out: list[list[int]] = [[] for _ in range(num_reqs)]
@@ -244,7 +237,7 @@ class SpecDecodeBaseProposer:
         drafts = torch.stack(draft_ids, dim=1).tolist()  # [drafting rows, k]; waits for the device
         # Drafts must not carry a request past max_model_len.
         for row, row_drafts in zip(rows.tolist(), drafts):
-            room = self.max_model_len - int(num_tokens_no_spec[row])
+            room = self.max_model_len - int(inputs.num_tokens_no_spec[row])
             out[row] = row_drafts[: max(room, 0)]
         return out
 

@@ -100,7 +100,7 @@ from engine.v1.sample.rejection_sampler import RejectionSampler
 from engine.v1.sample.sampler import Sampler
 from engine.v1.spec_decode.draft_model import DraftModelProposer
 from engine.v1.spec_decode.eagle import EagleProposer
-from engine.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+from engine.v1.spec_decode.llm_base_proposer import DraftInputs, SpecDecodeBaseProposer
 from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 from engine.v1.spec_decode.ngram_proposer import NgramProposer
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -845,14 +845,16 @@ class GPUModelRunner:
             dtype=np.int64,
         )
         return self.drafter.propose(
-            sampled_token_ids,
-            batch.token_ids_cpu,
-            batch.num_tokens_no_spec,
-            batch.num_computed_tokens_cpu,
-            num_scheduled,
-            np.cumsum(num_scheduled),
-            batch.block_table,
-            state.hidden_states,
+            DraftInputs(
+                sampled_token_ids,
+                batch.token_ids_cpu,
+                batch.num_tokens_no_spec,
+                batch.num_computed_tokens_cpu,
+                num_scheduled,
+                np.cumsum(num_scheduled),
+                batch.block_table,
+                state.hidden_states,
+            )
         )
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

@@ -52,6 +52,17 @@ PROMPTS = [_ids(n) for n in (5, 20, 40)] + [_ids(6) * 5, _ids(4) * 4 + _ids(3)]
 LONG_PROMPTS = [_ids(70), _ids(5) * 10, _ids(33), _ids(3), _ids(8) * 3]
 SHARED = _ids(8) * 6
 PREFIX_PROMPTS = [SHARED + _ids(n) for n in (5, 9, 20)]
+# Engine settings x prompts for the output-unchanged tests.
+ENGINE_CASES = pytest.mark.parametrize(
+    "engine_kw, prompts",
+    [
+        ({}, PROMPTS),
+        # Chunked prefill (budget 32) and preemption (40 blocks for 5 long prompts).
+        ({"max_num_batched_tokens": 32, "num_gpu_blocks_override": 40}, LONG_PROMPTS),
+        ({"enable_prefix_caching": True}, PREFIX_PROMPTS + PREFIX_PROMPTS),
+    ],
+    ids=["plain", "chunked-preempted", "prefix-cached"],
+)
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +159,7 @@ def test_draft_equal_to_target_accepts_every_draft(ckpts, engines, arch):
     _assert_idle(spec_llm)
 
 
-@pytest.mark.parametrize(
-    "engine_kw, prompts",
-    [
-        ({}, PROMPTS),
-        # Chunked prefill (budget 32) and preemption (40 blocks for 5 long prompts).
-        ({"max_num_batched_tokens": 32, "num_gpu_blocks_override": 40}, LONG_PROMPTS),
-        ({"enable_prefix_caching": True}, PREFIX_PROMPTS + PREFIX_PROMPTS),
-    ],
-    ids=["plain", "chunked-preempted", "prefix-cached"],
-)
+@ENGINE_CASES
 def test_smaller_draft_keeps_greedy_output(ckpts, engines, engine_kw, prompts):
     plain = _generate(engines(ckpts["qwen3"], None, **engine_kw), prompts)
     spec_llm = engines(ckpts["qwen3"], ckpts["small"], **engine_kw)
@@ -299,15 +301,7 @@ def test_eagle_drafts_equal_a_full_recompute_with_transformers(ckpts, engines, t
 
 
 @pytest.mark.parametrize("head", ["eagle", "eagle_embed"])
-@pytest.mark.parametrize(
-    "engine_kw, prompts",
-    [
-        ({}, PROMPTS),
-        ({"max_num_batched_tokens": 32, "num_gpu_blocks_override": 40}, LONG_PROMPTS),
-        ({"enable_prefix_caching": True}, PREFIX_PROMPTS + PREFIX_PROMPTS),
-    ],
-    ids=["plain", "chunked-preempted", "prefix-cached"],
-)
+@ENGINE_CASES
 def test_eagle_keeps_greedy_output(ckpts, engines, head, engine_kw, prompts):
     plain = _generate(engines(ckpts["llama"], None, **engine_kw), prompts)
     llm = engines(ckpts["llama"], ckpts[head], method="eagle", **engine_kw)
