@@ -281,6 +281,7 @@ class SchedulerTrace(SubsystemTrace):
                 kv_cache_usage=scheduler.kv_cache_manager.usage,
                 duration_ns=int((time.monotonic() - started) * 1e9),
                 scheduled_spec_decode_tokens=scheduler_output.scheduled_spec_decode_tokens,
+                num_lookahead_tokens=scheduler.num_lookahead_tokens,
             )
         )
 

@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.5"
+TRACE_FORMAT_VERSION = "1.6"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.5"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.6"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -433,6 +433,14 @@ class SchedStep(TraceEvent, kw_only=True, tag="sched.step"):
             "`num_scheduled_tokens` (absent before 1.5)"
         ),
     ] = {}
+    num_lookahead_tokens: Annotated[
+        int,
+        doc(
+            "speculative decoding with a model drafter (draft model, EAGLE): slots reserved in "
+            "each scheduled request's blocks beyond its scheduled tokens, where the drafter "
+            "writes the K/V of its next drafts (absent: 0; before 1.6)"
+        ),
+    ] = 0
 
 
 class SpecVerified(TraceEvent, kw_only=True, tag="spec.verified"):

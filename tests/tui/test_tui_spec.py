@@ -15,6 +15,7 @@ replay model at every step.
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
@@ -194,3 +195,42 @@ async def test_every_panel_agrees_with_the_replay_at_every_step_of_a_spec_run(sp
             assert_panels_match_replay(app, replay, app.session)
             await pilot.press("right")
         assert app.step == replay.last_step
+
+
+def test_kv_panel_shows_a_model_drafters_lookahead_slots(session, tmp_path):
+    """A draft model makes the scheduler reserve k slots after each scheduled
+    request's tokens (``sched.step``'s ``num_lookahead_tokens``); the block
+    table says so. n-gram reserves none: no such line."""
+    from tests.tracing.scenario import make_engine
+    from tests.tracing.spec_scenario import SPEC_CONFIG, SPEC_ENGINE_ARGS, run_spec_scenario
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    # The draft reads config.json alone (the target's hf_overrides are its own).
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+    path = str(tmp_path / "draft.jsonl")
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    engine = make_engine(
+        model_dir, path, "lifecycle", real_model=True, speculative_config=spec, **SPEC_ENGINE_ARGS
+    )
+    try:
+        run_spec_scenario(engine)
+    finally:
+        engine.shutdown()
+    draft = open_session(path)
+    steps = [e for e in draft.events if e.kind == "sched.step" and e.num_scheduled_tokens]
+    assert steps and all(e.num_lookahead_tokens == 3 for e in steps)
+    shown = 0
+    for e in steps:
+        for rid in e.num_scheduled_tokens:
+            text = _plain(render_kv(_ctx(draft, e.step, rid), 150))
+            if "block table (" not in text:
+                continue  # finished in this step: its blocks are gone
+            expected = f"+ 3 lookahead slots reserved after its {e.num_scheduled_tokens[rid]} "
+            assert expected in text, text
+            shown += 1
+    assert shown > 10
+    assert SPEC_CONFIG["method"] == "ngram"
+    for step in session.replay.steps:
+        for rid in session.request_ids:
+            assert "lookahead" not in _plain(render_kv(_ctx(session, step, rid), 150))

@@ -13,7 +13,10 @@ Speculative decoding: a step writes the K/V of its drafts like any scheduled
 token; after it, the scheduler steps the request's cursor
 (``num_computed_tokens``) back over the rejected drafts ("rollback"): their
 slots stay in the request's blocks and are written again by later tokens;
-no block is freed for them.
+no block is freed for them. With a model drafter (draft model, EAGLE) the
+scheduler also reserves ``num_lookahead_tokens`` slots after the scheduled
+tokens, where the drafter writes the K/V of its next drafts; the block table
+says how many.
 Sessions: 03 (KV cache), 06 (speculative decoding).
 """
 
@@ -260,6 +263,15 @@ def block_table(ctx: StepContext, width: int) -> RenderableType:
             Text(f"{filled}/{bs}") + Text(" ") + ref_text,
             text,
         )
+    sched = ctx.view.sched_step
+    if sched is not None and sched.num_lookahead_tokens and rid in sched.num_scheduled_tokens:
+        note = Text(
+            f"+ {sched.num_lookahead_tokens} lookahead slots reserved after its "
+            f"{sched.num_scheduled_tokens[rid]} scheduled tokens: the drafter writes its next "
+            "drafts there",
+            style=DIM,
+        )
+        return Group(head, table, note)
     return Group(head, table)
 
 
