@@ -65,7 +65,17 @@ class GlassboxConfig:
 
     def _check_speculative_config(self) -> None:
         spec = self.speculative_config
-        if spec is None or spec.method == "ngram" or spec.draft_model_config is not None:
+        if spec is None:
+            return
+        budget = self.scheduler_config.max_num_batched_tokens
+        if budget is not None and 1 + self.num_speculative_tokens > budget:
+            # Glassbox's own check: vLLM would cut every draft list to fit, for ever.
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens}: verifying them takes "
+                f"1 + {self.num_speculative_tokens} tokens of one request in one step, more "
+                f"than max_num_batched_tokens={budget}; lower num_speculative_tokens"
+            )
+        if spec.method == "ngram" or spec.draft_model_config is not None:
             return
         spec.draft_model_config = self._create_draft_model_config(spec)
 

@@ -90,3 +90,16 @@ def test_model_drafters_run_the_serial_loop(model_dir, method):
 def test_a_speculative_config_that_is_not_an_object_is_refused(model_dir):
     with pytest.raises(ValueError, match="speculative_config must be a JSON object"):
         EngineArgs(model=model_dir, **TINY, speculative_config="ngram").create_engine_config()
+
+
+def test_more_drafts_than_one_step_can_verify_are_refused(model_dir):
+    spec = {**NGRAM, "num_speculative_tokens": 16}
+    with pytest.raises(ValueError, match=r"1 \+ 16 tokens .* max_num_batched_tokens=16"):
+        EngineArgs(
+            model=model_dir, **TINY, speculative_config=spec, max_num_batched_tokens=16
+        ).create_engine_config()
+    # 1 + 15 fits exactly.
+    spec = {**NGRAM, "num_speculative_tokens": 15}
+    EngineArgs(
+        model=model_dir, **TINY, speculative_config=spec, max_num_batched_tokens=16
+    ).create_engine_config()
