@@ -14,8 +14,10 @@ block costs the sum of their pages.
 
 Simpler than vLLM: one layer spec type, ``FullAttentionSpec`` (no
 sliding-window, chunked-local, MLA, Mamba, cross-attention or sink specs, and
-no ``KVCacheSpecKind``); no quantized KV
-cache (``kv_quant_mode``), no separate V head size (``head_size_v``), no
+no ``KVCacheSpecKind``), so ``UniformTypeKVCacheSpecs`` only ever groups full
+attention and lacks vLLM's DeepSeek-V4 helpers (``get_page_sizes``,
+``get_num_layer_tuples``, ``max_memory_usage_pages``); no quantized KV cache
+(``kv_quant_mode``), no separate V head size (``head_size_v``), no
 context-parallel sharding in ``max_memory_usage_bytes``.
 
 Differs from vLLM on purpose: ``dtype`` may be a ``torch.dtype`` (as in
@@ -137,7 +139,8 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
-        """Same block size and all full attention (the only type Glassbox has)."""
+        """Same block size and all full attention (the only type Glassbox has).
+        No layers: False (vLLM fails on an empty dict)."""
         specs = list(kv_cache_specs.values())
         return (
             bool(specs)

@@ -12,14 +12,17 @@ Read it for:
     covers block *i*'s tokens **and** block *i-1*'s hash, so equal hashes mean
     equal prefixes, not just equal blocks.
   * ``get_kv_cache_configs`` -- how many blocks fit in the memory left over,
-    and the check that one ``max_model_len`` sequence fits at all.
+    and the check that one ``max_model_len`` sequence fits at all. A block
+    costs one page in every layer: with a draft model whose pages differ in
+    size (``UniformTypeKVCacheSpecs``), the sum of the layers' page sizes.
 Sessions: 03 (KV cache).
 
 Simpler than vLLM: extra hash keys are only the cache salt (no multimodal,
 LoRA or prompt-embedding keys; ``start_mm_idx`` is passed through untouched);
-one KV cache group of full-attention layers -- equal specs, or, with a draft
-model, one ``UniformTypeKVCacheSpecs`` of pages of different sizes (no hybrid
-grouping, page-size unification or DeepSeek-V4 layouts); no auto-fit of ``max_model_len=-1``, no
+one KV cache group of full-attention layers with one block size -- equal
+specs, or, with a draft model, one ``UniformTypeKVCacheSpecs`` of pages of
+different sizes (no hybrid grouping, page-size unification, hidden-state
+layers or DeepSeek-V4 layouts); no auto-fit of ``max_model_len=-1``, no
 context parallelism, no integer block hashes for KV events.
 
 Differs from vLLM on purpose:
@@ -482,8 +485,9 @@ def may_override_num_blocks(glassbox_config: GlassboxConfig, num_blocks: int) ->
 def get_num_blocks(
     glassbox_config: GlassboxConfig, num_layers: int, available_memory: int, page_size: int
 ) -> int:
-    """Blocks that fit when each of ``num_layers`` layers needs one page per block
-    (``num_gpu_blocks_override`` wins when set)."""
+    """Blocks that fit when each of ``num_layers`` layers needs one page of
+    ``page_size`` bytes per block (``num_gpu_blocks_override`` wins when set).
+    Uniform-type specs pass ``num_layers=1`` and their summed page size."""
     num_blocks = max(int(available_memory // page_size // num_layers), 0)
     return may_override_num_blocks(glassbox_config, num_blocks)
 
@@ -506,18 +510,20 @@ def get_kv_cache_config_from_groups(
     tensor per layer), each ``num_blocks * page_size`` bytes. A group of
     ``UniformTypeKVCacheSpecs``: one tensor per layer of that layer's pages.
     """
-    (first,) = kv_cache_groups[:1]
-    if isinstance(first.kv_cache_spec, UniformTypeKVCacheSpecs):
-        assert len(kv_cache_groups) == 1, "uniform-type specs make the only group"
-        specs = first.kv_cache_spec.kv_cache_specs
-        num_blocks = get_num_blocks(
-            glassbox_config, 1, available_memory, first.kv_cache_spec.page_size_bytes
-        )
+    if any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in kv_cache_groups):
+        # get_kv_cache_groups only builds this spec as the single group.
+        assert len(kv_cache_groups) == 1, "uniform-type specs must make the only group"
+        group = kv_cache_groups[0]
+        spec = group.kv_cache_spec
+        assert isinstance(spec, UniformTypeKVCacheSpecs)
+        num_blocks = get_num_blocks(glassbox_config, 1, available_memory, spec.page_size_bytes)
         return KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[
-                KVCacheTensor(size=specs[name].page_size_bytes * num_blocks, shared_by=[name])
-                for name in first.layer_names
+                KVCacheTensor(
+                    size=spec.kv_cache_specs[name].page_size_bytes * num_blocks, shared_by=[name]
+                )
+                for name in group.layer_names
             ],
             kv_cache_groups=kv_cache_groups,
         )
@@ -609,7 +615,9 @@ def _group_for_worker(
     """The part of ``group`` whose layers live on this worker."""
     names = [n for n in group.layer_names if n in worker_spec]
     spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
+    # A worker with none of the group's layers keeps the whole spec, so its
+    # page size never sums to 0.
+    if names and isinstance(spec, UniformTypeKVCacheSpecs):
         spec = UniformTypeKVCacheSpecs(
             block_size=spec.block_size,
             kv_cache_specs={n: spec.kv_cache_specs[n] for n in names},

@@ -29,7 +29,9 @@ from engine.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_block_hash,
     get_group_id,
+    get_kv_cache_config_from_groups,
     get_kv_cache_configs,
+    get_kv_cache_groups,
     get_max_concurrency_for_kv_cache_config,
     get_num_blocks,
     get_request_block_hasher,
@@ -789,6 +791,90 @@ def test_uniform_type_spec_needs_one_type_and_block_size():
     assert spec is not None and spec.block_size == 16
     # max_model_len 64: 4 pages in every layer.
     assert spec.max_memory_usage_bytes(make_config(64)) == 4 * 5120
+
+
+def test_uniform_type_spec_accepts_any_heads_and_dtype_and_copies_its_input():
+    specs = {
+        "target": make_kv_cache_spec(num_kv_heads=2),
+        "draft": make_kv_cache_spec(num_kv_heads=4, head_size=16, dtype="float16"),
+    }
+    assert UniformTypeKVCacheSpecs.is_uniform_type(specs)
+    assert not UniformTypeKVCacheSpecs.is_uniform_type({})
+    spec = UniformTypeKVCacheSpecs.from_specs(specs)
+    assert spec is not None and spec.page_size_bytes == 2048 + 4096
+    specs["late"] = make_kv_cache_spec()
+    assert list(spec.kv_cache_specs) == ["target", "draft"]
+
+
+def test_equal_specs_still_make_a_plain_full_attention_group():
+    spec = make_kv_cache_spec(num_kv_heads=2)
+    layers = {"layer.0": spec, "layer.1": spec}
+    (group,) = get_kv_cache_groups(make_config(64), layers)
+    assert group.layer_names == ["layer.0", "layer.1"]
+    assert type(group.kv_cache_spec) is FullAttentionSpec and group.kv_cache_spec == spec
+
+
+def test_draft_layers_with_another_dtype_and_head_size_join_the_group():
+    config = make_config(64)
+    # The draft: 4 float16 heads of 16 -> 4096-byte pages; a block costs 2 * 2048 + 4096.
+    layers = {
+        "model.layers.0.attn": make_kv_cache_spec(num_kv_heads=2),
+        "model.layers.1.attn": make_kv_cache_spec(num_kv_heads=2),
+        "draft_model.model.layers.0.attn": make_kv_cache_spec(
+            num_kv_heads=4, head_size=16, dtype="float16"
+        ),
+    }
+    groups = get_kv_cache_groups(config, layers)
+    assert [g.layer_names for g in groups] == [list(layers)]
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups, 6 * 8192 + 8191)
+    assert kv_cache_config.num_blocks == 6
+    assert [t.size for t in kv_cache_config.kv_cache_tensors] == [6 * 2048, 6 * 2048, 6 * 4096]
+
+
+def test_draft_with_another_block_size_is_a_clear_error():
+    layers = dict(TARGET_AND_DRAFT)
+    layers["draft_model.model.layers.0.attn"] = make_kv_cache_spec(block_size=32)
+    with pytest.raises(
+        ValueError, match=r"one block size, got block sizes \[16, 32\] and types \['FullAtt"
+    ):
+        get_kv_cache_configs(make_config(64), [layers], [1 << 20])
+
+
+def test_memory_check_counts_every_layers_page_for_the_null_block():
+    # 64 tokens = 4 blocks, plus the null block: 5 * 5120 bytes.
+    (config,) = get_kv_cache_configs(make_config(64), [TARGET_AND_DRAFT], [5 * 5120])
+    assert config.num_blocks == 5
+    with pytest.raises(ValueError) as excinfo:
+        get_kv_cache_configs(make_config(64), [TARGET_AND_DRAFT], [5 * 5120 - 1])
+    message = str(excinfo.value)
+    assert "(64), 25600 bytes of KV cache are needed" in message
+    # 4 * 5120 - 1 bytes after the null block hold 3 blocks: 48 tokens.
+    assert "the estimated maximum model length is 48." in message
+
+
+def test_workers_holding_target_and_draft_layers_get_the_smallest_block_count():
+    target = {name: spec for name, spec in TARGET_AND_DRAFT.items() if name.startswith("model.")}
+    draft = {name: spec for name, spec in TARGET_AND_DRAFT.items() if name.startswith("draft")}
+    # Worker 0: 4096 bytes a block, 10 blocks; worker 1: 1024 bytes a block, 30 blocks.
+    configs = get_kv_cache_configs(make_config(64), [target, draft], [10 * 4096, 30 * 1024])
+    assert [c.num_blocks for c in configs] == [10, 10]
+    assert [[t.size for t in c.kv_cache_tensors] for c in configs] == [
+        [10 * 2048, 10 * 2048],
+        [10 * 1024],
+    ]
+    # Each worker's spec covers only its own layers.
+    assert [c.kv_cache_groups[0].kv_cache_spec.page_size_bytes for c in configs] == [4096, 1024]
+    overridden = get_kv_cache_configs(
+        make_config(64, num_gpu_blocks_override=7), [target, draft], [0, 0]
+    )
+    assert [[t.size for t in c.kv_cache_tensors] for c in overridden] == [
+        [7 * 2048, 7 * 2048],
+        [7 * 1024],
+    ]
+    # A worker without any of the layers gets no tensors and keeps the block count.
+    configs = get_kv_cache_configs(make_config(64), [TARGET_AND_DRAFT, {}], [10 * 5120, 1 << 20])
+    assert [c.num_blocks for c in configs] == [10, 10]
+    assert configs[1].kv_cache_tensors == []
 
 
 def test_get_kv_cache_configs_gives_every_worker_the_smallest_block_count():
