@@ -593,6 +593,8 @@ class SpecSchedulerMachine(SchedulerMachine):
         # rebuild it with speculation and queue the same requests again.
         super().setup(**kwargs)
         self.k = k
+        # The config refuses a budget below one request's 1 + k tokens.
+        self.budget = max(self.budget, 1 + k)
         self.sched = make_spec_scheduler(
             k=k,
             num_blocks=self.num_blocks,
