@@ -8,6 +8,13 @@ uniform decode), the dispatcher rounds the token count up to the next
 captured size and answers FULL (replay that graph, padding the inputs) or
 NONE (run eagerly). Padding rows compute garbage that nobody reads: their
 slot mapping points at the null block.
+
+Speculative decoding (``uniform_decode_query_len`` = 1 + k, vLLM's name): a
+verification batch where every request runs its last token and k drafts is
+uniform too. With a builder that supports such batches
+(``AttentionCGSupport.UNIFORM_BATCH``) it gets graphs of its own, keyed by
+tokens and requests; their sizes are the capture sizes rounded up to
+multiples of 1 + k (vLLM adjusts its capture list the same way).
 Sessions: 04, 06 (CUDA graphs).
 """
 
@@ -29,34 +36,64 @@ class BatchDescriptor:
 
 
 class CudagraphDispatcher:
-    def __init__(self, compilation_config: CompilationConfig) -> None:
+    def __init__(
+        self, compilation_config: CompilationConfig, uniform_decode_query_len: int = 1
+    ) -> None:
         self.mode = compilation_config.cudagraph_mode
         self.capture_sizes = list(compilation_config.cudagraph_capture_sizes)
+        self.uniform_decode_query_len = uniform_decode_query_len
+        self.spec_capture_sizes = self._spec_sizes()
         # Keys captured so far (filled by the runner's capture_model()).
         self.captured: set[BatchDescriptor] = set()
 
-    def padded_size(self, num_tokens: int) -> int | None:
-        """Smallest capture size >= num_tokens, or None if it is too big."""
-        i = bisect.bisect_left(self.capture_sizes, num_tokens)
-        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+    def _spec_sizes(self) -> list[int]:
+        """Token counts of the verification graphs: each capture size rounded
+        up to a multiple of 1 + k, at most the largest capture size's requests."""
+        q = self.uniform_decode_query_len
+        if q == 1 or not self.capture_sizes:
+            return []
+        max_reqs = max(self.capture_sizes)
+        return sorted({-(-s // q) * q for s in self.capture_sizes if -(-s // q) <= max_reqs})
+
+    def disable_spec_graphs(self) -> None:
+        """The attention builder cannot replay 1 + k tokens per request."""
+        self.uniform_decode_query_len = 1
+        self.spec_capture_sizes = []
+
+    def padded_size(self, num_tokens: int, query_len: int = 1) -> int | None:
+        """Smallest capture size >= num_tokens for batches of ``query_len``
+        tokens per request, or None if it is too big."""
+        sizes = self.capture_sizes if query_len == 1 else self.spec_capture_sizes
+        i = bisect.bisect_left(sizes, num_tokens)
+        return sizes[i] if i < len(sizes) else None
 
     def decode_keys(self) -> list[BatchDescriptor]:
-        """What capture_model() should capture for FULL_DECODE_ONLY."""
+        """What capture_model() should capture for FULL_DECODE_ONLY: one-token
+        decodes, and with drafts, batches of 1 + k tokens per request."""
         if self.mode.decode_mode() != CUDAGraphMode.FULL:
             return []
-        return [BatchDescriptor(num_tokens=s, num_reqs=s, uniform=True) for s in self.capture_sizes]
+        q = self.uniform_decode_query_len
+        return [
+            BatchDescriptor(num_tokens=s, num_reqs=s, uniform=True) for s in self.capture_sizes
+        ] + [
+            BatchDescriptor(num_tokens=s, num_reqs=s // q, uniform=True)
+            for s in self.spec_capture_sizes
+        ]
 
     def dispatch(
-        self, num_tokens: int, uniform_decode: bool
+        self, num_tokens: int, uniform_decode: bool, query_len: int = 1
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        """(runtime mode, padded batch descriptor) for this step's batch."""
+        """(runtime mode, padded batch descriptor) for this step's batch;
+        ``uniform_decode``: every request runs ``query_len`` tokens."""
         eager = BatchDescriptor(num_tokens=num_tokens)
         if not uniform_decode or self.mode.decode_mode() != CUDAGraphMode.FULL:
             return CUDAGraphMode.NONE, eager
-        padded = self.padded_size(num_tokens)
+        if query_len not in (1, self.uniform_decode_query_len):
+            return CUDAGraphMode.NONE, eager
+        padded = self.padded_size(num_tokens, query_len)
         if padded is None:
             return CUDAGraphMode.NONE, eager
-        key = BatchDescriptor(num_tokens=padded, num_reqs=padded, uniform=True)
+        key = BatchDescriptor(num_tokens=padded, num_reqs=padded // query_len, uniform=True)
         if key not in self.captured:
             return CUDAGraphMode.NONE, eager
         return CUDAGraphMode.FULL, key

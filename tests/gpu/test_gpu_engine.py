@@ -139,8 +139,8 @@ def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
     modes = []
     original = runner.cudagraph_dispatcher.dispatch
 
-    def spy(num_tokens, uniform_decode):
-        result = original(num_tokens, uniform_decode)
+    def spy(num_tokens, uniform_decode, query_len=1):
+        result = original(num_tokens, uniform_decode, query_len)
         modes.append((num_tokens, result[0], result[1].num_tokens))
         return result
 

@@ -102,7 +102,8 @@ def eagle_head(tmp_path_factory):
 def test_model_drafters_on_cuda(tiny_qwen3, eagle_head, tmp_path, monkeypatch, method):
     """The draft-model proposer with the target as its own draft accepts every
     draft; an EAGLE head (random, on a Llama-shaped target) keeps the greedy
-    output. CUDA graphs stay on for the plain decode steps."""
+    output. CUDA graphs stay on: steps where every request verifies k drafts
+    replay graphs of their own."""
     monkeypatch.setenv("GLASSBOX_ATTENTION_BACKEND", "TRITON_ATTN")
     target = tiny_qwen3
     if method == "eagle":
@@ -122,3 +123,7 @@ def test_model_drafters_on_cuda(tiny_qwen3, eagle_head, tmp_path, monkeypatch, m
         unpenalised = [e for e in verified if int(e.request_id.split("-")[0]) % 4 != 3]
         drafted = sum(len(e.draft_token_ids) for e in unpenalised)
         assert drafted > 0 and sum(e.num_accepted for e in unpenalised) == drafted
+    # Steps where every request verifies 3 drafts replay a graph (Triton: UNIFORM_BATCH).
+    batches = [e for e in load_trace(trace) if e.kind == "runner.batch"]
+    uniform = [e for e in batches if set(e.query_lens) == {4}]
+    assert uniform and all(e.cudagraph_mode == "FULL" for e in uniform)

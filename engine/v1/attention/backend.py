@@ -26,6 +26,7 @@ can treat it as a decode when the backend supports that).
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -82,10 +83,23 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor: ...
 
 
+class AttentionCGSupport(enum.Enum):
+    """Which batches a builder's metadata stays valid for under a CUDA graph
+    (vLLM's enum, same members): the runner captures only those."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # every request one query token
+    UNIFORM_BATCH = 2  # every request the same query length (decode, or 1 + k drafts)
+    ALWAYS = 3
+
+
 class AttentionMetadataBuilder(ABC):
     # The longest query (in tokens) the runner moves to the front of the
     # batch as a decode; None: the builder takes requests in any order.
     reorder_batch_threshold: int | None = None
+    # Which batches may be replayed from a CUDA graph (the backend must also
+    # set ``supports_cudagraph``).
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size

@@ -37,7 +37,8 @@ to the ``Sampler``.
 
 CUDA graphs (``capture_model``; ``_prepare_inputs`` asks the
 ``CudagraphDispatcher`` each step): on CUDA with a
-backend that supports them, pure-decode batches replay a FULL graph captured
+backend that supports them, uniform batches (pure decodes, and with
+speculation batches of 1 + k tokens per request) replay a FULL graph captured
 at the next capture size (FULL_DECODE_ONLY); the inputs and the attention
 metadata live in persistent buffers whose *contents* change each step, and
 padding rows get slot -1 and zero-length requests. Mixed batches run eagerly.
@@ -53,8 +54,10 @@ drafter proposes for the next step (``propose_draft_token_ids``;
 ``EngineCore`` collects them with ``take_draft_token_ids``): the
 ``NgramProposer`` from each request's history, or a model
 (``DraftModelProposer``, ``EagleProposer``) whose attention layers join the
-KV cache here (``get_kv_cache_spec``, ``initialize_kv_cache``). Steps with
-drafts run eagerly (their query length is above 1).
+KV cache here (``get_kv_cache_spec``, ``initialize_kv_cache``). A step where
+every request verifies k drafts replays a graph of its own when the attention
+builder allows it (``AttentionCGSupport.UNIFORM_BATCH``: Triton, not
+FlashInfer); other steps with drafts run eagerly.
 
 Simpler than vLLM: no piecewise graphs (they need torch.compile),
 speculative decoding with async scheduling, LoRA,
@@ -81,7 +84,7 @@ from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
 from engine.tracing.worker_trace import RunnerTrace
 from engine.utils.torch_utils import resolve_dtype
-from engine.v1.attention.backend import CommonAttentionMetadata
+from engine.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from engine.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
@@ -339,7 +342,10 @@ class GPUModelRunner:
         self._pinned: dict[int, torch.Tensor] = {}
 
         compilation_config = glassbox_config.compilation_config
-        self.cudagraph_dispatcher = CudagraphDispatcher(compilation_config)
+        # A verification step runs 1 + k tokens per request: uniform too.
+        self.cudagraph_dispatcher = CudagraphDispatcher(
+            compilation_config, uniform_decode_query_len=1 + glassbox_config.num_speculative_tokens
+        )
         # key -> (graph, its output hidden states), filled by capture_model().
         self.cudagraphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -395,6 +401,10 @@ class GPUModelRunner:
         self.calculate_reorder_batch_threshold()
         if isinstance(self.drafter, SpecDecodeBaseProposer):
             self.drafter.initialize_attn_backend(self.dtype)
+        support = self.attn_metadata_builder.cudagraph_support
+        if support.value < AttentionCGSupport.UNIFORM_BATCH.value:
+            # E.g. FlashInfer's graphs replay one-token decodes only.
+            self.cudagraph_dispatcher.disable_spec_graphs()
         if self.device.type != "cuda" or not backend.supports_cudagraph:
             # Graphs need CUDA and a backend that never syncs with the host.
             self.cudagraph_dispatcher.mode = CUDAGraphMode.NONE
@@ -536,23 +546,26 @@ class GPUModelRunner:
         slot_mapping_np = batch.block_table.compute_slot_mapping(req_indices, positions_np)
 
         max_query_len = int(num_scheduled.max())
-        # CUDA graph choice: a pure-decode batch may be padded to a captured size.
+        # CUDA graph choice: a uniform batch (every request one token, or with
+        # drafts 1 + k) may be padded to a captured size.
         cudagraph_mode, batch_desc = self.cudagraph_dispatcher.dispatch(
-            total, uniform_decode=(max_query_len == 1 and total == num_reqs)
+            total, uniform_decode=(total == num_reqs * max_query_len), query_len=max_query_len
         )
-        padded = batch_desc.num_tokens if cudagraph_mode == CUDAGraphMode.FULL else total
+        padded, num_rows = total, num_reqs
+        if cudagraph_mode == CUDAGraphMode.FULL:
+            assert batch_desc.num_reqs is not None
+            padded, num_rows = batch_desc.num_tokens, batch_desc.num_reqs
         if padded > total:
             # Padding tokens: id 0 at position 0, written nowhere (slot -1);
             # padding requests: zero query tokens, zero context.
-            pad = padded - total
+            pad, pad_rows = padded - total, num_rows - num_reqs
             input_ids_np = np.concatenate([input_ids_np, np.zeros(pad, dtype=input_ids_np.dtype)])
             positions_np = np.concatenate([positions_np, np.zeros(pad, dtype=positions_np.dtype)])
             slot_mapping_np = np.concatenate([slot_mapping_np, np.full(pad, -1, dtype=np.int64)])
             query_start_loc_np = np.concatenate(
-                [query_start_loc_np, np.full(pad, total, dtype=np.int32)]
+                [query_start_loc_np, np.full(pad_rows, total, dtype=np.int32)]
             )
-            seq_lens_np = np.concatenate([seq_lens_np, np.zeros(pad, dtype=np.int32)])
-        num_rows = num_reqs + (padded - total)
+            seq_lens_np = np.concatenate([seq_lens_np, np.zeros(pad_rows, dtype=np.int32)])
 
         self._copy_to_device(self.input_ids, input_ids_np)
         self._prepare_input_ids(cu_num_tokens)
@@ -879,14 +892,15 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def capture_model(self) -> int:
-        """Capture one FULL graph per decode capture size (largest first, so
+        """Capture one FULL graph per key of the dispatcher (largest first, so
         smaller graphs reuse its memory pool). Returns how many were captured.
 
-        Each capture runs the model on a dummy decode batch: every row is a
-        one-token request at position 0 whose slot is -1 (nothing written)
-        and whose one-token context is the null block, block 0. A warm-up
-        eager run first makes any lazily allocated workspace exist, so the
-        graph records no allocation.
+        Each capture runs the model on a dummy uniform batch: every row is a
+        request of q query tokens (1, or 1 + k with drafts) at positions
+        0 .. q-1 whose slots are -1 (nothing written) and whose q-token
+        context is the null block, block 0. A warm-up eager run first makes
+        any lazily allocated workspace exist, so the graph records no
+        allocation.
         """
         keys = self.cudagraph_dispatcher.decode_keys()
         if not keys or self.device.type != "cuda" or self.model is None:
@@ -895,23 +909,25 @@ class GPUModelRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         self.input_batch.block_table.block_table.zero_()
-        for key in sorted(keys, key=lambda k: -k.num_tokens):
-            n = key.num_tokens
+        for key in sorted(keys, key=lambda k: (-k.num_tokens, -(k.num_reqs or 0))):
+            n, r = key.num_tokens, key.num_reqs or key.num_tokens
+            q = n // r  # query tokens per request
             self.input_ids[:n].zero_()
-            self.positions[:n].zero_()
+            self.positions[:n].copy_(torch.arange(q).repeat(r))
             self.slot_mapping[:n].fill_(-1)
-            self.query_start_loc[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32))
-            self.seq_lens[:n].fill_(1)
+            query_start_loc = torch.arange(r + 1, dtype=torch.int32) * q
+            self.query_start_loc[: r + 1].copy_(query_start_loc)
+            self.seq_lens[:r].fill_(q)
             common = CommonAttentionMetadata(
-                query_start_loc=self.query_start_loc[: n + 1],
-                query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
-                seq_lens=self.seq_lens[:n],
-                seq_lens_cpu=torch.ones(n, dtype=torch.int32),
-                num_reqs=n,
+                query_start_loc=self.query_start_loc[: r + 1],
+                query_start_loc_cpu=query_start_loc,
+                seq_lens=self.seq_lens[:r],
+                seq_lens_cpu=torch.full((r,), q, dtype=torch.int32),
+                num_reqs=r,
                 num_actual_tokens=n,
-                max_query_len=1,
-                max_seq_len=1,
-                block_table_tensor=self.input_batch.block_table.block_table[:n],
+                max_query_len=q,
+                max_seq_len=q,
+                block_table_tensor=self.input_batch.block_table.block_table[:r],
                 slot_mapping=self.slot_mapping[:n],
             )
             metadata = self.attn_metadata_builder.build(common)
@@ -928,7 +944,7 @@ class GPUModelRunner:
             self.cudagraph_dispatcher.captured.add(key)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        sizes = [k.num_tokens for k in keys]
+        sizes = [k.num_tokens for k in keys]  # tokens; verification graphs hold 1 + k per request
         logger.info("captured %d CUDA graphs (sizes %s) in %.1fs", len(keys), sizes, seconds)
         self.trace.cudagraphs_captured(self.cudagraph_dispatcher.mode.name, sizes, seconds)
         return len(keys)

@@ -72,6 +72,7 @@ import torch
 
 from engine.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -166,6 +167,8 @@ class FlashInferMetadata:
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     reorder_batch_threshold: int = 1
+    # Graphs replay its fixed-size decode wrappers: one query token per request.
+    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)

@@ -53,6 +53,7 @@ import torch
 
 from engine.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -113,6 +114,10 @@ class TritonAttentionMetadata:
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    # The unified kernel's launch depends only on host ints that are fixed for
+    # a uniform batch (num_reqs, max_query_len): drafts' 1 + k tokens too.
+    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
     def __init__(self, block_size: int, device: torch.device) -> None:
         super().__init__(block_size, device)
         self.split_kv_workspace = SplitKVWorkspace()

@@ -1,0 +1,60 @@
+"""CudagraphDispatcher: which graph a batch replays, with and without drafts.
+
+Host logic only (no CUDA): the keys capture_model() captures and the key a
+step's batch dispatches to. With speculation (k drafts) a verification batch
+of 1 + k tokens per request has graphs of its own, sized in multiples of
+1 + k; FlashInfer-like builders (one-token decodes only) drop them.
+"""
+
+from __future__ import annotations
+
+from engine.config.compilation import CompilationConfig, CUDAGraphMode
+from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
+
+
+def _dispatcher(q: int = 1, sizes=(1, 2, 4, 8)) -> CudagraphDispatcher:
+    config = CompilationConfig(
+        cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, cudagraph_capture_sizes=list(sizes)
+    )
+    d = CudagraphDispatcher(config, uniform_decode_query_len=q)
+    d.captured.update(d.decode_keys())
+    return d
+
+
+def test_plain_decode_keys_and_dispatch():
+    d = _dispatcher()
+    assert d.decode_keys() == [BatchDescriptor(s, s, True) for s in (1, 2, 4, 8)]
+    assert d.dispatch(3, uniform_decode=True) == (CUDAGraphMode.FULL, BatchDescriptor(4, 4, True))
+    assert d.dispatch(9, uniform_decode=True)[0] == CUDAGraphMode.NONE  # too big
+    assert d.dispatch(3, uniform_decode=False)[0] == CUDAGraphMode.NONE
+
+
+def test_verification_batches_get_graphs_in_multiples_of_one_plus_k():
+    d = _dispatcher(q=4)
+    # Capture sizes 1, 2, 4, 8 rounded up to multiples of 4: 4 and 8 tokens.
+    assert d.spec_capture_sizes == [4, 8]
+    assert BatchDescriptor(8, 2, True) in d.decode_keys()
+    # 2 requests x (1 + 3 drafts) = 8 tokens: the 2-request graph.
+    mode, key = d.dispatch(8, uniform_decode=True, query_len=4)
+    assert (mode, key) == (CUDAGraphMode.FULL, BatchDescriptor(8, 2, True))
+    # 1 request: padded to the 1-request graph of 4 tokens.
+    assert d.dispatch(4, uniform_decode=True, query_len=4)[1] == BatchDescriptor(4, 1, True)
+    # One-token decodes keep their own graphs.
+    assert d.dispatch(2, uniform_decode=True)[1] == BatchDescriptor(2, 2, True)
+    # Another query length (fewer drafts) runs eagerly; so does a 3-request batch (12 > 8).
+    assert d.dispatch(6, uniform_decode=True, query_len=3)[0] == CUDAGraphMode.NONE
+    assert d.dispatch(12, uniform_decode=True, query_len=4)[0] == CUDAGraphMode.NONE
+
+
+def test_builders_without_uniform_batch_support_drop_the_verification_graphs():
+    d = _dispatcher(q=4)
+    d.disable_spec_graphs()
+    assert d.decode_keys() == [BatchDescriptor(s, s, True) for s in (1, 2, 4, 8)]
+    assert d.dispatch(8, uniform_decode=True, query_len=4)[0] == CUDAGraphMode.NONE
+
+
+def test_no_graph_mode_means_no_keys():
+    config = CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE)
+    d = CudagraphDispatcher(config, uniform_decode_query_len=4)
+    assert d.decode_keys() == []
+    assert d.dispatch(4, uniform_decode=True, query_len=4)[0] == CUDAGraphMode.NONE
