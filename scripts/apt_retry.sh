@@ -14,8 +14,10 @@ apt_get() {
     while true; do
         printf '+ apt-get %s\n' "$*"
         rc=0
-        apt-get "$@" 2> >(tee "$err" >&2) || rc=$?
-        wait  # for tee
+        # stderr to a file first, then shown: a tee in a process substitution
+        # could still be writing the file when grep reads it (seen under load).
+        apt-get "$@" 2>"$err" || rc=$?
+        cat "$err" >&2
         if [ "$rc" -eq 0 ]; then
             rm -f "$err"
             return 0
