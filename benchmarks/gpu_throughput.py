@@ -90,10 +90,12 @@ TARGETS = {
 ALL_PARTS = ("throughput", "eager", "hf", "latency")
 
 
-def model_dir() -> str:
-    d = tempfile.mkdtemp(prefix="qwen3-0.6b-")
+def model_dir(config: dict | None = None) -> str:
+    """A folder holding only ``config.json`` (the Qwen3-0.6B config unless
+    ``config``), for dummy weights."""
+    d = tempfile.mkdtemp(prefix="qwen3-0.6b-" if config is None else "model-")
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(QWEN3_0_6B, f)
+        json.dump(QWEN3_0_6B if config is None else config, f)
     return d
 
 

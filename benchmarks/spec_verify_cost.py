@@ -44,7 +44,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -53,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks import results_store  # noqa: E402
-from benchmarks.gpu_throughput import QWEN3_0_6B  # noqa: E402
+from benchmarks.gpu_throughput import QWEN3_0_6B, model_dir  # noqa: E402
 
 CONTEXT = 512
 # A Qwen3-shaped model small enough for a CPU check of the script.
@@ -67,13 +66,6 @@ TINY_QWEN3 = {
     "head_dim": 16,
     "vocab_size": 512,
 }
-
-
-def _model_dir(config: dict[str, Any]) -> str:
-    path = tempfile.mkdtemp(prefix="spec-verify-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
 
 
 def measure(
@@ -179,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         model_config, model_name = QWEN3_0_6B, "Qwen3-0.6B config, dummy weights, bf16"
     else:
         model_config, model_name = TINY_QWEN3, "tiny Qwen3 config, dummy weights, fp32"
-    model = _model_dir(model_config)
+    model = model_dir(model_config)
     ks = [int(x) for x in args.ks.split(",") if x]
     modes = [("decode_graphs", 0), ("decode_eager", 0)] + [(f"verify_k{k}", k) for k in ks]
     rows = []

@@ -14,6 +14,7 @@ executor it is an error. The result is logged once per process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -105,9 +106,9 @@ class GlassboxConfig:
                 f"{max_model_len} is shorter than the target's max_model_len="
                 f"{target.max_model_len}; lower max_model_len to {max_model_len}"
             )
-        return ModelConfig(
-            model=probe.model,
-            skip_tokenizer_init=True,
+        # replace() keeps the hf_config already read (the overrides apply on top).
+        return dataclasses.replace(
+            probe,
             dtype=target.dtype,
             seed=target.seed,
             max_model_len=max_model_len,

@@ -48,12 +48,11 @@ class CudagraphDispatcher:
 
     def _spec_sizes(self) -> list[int]:
         """Token counts of the verification graphs: each capture size rounded
-        up to a multiple of 1 + k, at most the largest capture size's requests."""
+        up to a multiple of 1 + k."""
         q = self.uniform_decode_query_len
-        if q == 1 or not self.capture_sizes:
+        if q == 1:
             return []
-        max_reqs = max(self.capture_sizes)
-        return sorted({-(-s // q) * q for s in self.capture_sizes if -(-s // q) <= max_reqs})
+        return sorted({-(-s // q) * q for s in self.capture_sizes})
 
     def disable_spec_graphs(self) -> None:
         """The attention builder cannot replay 1 + k tokens per request."""

@@ -51,7 +51,6 @@ from engine.forward_context import set_forward_context
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
 from engine.v1.attention.backend import CommonAttentionMetadata
-from engine.v1.kv_cache_interface import KVCacheSpec
 from engine.v1.worker.block_table import BlockTable
 
 
@@ -63,7 +62,7 @@ class DraftPass:
 
     rows: np.ndarray  # [R] batch rows, in the pass's order
     query_lens: np.ndarray  # [R]
-    token_ids: np.ndarray  # [T]
+    token_ids: np.ndarray | None  # [T]; None on the lookahead passes (drafts stay on the device)
     positions: np.ndarray  # [T]
     seq_lens: np.ndarray  # [R]
     # [T] flat index of each token's position in the target's step (EAGLE's
@@ -102,6 +101,7 @@ class SpecDecodeBaseProposer:
         self.device = device
         self.max_model_len = glassbox_config.model_config.max_model_len or 0
         self.model: nn.Module | None = None
+        self.dtype: torch.dtype | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.attn_metadata_builder = None
         self.block_size = glassbox_config.cache_config.block_size
@@ -122,6 +122,7 @@ class SpecDecodeBaseProposer:
         )
 
     def load_model(self, target_model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         self.model = self._get_model(dtype)
         self._maybe_share_embeddings(target_model)
         self._maybe_share_lm_head(target_model)
@@ -137,19 +138,13 @@ class SpecDecodeBaseProposer:
     def _maybe_share_lm_head(self, target_model: nn.Module) -> None:
         """EAGLE scores with the target's LM head."""
 
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return {
-            name: layer.get_kv_cache_spec(self.glassbox_config)
-            for name, layer in self.attn_layers.items()
-        }
-
-    def initialize_attn_backend(self, dtype: torch.dtype) -> None:
+    def initialize_attn_backend(self) -> None:
         """A metadata builder of the drafter's own: its layers may differ in
         shape from the target's (FlashInfer plans per shape)."""
         backend = next(iter(self.attn_layers.values())).attn_backend
         self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
         if hasattr(self.attn_metadata_builder, "bind_layers"):
-            self.attn_metadata_builder.bind_layers(self.attn_layers.values(), dtype, [])
+            self.attn_metadata_builder.bind_layers(self.attn_layers.values(), self.dtype, [])
 
     # ------------------------------------------------------------------
     # Drafting
@@ -226,7 +221,7 @@ class SpecDecodeBaseProposer:
             step = DraftPass(
                 rows=rows,
                 query_lens=np.ones(len(rows), dtype=np.int64),
-                token_ids=np.zeros(len(rows), dtype=np.int64),  # replaced by the drafts below
+                token_ids=None,
                 positions=positions,
                 seq_lens=positions + 1,
             )
@@ -264,9 +259,9 @@ class SpecDecodeBaseProposer:
         positions[beyond] = 0
         slot_mapping = block_table.compute_slot_mapping(token_rows, positions)
         slot_mapping[beyond] = -1
-        seq_lens = np.where(beyond[np.cumsum(p.query_lens) - 1], 1, p.seq_lens).astype(np.int32)
         query_start_loc = np.zeros(len(p.rows) + 1, dtype=np.int32)
         query_start_loc[1:] = np.cumsum(p.query_lens)
+        seq_lens = np.where(beyond[query_start_loc[1:] - 1], 1, p.seq_lens).astype(np.int32)
         device = self.device
 
         def to_device(a: np.ndarray) -> torch.Tensor:
@@ -286,6 +281,7 @@ class SpecDecodeBaseProposer:
         )
         metadata = self.attn_metadata_builder.build(common)
         if input_ids is None:
+            assert p.token_ids is not None
             input_ids = to_device(p.token_ids.astype(np.int64))
         kwargs = {}
         if self.pass_hidden_states_to_model:
@@ -308,14 +304,10 @@ class SpecDecodeBaseProposer:
         if self.pass_hidden_states_to_model:
             hidden_size = int(self.draft_model_config.hf_config["hidden_size"])
             kwargs["hidden_states"] = torch.zeros(
-                num_tokens, hidden_size, device=self.device, dtype=self._dtype()
+                num_tokens, hidden_size, device=self.device, dtype=self.dtype
             )
         with set_forward_context(None, self.glassbox_config):
             out = self.model(input_ids, input_ids, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         max_num_seqs = self.glassbox_config.scheduler_config.max_num_seqs
         self.model.compute_logits(hidden[: min(num_tokens, max_num_seqs)])
-
-    def _dtype(self) -> torch.dtype:
-        assert self.model is not None
-        return next(self.model.parameters()).dtype

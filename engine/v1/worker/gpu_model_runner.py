@@ -370,22 +370,23 @@ class GPUModelRunner:
             self.drafter.load_model(self.model, self.dtype)
         logger.info("model loaded in %.2fs", time.perf_counter() - start)
 
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """Every attention layer's cache: the target's, then a draft model's."""
-        spec = {
-            name: layer.get_kv_cache_spec(self.glassbox_config)
-            for name, layer in self.attn_layers.items()
-        }
+    def _kv_cache_layers(self) -> dict[str, Attention]:
+        """Every attention layer with a KV cache: the target's, then a model
+        drafter's (they share one block table)."""
         if isinstance(self.drafter, SpecDecodeBaseProposer):
-            spec.update(self.drafter.get_kv_cache_spec())
-        return spec
+            return {**self.attn_layers, **self.drafter.attn_layers}
+        return self.attn_layers
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return {
+            name: layer.get_kv_cache_spec(self.glassbox_config)
+            for name, layer in self._kv_cache_layers().items()
+        }
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate one KV tensor per attention layer and bind it to the layer."""
         self.kv_caches = []
-        layers = dict(self.attn_layers)
-        if isinstance(self.drafter, SpecDecodeBaseProposer):
-            layers.update(self.drafter.attn_layers)
+        layers = self._kv_cache_layers()
         for tensor_spec in kv_cache_config.kv_cache_tensors:
             (layer_name,) = tensor_spec.shared_by
             layer = layers[layer_name]
@@ -400,7 +401,7 @@ class GPUModelRunner:
         self.attn_metadata_builder = backend.get_builder_cls()(self.block_size, self.device)
         self.calculate_reorder_batch_threshold()
         if isinstance(self.drafter, SpecDecodeBaseProposer):
-            self.drafter.initialize_attn_backend(self.dtype)
+            self.drafter.initialize_attn_backend()
         support = self.attn_metadata_builder.cudagraph_support
         if support.value < AttentionCGSupport.UNIFORM_BATCH.value:
             # E.g. FlashInfer's graphs replay one-token decodes only.
