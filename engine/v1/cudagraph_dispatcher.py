@@ -37,22 +37,28 @@ class BatchDescriptor:
 
 class CudagraphDispatcher:
     def __init__(
-        self, compilation_config: CompilationConfig, uniform_decode_query_len: int = 1
+        self,
+        compilation_config: CompilationConfig,
+        uniform_decode_query_len: int = 1,
+        max_num_tokens: int | None = None,
     ) -> None:
         self.mode = compilation_config.cudagraph_mode
         self.capture_sizes = list(compilation_config.cudagraph_capture_sizes)
         self.uniform_decode_query_len = uniform_decode_query_len
+        # The runner's input buffers hold this many tokens (None: no limit).
+        self.max_num_tokens = max_num_tokens
         self.spec_capture_sizes = self._spec_sizes()
         # Keys captured so far (filled by the runner's capture_model()).
         self.captured: set[BatchDescriptor] = set()
 
     def _spec_sizes(self) -> list[int]:
         """Token counts of the verification graphs: each capture size rounded
-        up to a multiple of 1 + k."""
+        up to a multiple of 1 + k, those that fit the runner's buffers."""
         q = self.uniform_decode_query_len
         if q == 1:
             return []
-        return sorted({-(-s // q) * q for s in self.capture_sizes})
+        limit = self.max_num_tokens or float("inf")
+        return sorted({n for s in self.capture_sizes if (n := -(-s // q) * q) <= limit})
 
     def disable_spec_graphs(self) -> None:
         """The attention builder cannot replay 1 + k tokens per request."""

@@ -46,6 +46,15 @@ def test_verification_batches_get_graphs_in_multiples_of_one_plus_k():
     assert d.dispatch(12, uniform_decode=True, query_len=4)[0] == CUDAGraphMode.NONE
 
 
+def test_verification_graphs_fit_the_runners_token_buffers():
+    config = CompilationConfig(
+        cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, cudagraph_capture_sizes=[1, 2, 4, 8, 16]
+    )
+    # 1 + k = 3: 3, 6, 9, 18 tokens; a 16-token budget leaves out 18.
+    d = CudagraphDispatcher(config, uniform_decode_query_len=3, max_num_tokens=16)
+    assert d.spec_capture_sizes == [3, 6, 9]
+
+
 def test_builders_without_uniform_batch_support_drop_the_verification_graphs():
     d = _dispatcher(q=4)
     d.disable_spec_graphs()

@@ -344,7 +344,9 @@ class GPUModelRunner:
         compilation_config = glassbox_config.compilation_config
         # A verification step runs 1 + k tokens per request: uniform too.
         self.cudagraph_dispatcher = CudagraphDispatcher(
-            compilation_config, uniform_decode_query_len=1 + glassbox_config.num_speculative_tokens
+            compilation_config,
+            uniform_decode_query_len=1 + glassbox_config.num_speculative_tokens,
+            max_num_tokens=self.max_num_tokens,
         )
         # key -> (graph, its output hidden states), filled by capture_model().
         self.cudagraphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
