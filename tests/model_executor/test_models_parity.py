@@ -216,7 +216,7 @@ class PagedRunner:
             query_start_loc=qsl_t,
             query_start_loc_cpu=qsl_t,
             seq_lens=seq_lens_t,
-            seq_lens_cpu=seq_lens_t,
+            _seq_lens_cpu=seq_lens_t,
             num_reqs=len(new_tokens),
             num_actual_tokens=len(ids),
             max_query_len=max(len(t) for t in new_tokens),

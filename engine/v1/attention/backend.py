@@ -48,14 +48,23 @@ class CommonAttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
     query_start_loc_cpu: torch.Tensor  # same, on the CPU
     seq_lens: torch.Tensor  # [num_reqs] int32, device
-    seq_lens_cpu: torch.Tensor  # same, on the CPU
     num_reqs: int
     num_actual_tokens: int  # tokens in the batch before any padding
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # with _seq_lens_cpu unset, an upper bound
     block_table_tensor: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     causal: bool = True
+    # seq_lens on the CPU; None when only the device knows them (a drafter's
+    # lookahead pass under async scheduling), and then a backend that reads
+    # them waits for the copy (``seq_lens_cpu``).
+    _seq_lens_cpu: torch.Tensor | None = None
+
+    @property
+    def seq_lens_cpu(self) -> torch.Tensor:
+        if self._seq_lens_cpu is None:
+            self._seq_lens_cpu = self.seq_lens.to("cpu")  # a host sync on CUDA
+        return self._seq_lens_cpu
 
 
 class AttentionImpl(ABC):

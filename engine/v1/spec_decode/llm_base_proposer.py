@@ -271,7 +271,7 @@ class SpecDecodeBaseProposer:
             query_start_loc=to_device(query_start_loc),
             query_start_loc_cpu=torch.from_numpy(query_start_loc),
             seq_lens=to_device(seq_lens),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
+            _seq_lens_cpu=torch.from_numpy(seq_lens),
             num_reqs=len(p.rows),
             num_actual_tokens=len(positions),
             max_query_len=int(p.query_lens.max()),

@@ -115,7 +115,7 @@ class Step:
             query_start_loc=qsl,
             query_start_loc_cpu=qsl,
             seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens,
+            _seq_lens_cpu=seq_lens,
             num_reqs=len(contexts),
             num_actual_tokens=sum(qlens),
             max_query_len=max(qlens),

@@ -120,7 +120,7 @@ def _common(contexts, tables, width=8, pad_reqs=0):
         query_start_loc=qsl_dev,
         query_start_loc_cpu=qsl,
         seq_lens=seq_dev,
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        _seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
         num_reqs=rows,
         num_actual_tokens=len(slots),
         max_query_len=max(query_lens),
