@@ -410,12 +410,13 @@ class _TimelineBuilder:
             start = lvr.cursor
             lvr.cursor += n
             lvr.last_scheduled_step = step
-            if self.async_scheduling and lvr.cursor >= num_tokens:
-                lvr.placeholders += 1  # this step samples a token for it
-                sampling.append(r)
-            new_blocks = lvr.allocated.pop(step, [])
             # A decode: the last known token, and any drafts after it.
             num_drafts = len(spec_tokens.get(r, ())) if spec_tokens else 0
+            if self.async_scheduling and lvr.cursor >= num_tokens:
+                # This step samples a token for it, plus one per draft if all hold.
+                lvr.placeholders += 1 + num_drafts
+                sampling.append(r)
+            new_blocks = lvr.allocated.pop(step, [])
             if n == 1 + num_drafts and start == num_tokens - 1 and start >= tl.num_prompt_tokens:
                 self._decode(lvr, step, new_blocks)
                 continue

@@ -124,19 +124,6 @@ class GlassboxConfig:
             # vLLM's rule: only some speculative methods overlap steps.
             asked = scheduler_config.async_scheduling
             resolved = self.speculative_config.resolve_async_scheduling(asked)
-            if resolved is not False:
-                # Glassbox's runner drafts only in the serial loop so far.
-                method = self.speculative_config.method
-                if asked:
-                    raise ValueError(
-                        f"async_scheduling: speculative method={method!r} runs only in the "
-                        "serial loop in Glassbox so far; use --no-async-scheduling"
-                    )
-                logger.warning(
-                    "Async scheduling is off: Glassbox drafts with %s in the serial loop only.",
-                    method,
-                )
-                resolved = False
             scheduler_config.async_scheduling = resolved
         backend = self.parallel_config.distributed_executor_backend
         name = getattr(backend, "__name__", backend)

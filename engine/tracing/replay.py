@@ -534,8 +534,15 @@ class TraceReplay:
             in_flight=self.in_flight_after_launch(step),
             num_output_placeholders=dict(placeholders),
             num_placeholder_inputs=dict(inputs),
-            spec=_spec_step(events, new_token_ids),
+            spec=_spec_step(events, new_token_ids, self._proposals(step - 1)),
         )
+
+    def _proposals(self, step: int) -> dict[str, list[int]]:
+        """The drafts the runner proposed after ``step`` (what the next step verifies)."""
+        if step < 0:
+            return {}
+        events = self._all_events.get(step, ())
+        return {e.request_id: list(e.draft_token_ids) for e in events if type(e) is SpecProposed}
 
     def _batch_from_scheduler(self, step: int, sched: SchedStep) -> list[BatchSlot]:
         """The layout a runner would build from this step's ``SchedulerOutput``:
@@ -603,19 +610,27 @@ class TraceReplay:
 
 
 def _spec_step(
-    events: list[TraceEvent], new_token_ids: dict[str, list[int]]
+    events: list[TraceEvent],
+    new_token_ids: dict[str, list[int]],
+    previous_proposals: dict[str, list[int]],
 ) -> SpecDecodeStep | None:
     """The step's ``spec.verified`` and ``spec.proposed`` events as a
-    ``SpecDecodeStep``; None when it has neither."""
+    ``SpecDecodeStep``; None when it has neither. Under async scheduling the
+    scheduler verified -1 placeholders: the ids are the runner's proposals
+    after the previous step (``previous_proposals``)."""
     spec: SpecDecodeStep | None = None
     for e in events:
         t = type(e)
         if t is SpecVerified:
             if spec is None:
                 spec = SpecDecodeStep()
+            drafts = list(e.draft_token_ids)
+            proposed = previous_proposals.get(e.request_id, [])
+            if drafts and all(d < 0 for d in drafts) and len(proposed) >= len(drafts):
+                drafts = proposed[: len(drafts)]
             spec.verified[e.request_id] = SpecDecodeRow(
                 request_id=e.request_id,
-                draft_token_ids=list(e.draft_token_ids),
+                draft_token_ids=drafts,
                 num_accepted=e.num_accepted,
                 token_ids=list(e.token_ids),
                 num_rejected=e.num_rejected,

@@ -471,13 +471,15 @@ class EngineState:
     def _on_step(self, e: SchedStep) -> None:
         sampling = []
         placeholders = self.async_scheduling
+        spec_tokens = e.scheduled_spec_decode_tokens or {}
         for rid, n in e.num_scheduled_tokens.items():
             req = self._mutable(rid)
             # Sampled unless a chunk that ends before the last known (or coming) token.
             samples = req.num_computed_tokens + n >= req.num_tokens + req.num_output_placeholders
             req.num_computed_tokens += n
             if placeholders and samples:
-                req.num_output_placeholders += 1
+                # One token, plus one per draft if all are accepted (AsyncScheduler).
+                req.num_output_placeholders += 1 + len(spec_tokens.get(rid, ()))
                 sampling.append(rid)
         step = e.step if e.step is not None else self.step
         self.in_flight.append(step)

@@ -400,11 +400,21 @@ class RunnerTrace(SubsystemTrace):
         discard = set(discard_rows)
         self.sampler.begin([None if i in discard else r for i, r in enumerate(req_ids)])
 
-    def drafts_proposed(self, req_ids: Sequence[str], draft_token_ids: Sequence[Any]) -> None:
+    def drafts_proposed(
+        self,
+        req_ids: Sequence[str],
+        draft_token_ids: Sequence[Any] | Any,
+        rows: Sequence[int] | None = None,
+    ) -> None:
         """``spec.proposed``: the drafter's proposals after this step, one
         list per row (``[]``: none; those rows get no event). The next step
-        verifies them."""
-        rows = [i for i, drafts in enumerate(draft_token_ids) if len(drafts)]
+        verifies them. Under async scheduling ``draft_token_ids`` is a device
+        tensor [num_reqs, k] and ``rows`` says which rows drafted: reading it
+        here waits for the drafter (only when tracing)."""
+        if hasattr(draft_token_ids, "tolist"):
+            draft_token_ids = draft_token_ids.tolist()
+        if rows is None:
+            rows = [i for i, drafts in enumerate(draft_token_ids) if len(drafts)]
         if not rows:
             return
         self.tracer.record_rows(

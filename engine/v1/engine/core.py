@@ -16,7 +16,8 @@ Read it for:
     executor allows, chosen once at start-up.
   * ``post_step()`` -- after each step (the busy loop and the in-process
     client call it): with speculative decoding on the serial loop, the
-    drafts the worker proposed go to the scheduler for the next step.
+    drafts the worker proposed go to the scheduler for the next step
+    (under async scheduling they stay in the worker, on the device).
   * ``EngineCoreProc`` -- the same core in its own process. Three threads:
     the input thread reads ZMQ frames, decodes them and puts
     ``(request_type, request)`` on ``input_queue``; the busy loop

@@ -18,7 +18,7 @@ up its last block (``use_eagle`` in ``KVCacheManager``), as in vLLM.
 Sessions: 06 (speculative decoding).
 
 Simpler than vLLM: EAGLE-1 Llama-style heads only, without EAGLE-3, MTP,
-DFlash or tree drafting, and the head drafts in the serial loop, eagerly.
+DFlash or tree drafting, and the head drafts eagerly (no CUDA graphs).
 """
 
 from __future__ import annotations

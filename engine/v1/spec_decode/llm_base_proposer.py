@@ -27,14 +27,23 @@ EAGLE head reads the token one position later together with the target's
 hidden state at the position (``pass_hidden_states_to_model``).
 Sessions: 06 (speculative decoding).
 
-Simpler than vLLM: the first pass is gathered on the host with numpy (vLLM's
-Triton kernels build it on the device, and its default "padded" batch keeps
-the rejected tokens in place to avoid a host sync); drafting runs eagerly
-(vLLM captures CUDA graphs for it) in the serial loop only (vLLM also drafts
-under async scheduling); drafts are greedy (no draft probabilities for the
-rejection sampler, vLLM's default too); no tree drafting, multimodal inputs,
-M-RoPE or parallel drafting. Drafts that would reach ``max_model_len`` are cut
-off (vLLM clamps the position and pads the slot, then the scheduler cuts them).
+Under async scheduling the host must not wait for the verdict, so
+``propose_padded`` drafts from device tensors only (vLLM's padded drafter
+batch, its default): the first pass runs every position the target ran this
+step, rejected drafts included, with the request's next token written in at
+the position after its last accepted one (``prepare_next_token_ids_padded``,
+``prepare_inputs_padded``); that position, found on the device, is where
+draft 1 is read, and the lookahead passes continue from it. The rejected
+positions' drafter cache entries are garbage that causal attention never
+reads from an earlier position, and a later step writes them again.
+
+Simpler than vLLM: the serial loop's first pass is gathered on the host with
+numpy and the padded one's index arithmetic is torch ops (vLLM has Triton
+kernels for both); drafting runs eagerly (vLLM captures CUDA graphs for it);
+drafts are greedy (no draft probabilities for the rejection sampler, vLLM's
+default too); no tree drafting, multimodal inputs, M-RoPE or parallel
+drafting. In the serial loop drafts that would reach ``max_model_len`` are
+cut off here; in the padded path the scheduler cuts them (as vLLM does).
 """
 
 from __future__ import annotations
@@ -84,6 +93,26 @@ class DraftInputs:
     cu_num_tokens: np.ndarray  # [num_reqs] cumulative num_scheduled_tokens
     block_table: BlockTable
     target_hidden_states: torch.Tensor | None = None  # [step tokens, hidden] (EAGLE)
+
+
+@dataclass
+class PaddedDraftInputs:
+    """What the runner hands a model drafter under async scheduling: the
+    step's layout on the host, every token value on the device (Glassbox's
+    own: vLLM passes these as separate arguments)."""
+
+    target_token_ids: torch.Tensor  # [num_tokens] the step's input ids (device)
+    sampled_token_ids: torch.Tensor  # [num_reqs, max_drafts + 1], -1 after the kept ones
+    num_computed_tokens: np.ndarray  # [num_reqs] where the target's step began
+    num_scheduled_tokens: np.ndarray  # [num_reqs]
+    num_draft_tokens: np.ndarray  # [num_reqs] drafts verified this step
+    # [num_reqs] True: a prompt chunk whose sample is thrown away; its next
+    # token is the prompt's (backup_next_token_ids), known on the host.
+    discard_mask: np.ndarray
+    backup_next_token_ids: np.ndarray  # [num_reqs]
+    block_table: BlockTable
+    vocab_size: int
+    target_hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] (EAGLE)
 
 
 class SpecDecodeBaseProposer:
@@ -262,11 +291,7 @@ class SpecDecodeBaseProposer:
         query_start_loc = np.zeros(len(p.rows) + 1, dtype=np.int32)
         query_start_loc[1:] = np.cumsum(p.query_lens)
         seq_lens = np.where(beyond[query_start_loc[1:] - 1], 1, p.seq_lens).astype(np.int32)
-        device = self.device
-
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
-
+        to_device = self._to_device
         common = CommonAttentionMetadata(
             query_start_loc=to_device(query_start_loc),
             query_start_loc_cpu=torch.from_numpy(query_start_loc),
@@ -279,20 +304,157 @@ class SpecDecodeBaseProposer:
             block_table_tensor=block_table.block_table[to_device(p.rows.astype(np.int64))],
             slot_mapping=to_device(slot_mapping.astype(np.int64)),
         )
-        metadata = self.attn_metadata_builder.build(common)
         if input_ids is None:
             assert p.token_ids is not None
             input_ids = to_device(p.token_ids.astype(np.int64))
+        return self._forward(common, input_ids, to_device(positions), hidden_states)
+
+    def _forward(
+        self,
+        common: CommonAttentionMetadata,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.model is not None and self.attn_metadata_builder is not None
+        metadata = self.attn_metadata_builder.build(common)
         kwargs = {}
         if self.pass_hidden_states_to_model:
             kwargs["hidden_states"] = hidden_states
         with set_forward_context(
             {name: metadata for name in self.attn_layers}, self.glassbox_config
         ):
-            out = self.model(input_ids, to_device(positions), **kwargs)
+            out = self.model(input_ids, positions, **kwargs)
         if isinstance(out, tuple):  # EAGLE: (to score, to feed the next pass)
             return out[0], out[1]
         return out, None
+
+    # ------------------------------------------------------------------
+    # Drafting without a host sync (async scheduling)
+    # ------------------------------------------------------------------
+    def prepare_next_token_ids_padded(
+        self, inputs: PaddedDraftInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next token per row, tokens kept per row), both on the device.
+        A row's next token is its last kept token, or for a prompt chunk the
+        prompt's next token. Example: sampled [[5, 9, -1, -1], [7, -1, -1, -1]]
+        -> next [9, 7], kept [2, 1]."""
+        sampled = inputs.sampled_token_ids
+        valid = (sampled != -1) & (sampled < inputs.vocab_size)
+        num_valid = valid.sum(dim=1)
+        last = sampled.gather(1, (num_valid - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        discard = self._to_device(inputs.discard_mask)
+        backup = self._to_device(inputs.backup_next_token_ids.astype(np.int64))
+        next_token_ids = torch.where(discard, backup, last.long())
+        return next_token_ids, torch.where(discard, 0, num_valid)
+
+    def prepare_inputs_padded(
+        self, inputs: PaddedDraftInputs, num_valid: torch.Tensor
+    ) -> tuple[DraftPass, torch.Tensor, torch.Tensor]:
+        """The first pass over every position the target ran (a draft model
+        also runs the one after: it reads the token at each position, EAGLE
+        the next one), and where each row's next token goes: the flat index
+        right after its last accepted token, on the device.
+
+        Example, k = 3, c = 10, the target ran [t10 d1 d2 d3], kept d1 and x
+        (2 tokens, 2 drafts rejected): EAGLE runs positions 10..13 with tokens
+        [d1 x d3 .] (x written at index 1 = 4 - 1 - 2); a draft model runs
+        10..14 with [t10 d1 x d3 .] (x at index 2). Returns (the pass, the
+        pass's token ids, token_indices_to_sample)."""
+        shift = self.first_pass_shift
+        extra = 1 - shift  # a draft model runs one position more per row
+        num_scheduled = inputs.num_scheduled_tokens.astype(np.int64)
+        num_reqs = len(num_scheduled)
+        query_lens = num_scheduled + extra
+        cu = np.cumsum(query_lens)
+        offsets = np.arange(int(cu[-1])) - np.repeat(cu - query_lens, query_lens)
+        starts = inputs.num_computed_tokens[:num_reqs].astype(np.int64)
+        # Each token's source in the target's step, -1 past its row's end.
+        target_starts = np.cumsum(num_scheduled) - num_scheduled
+        src = np.repeat(target_starts, query_lens) + offsets + shift
+        src[offsets + shift >= np.repeat(num_scheduled, query_lens)] = -1
+        src_t = self._to_device(src)
+        token_ids = inputs.target_token_ids[src_t.clamp(min=0)]
+        # Each row's next token goes after its accepted tokens.
+        num_rejected = torch.where(
+            num_valid > 0, self._to_device(inputs.num_draft_tokens) - (num_valid - 1), 0
+        )
+        # The row's last index, minus one per rejected draft.
+        token_indices_to_sample = self._to_device(cu - 1) - num_rejected
+        first = DraftPass(
+            rows=np.arange(num_reqs),
+            query_lens=query_lens,
+            token_ids=None,
+            positions=np.repeat(starts, query_lens) + offsets,
+            seq_lens=starts + query_lens,
+        )
+        return first, token_ids, token_indices_to_sample
+
+    @torch.inference_mode()
+    def propose_padded(self, inputs: PaddedDraftInputs) -> torch.Tensor:
+        """k greedy drafts per row, [num_reqs, k] on the device; the host
+        waits for nothing. Rows that drafted nothing useful (prompt chunks)
+        get drafts too; the scheduler never schedules them."""
+        assert self.model is not None
+        next_token_ids, num_valid = self.prepare_next_token_ids_padded(inputs)
+        first, token_ids, sample_at = self.prepare_inputs_padded(inputs, num_valid)
+        token_ids = token_ids.scatter(0, sample_at, next_token_ids.to(token_ids.dtype))
+        hidden_in = None
+        if self.pass_hidden_states_to_model:  # same positions as the target's step
+            hidden_in = inputs.target_hidden_states
+        last_hidden, hidden_out = self._run(first, inputs.block_table, hidden_in, token_ids)
+        draft_ids = [self._greedy_sample(last_hidden[sample_at])]
+        positions = self._to_device(first.positions)[sample_at]
+        hidden = hidden_out[sample_at] if hidden_out is not None else None
+        # Host bound for the lookahead passes' context (the device has the value).
+        max_seq_len = int(first.seq_lens.max())
+        for j in range(1, self.num_speculative_tokens):
+            last_hidden, hidden = self._run_lookahead(
+                positions + j, max_seq_len + j, inputs.block_table, draft_ids[-1], hidden
+            )
+            draft_ids.append(self._greedy_sample(last_hidden))
+        return torch.stack(draft_ids, dim=1)
+
+    def _run_lookahead(
+        self,
+        positions: torch.Tensor,
+        max_seq_len: int,
+        block_table: BlockTable,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row at device-known ``positions`` (rows in batch
+        order): slots and context lengths are computed on the device. A
+        position at or past max_model_len writes nowhere (its drafts are cut
+        by the scheduler)."""
+        assert self.model is not None and self.attn_metadata_builder is not None
+        num_reqs = positions.shape[0]
+        beyond = positions >= self.max_model_len
+        positions = torch.where(beyond, 0, positions)
+        table = block_table.block_table[:num_reqs]
+        block_ids = table.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+        slot_mapping = block_ids.long() * self.block_size + positions % self.block_size
+        slot_mapping = torch.where(beyond, -1, slot_mapping)
+        seq_lens = torch.where(beyond, 1, positions + 1).to(torch.int32)
+        query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(self.device, non_blocking=True),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens,
+            num_reqs=num_reqs,
+            num_actual_tokens=num_reqs,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_table_tensor=table,
+            slot_mapping=slot_mapping,
+            # On the CPU the "device" values are host values already.
+            _seq_lens_cpu=seq_lens if seq_lens.device.type == "cpu" else None,
+        )
+        return self._forward(common, input_ids, positions, hidden_states)
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        # non_blocking: a pageable host copy is staged at once; no wait for the device.
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:

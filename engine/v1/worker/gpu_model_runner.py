@@ -59,8 +59,15 @@ every request verifies k drafts replays a graph of its own when the attention
 builder allows it (``AttentionCGSupport.UNIFORM_BATCH``: Triton, not
 FlashInfer); other steps with drafts run eagerly.
 
-Simpler than vLLM: no piecewise graphs (they need torch.compile),
-speculative decoding with async scheduling, LoRA,
+Async scheduling with a model drafter (``use_async_spec_decode``): the
+drafter runs on this step's device tensors (``_propose_draft_token_ids_
+padded``) and its drafts stay there; the next step's ``_update_states``
+waits for this step's verified tokens (``_apply_pending_draft_step``),
+appends them and corrects the cursor the scheduler sent, which still counts
+the rejected drafts, and ``_scatter_draft_token_ids`` copies the drafts into
+the inputs on the device.
+
+Simpler than vLLM: no piecewise graphs (they need torch.compile), LoRA,
 multimodal or pipeline parallelism; no
 custom logits processors from the config (``build_logitsprocs`` accepts them,
 ``ModelConfig`` has no ``logits_processors`` yet); one attention builder, so
@@ -103,7 +110,11 @@ from engine.v1.sample.rejection_sampler import RejectionSampler
 from engine.v1.sample.sampler import Sampler
 from engine.v1.spec_decode.draft_model import DraftModelProposer
 from engine.v1.spec_decode.eagle import EagleProposer
-from engine.v1.spec_decode.llm_base_proposer import DraftInputs, SpecDecodeBaseProposer
+from engine.v1.spec_decode.llm_base_proposer import (
+    DraftInputs,
+    PaddedDraftInputs,
+    SpecDecodeBaseProposer,
+)
 from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 from engine.v1.spec_decode.ngram_proposer import NgramProposer
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -148,6 +159,35 @@ class PreparedInputs:
     spec_decode_metadata: SpecDecodeMetadata | None = None
 
 
+@dataclass
+class PendingDraftStep:
+    """Async scheduling with a model drafter: the step whose verdict the
+    next ``_update_states`` reads (Glassbox's own; vLLM keeps these as
+    runner fields: ``prev_num_draft_len``, ``valid_sampled_token_count_cpu``,
+    ``_draft_token_ids``)."""
+
+    output: AsyncGPUModelRunnerOutput
+    req_ids: list[str]  # the step's rows
+    num_computed_tokens: np.ndarray  # [num_reqs] where the step began
+    num_scheduled_tokens: np.ndarray  # [num_reqs]
+    num_draft_tokens: np.ndarray  # [num_reqs] drafts it verified
+    draft_token_ids: torch.Tensor  # [num_reqs, k] on the device: the next step's drafts
+    # Their host copy, queued only when sampling reads drafts (penalties).
+    draft_token_ids_cpu: torch.Tensor | None = None
+    draft_copy_event: torch.cuda.Event | None = None
+    applied: bool = False  # its tokens are in the rows (one _update_states did it)
+
+
+@dataclass
+class DraftCorrection:
+    """A row's verdict from the previous step: its true cursor, and how many
+    drafts the scheduler may still count as computed (an optimistic cursor
+    scheduled before it saw the verdict)."""
+
+    num_computed_tokens: int
+    num_rejected: int
+
+
 class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
     """One step's output while its sampled ids travel to the host.
 
@@ -185,6 +225,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
         self._sampled_token_ids = sampler_output.sampled_token_ids
         self._logprobs_tensors = sampler_output.logprobs_tensors
         self.async_copy_ready_event: torch.cuda.Event | None = None
+        self._output: ModelRunnerOutput | None = None
         if async_output_copy_stream is None:
             self.sampled_token_ids_cpu = self._sampled_token_ids
             self._logprobs_tensors_cpu = self._logprobs_tensors
@@ -203,6 +244,13 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
             self.async_copy_ready_event.record()
 
     def get_output(self) -> ModelRunnerOutput:
+        # Built once: with a model drafter under async scheduling the runner
+        # reads it first (the next step's _update_states), then EngineCore.
+        if self._output is None:
+            self._output = self._build_output()
+        return self._output
+
+    def _build_output(self) -> ModelRunnerOutput:
         if self.async_copy_ready_event is not None:
             self.async_copy_ready_event.synchronize()
         if self._vocab_size is not None:
@@ -298,9 +346,6 @@ class GPUModelRunner:
         self.drafter: NgramProposer | SpecDecodeBaseProposer | None = None
         self.rejection_sampler: RejectionSampler | None = None
         if self.speculative_config is not None:
-            # The async path keeps one sampled id per row on the device; drafts
-            # would need 1 + k (vLLM's EAGLE path). The config never pairs them.
-            assert not self.scheduler_config.async_scheduling, "speculation runs the serial loop"
             method = self.speculative_config.method
             if method == "ngram":
                 self.drafter = NgramProposer(glassbox_config)
@@ -313,6 +358,10 @@ class GPUModelRunner:
         # Async scheduling: sampled ids stay on the device for the next step,
         # and their host copy runs on a stream of its own (CUDA only).
         self.use_async_scheduling = bool(self.scheduler_config.async_scheduling)
+        # ... and with a model drafter, drafts stay on the device too
+        # (GlassboxConfig allows async scheduling with no other drafter).
+        self.use_async_spec_decode = self.use_async_scheduling and self.drafter is not None
+        self._pending_draft_step: PendingDraftStep | None = None
         self.async_output_copy_stream: torch.cuda.Stream | None = None
         # Recorded after a step's host->device input copies; the next step
         # waits for it before rewriting the pinned buffers they read from.
@@ -430,8 +479,15 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     # 1. Apply the scheduler's deltas
     # ------------------------------------------------------------------
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_states(
+        self,
+        scheduler_output: SchedulerOutput,
+        corrections: dict[str, DraftCorrection] | None = None,
+    ) -> None:
+        """``corrections``: the true cursors of the previous step's rows
+        (``_apply_pending_draft_step``; async scheduling with a model drafter)."""
         batch = self.input_batch
+        corrections = corrections or {}
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
@@ -468,6 +524,16 @@ class GPUModelRunner:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            fix = corrections.get(req_id)
+            if (
+                fix is not None
+                and req_id not in cached.resumed_req_ids
+                and (state.num_computed_tokens == fix.num_computed_tokens + fix.num_rejected)
+            ):
+                # Scheduled before the scheduler saw the last verdict: its
+                # cursor still counts the rejected drafts (vLLM corrects it
+                # the same way, in _update_states).
+                state.num_computed_tokens = fix.num_computed_tokens
             new_block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Recompute from scratch: the old blocks are gone.
@@ -499,19 +565,52 @@ class GPUModelRunner:
         # metadata is rebuilt (asynchronously) only if the batch changed.
         batch.refresh_metadata()
 
+    def _apply_pending_draft_step(self) -> dict[str, DraftCorrection]:
+        """Async scheduling with a model drafter: wait for the previous
+        step's verified tokens to reach the host (the device has finished its
+        rejection sampling; its drafter may still run), append them to their
+        rows, and return each row's true cursor for ``_update_states``. vLLM
+        waits at the same point, for the counts only (``_get_valid_sampled_
+        token_count``); Glassbox takes the ids too, so no -1 placeholders."""
+        pending = self._pending_draft_step
+        if pending is None or pending.applied:
+            return {}
+        pending.applied = True
+        batch = self.input_batch
+        sampled = pending.output.get_output().sampled_token_ids
+        corrections: dict[str, DraftCorrection] = {}
+        for i, req_id in enumerate(pending.req_ids):
+            tokens = sampled[i]
+            if not tokens:  # a prompt chunk
+                continue
+            row = batch.req_id_to_index[req_id]  # rows are as sample_tokens left them
+            for token in tokens:
+                self.requests[req_id].output_token_ids.append(token)
+                batch.append_token(row, token)
+            num_rejected = int(pending.num_draft_tokens[i]) - (len(tokens) - 1)
+            computed = int(pending.num_computed_tokens[i] + pending.num_scheduled_tokens[i])
+            corrections[req_id] = DraftCorrection(computed - num_rejected, num_rejected)
+        return corrections
+
     def _update_spec_token_ids(self, scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
         """Put this step's drafts after each row's known tokens (in
         ``token_ids_cpu``, where ``_prepare_inputs`` reads the inputs, and in
         ``spec_token_ids``, which penalties read); rows without drafts drop
         last step's. Differs from vLLM (``InputBatch.update_req_spec_token_ids``,
         called per request before ``condense``): one pass over the final rows,
-        after condense and reorder, so no move can carry a stale draft."""
+        after condense and reorder, so no move can carry a stale draft.
+
+        Under async scheduling the drafts are -1 placeholders: the ids are on
+        the device (``_scatter_draft_token_ids``); 0 holds their place here,
+        and stands in for a draft the drafter never made (a request absent
+        from the previous step) -- the target verifies it like any other."""
         batch = self.input_batch
         for row, req_id in enumerate(batch.req_ids):
             drafts = batch.spec_token_ids[row]
             drafts.clear()
             new = scheduled_spec_decode_tokens.get(req_id)
             if new:
+                new = [max(token, 0) for token in new]
                 drafts.extend(new)
                 start = int(batch.num_tokens_no_spec[row])
                 batch.token_ids_cpu[row, start : start + len(new)] = new
@@ -572,6 +671,7 @@ class GPUModelRunner:
 
         self._copy_to_device(self.input_ids, input_ids_np)
         self._prepare_input_ids(cu_num_tokens)
+        self._scatter_draft_token_ids(cu_num_tokens, scheduler_output.scheduled_spec_decode_tokens)
         self._copy_to_device(self.positions, positions_np)
         self._copy_to_device(self.query_start_loc, query_start_loc_np)
         self._copy_to_device(self.seq_lens, seq_lens_np)
@@ -699,6 +799,39 @@ class GPUModelRunner:
         prev = torch.tensor(prev_indices, dtype=torch.long).to(self.device, non_blocking=True)
         self.input_ids.index_copy_(0, cur, prev_sampled[prev, 0].to(self.input_ids.dtype))
 
+    def _scatter_draft_token_ids(
+        self, cu_num_tokens: np.ndarray, scheduled_spec_decode_tokens: dict[str, list[int]]
+    ) -> None:
+        """Async scheduling with a model drafter: each request's drafts are
+        the previous step's proposals, still on the device; copy them into
+        the positions after its last token (vLLM does it at the end of its
+        ``_prepare_input_ids``).
+
+        Example: rows [A, B], A has 2 drafts, cu_num_tokens [3, 5], A was row
+        1 of the previous step: input_ids[1:3] = draft_token_ids[1, :2].
+        """
+        pending = self._pending_draft_step
+        if pending is None or not scheduled_spec_decode_tokens:
+            return
+        prev_rows = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        k = pending.draft_token_ids.shape[1]
+        dst: list[int] = []  # flat input positions
+        src: list[int] = []  # flat index into draft_token_ids
+        for row, req_id in enumerate(self.input_batch.req_ids):
+            n = len(scheduled_spec_decode_tokens.get(req_id, ()))
+            prev = prev_rows.get(req_id)
+            if n == 0 or prev is None:
+                continue
+            last = int(cu_num_tokens[row]) - 1
+            dst.extend(range(last - n + 1, last + 1))
+            src.extend(range(prev * k, prev * k + n))
+        if not dst:
+            return
+        dst_t = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+        src_t = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+        drafts = pending.draft_token_ids.flatten()[src_t]
+        self.input_ids.index_copy_(0, dst_t, drafts.to(self.input_ids.dtype))
+
     def _copy_to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """numpy -> persistent device buffer. On CUDA through a persistent
         pinned host twin, so the copy is asynchronous (the previous step's
@@ -720,12 +853,15 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # Before any row moves: the previous step's verified tokens into its
+        # rows (its trace events are that step's, so before step_started).
+        corrections = self._apply_pending_draft_step()
         self.trace.step_started(scheduler_output.step)
         if self.prepare_inputs_event is not None:
             # The last step's input copies must be done before their pinned
             # sources are rewritten (they usually are long done).
             self.prepare_inputs_event.synchronize()
-        self._update_states(scheduler_output)
+        self._update_states(scheduler_output, corrections)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None and self.attn_metadata_builder is not None
@@ -779,6 +915,7 @@ class GPUModelRunner:
         reqs = [self.requests[r] for r in state.req_ids]
         if self.use_async_scheduling and self._sampling_reads_output_token_ids():
             batch.update_async_output_token_ids()
+            self._update_async_spec_token_ids()
         self.trace.sampling(state.req_ids, state.discard_rows)
         # A thrown-away sample must not advance its row's seeded generator
         # (vLLM rewinds it): a seed gives the same tokens however the prompt
@@ -815,9 +952,16 @@ class GPUModelRunner:
             async_output_copy_stream=self.async_output_copy_stream,
             step=state.scheduler_output.step,
             trace=self.trace,
+            # With a model drafter the next step appends the real ids instead.
             placeholders=placeholders if self.use_async_scheduling else [],
             vocab_size=self.model_config.vocab_size if spec_decode_metadata else None,
         )
+        if self.use_async_spec_decode:
+            # Drafts for the next step, from device tensors only.
+            self._pending_draft_step = self._propose_draft_token_ids_padded(
+                state, output, sampler_output.sampled_token_ids
+            )
+            return output
         if not self.use_async_scheduling:
             result = output.get_output()  # waits for the device
             for i in kept_rows:
@@ -872,6 +1016,88 @@ class GPUModelRunner:
                 state.hidden_states,
             )
         )
+
+    def _propose_draft_token_ids_padded(
+        self,
+        state: ExecuteModelState,
+        output: AsyncGPUModelRunnerOutput,
+        sampled_token_ids: torch.Tensor,
+    ) -> PendingDraftStep:
+        """Async scheduling: the drafter runs on this step's device tensors
+        (``SpecDecodeBaseProposer.propose_padded``) while the host moves on;
+        the next step reads the verdict and the drafts from what this returns."""
+        assert isinstance(self.drafter, SpecDecodeBaseProposer)
+        batch = self.input_batch
+        sched = state.scheduler_output
+        num_reqs = len(state.req_ids)
+        num_scheduled = np.array(
+            [sched.num_scheduled_tokens[r] for r in state.req_ids], dtype=np.int64
+        )
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        num_drafts = np.array(
+            [len(sched.scheduled_spec_decode_tokens.get(r, ())) for r in state.req_ids],
+            dtype=np.int64,
+        )
+        discard = np.zeros(num_reqs, dtype=bool)
+        discard[state.discard_rows] = True
+        # A prompt chunk's next token is the prompt's own (0 for other rows).
+        seq_lens = num_computed + num_scheduled
+        next_prompt_token = batch.token_ids_cpu[
+            np.arange(num_reqs), np.minimum(seq_lens, self.max_model_len - 1)
+        ]
+        backup = np.where(discard, next_prompt_token, 0)
+        drafts = self.drafter.propose_padded(
+            PaddedDraftInputs(
+                target_token_ids=self.input_ids[: int(num_scheduled.sum())],
+                sampled_token_ids=sampled_token_ids,
+                num_computed_tokens=num_computed,
+                num_scheduled_tokens=num_scheduled,
+                num_draft_tokens=num_drafts,
+                discard_mask=discard,
+                backup_next_token_ids=backup,
+                block_table=batch.block_table,
+                vocab_size=self.model_config.vocab_size,
+                target_hidden_states=state.hidden_states,
+            )
+        )
+        pending = PendingDraftStep(
+            output, list(state.req_ids), num_computed, num_scheduled, num_drafts, drafts
+        )
+        if self._sampling_reads_output_token_ids():
+            # Penalties read the drafts as if generated: queue their host copy now.
+            pending.draft_token_ids_cpu, pending.draft_copy_event = self._copy_to_host_async(drafts)
+        self.trace.drafts_proposed(state.req_ids, drafts, np.flatnonzero(~discard).tolist())
+        return pending
+
+    def _copy_to_host_async(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A device->host copy on the output copy stream, and its event (None on the CPU)."""
+        stream = self.async_output_copy_stream
+        if stream is None:
+            return t, None
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.current_stream())
+            cpu = t.to("cpu", non_blocking=True)
+            event.record()
+        return cpu, event
+
+    def _update_async_spec_token_ids(self) -> None:
+        """The rows' drafts as ids, for penalties (vLLM's
+        ``InputBatch.update_async_spec_token_ids``): wait for the host copy of
+        the previous step's proposals."""
+        pending = self._pending_draft_step
+        if pending is None or pending.draft_token_ids_cpu is None:
+            return
+        if pending.draft_copy_event is not None:
+            pending.draft_copy_event.synchronize()
+        proposals = pending.draft_token_ids_cpu.tolist()
+        prev_rows = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        batch = self.input_batch
+        for row, req_id in enumerate(batch.req_ids):
+            drafts = batch.spec_token_ids[row]
+            prev = prev_rows.get(req_id)
+            if drafts and prev is not None:
+                drafts[:] = proposals[prev][: len(drafts)]
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts of the last step, once (EngineCore.post_step asks)."""

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.tracing import TraceReplay
 from engine.tracing.reader import load_trace
 from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
 from tests.helpers.eagle_checkpoint import save_tiny_eagle_checkpoint
@@ -146,10 +147,16 @@ def _assert_idle(llm: LLM) -> None:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+# Async scheduling (drafts stay on the device, the runner corrects the
+# scheduler's optimistic cursor) against the serial loop.
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+
+
+@ASYNC
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_draft_equal_to_target_accepts_every_draft(ckpts, engines, arch):
+def test_draft_equal_to_target_accepts_every_draft(ckpts, engines, arch, async_scheduling):
     plain = _generate(engines(ckpts[arch], None), PROMPTS)
-    spec_llm = engines(ckpts[arch], ckpts[arch])
+    spec_llm = engines(ckpts[arch], ckpts[arch], async_scheduling=async_scheduling)
     assert _generate(spec_llm, PROMPTS) == plain
     drafted = _metric(spec_llm, "glassbox:spec_decode_num_draft_tokens")
     accepted = _metric(spec_llm, "glassbox:spec_decode_num_accepted_tokens")
@@ -159,10 +166,13 @@ def test_draft_equal_to_target_accepts_every_draft(ckpts, engines, arch):
     _assert_idle(spec_llm)
 
 
+@ASYNC
 @ENGINE_CASES
-def test_smaller_draft_keeps_greedy_output(ckpts, engines, engine_kw, prompts):
+def test_smaller_draft_keeps_greedy_output(ckpts, engines, engine_kw, prompts, async_scheduling):
     plain = _generate(engines(ckpts["qwen3"], None, **engine_kw), prompts)
-    spec_llm = engines(ckpts["qwen3"], ckpts["small"], **engine_kw)
+    spec_llm = engines(
+        ckpts["qwen3"], ckpts["small"], async_scheduling=async_scheduling, **engine_kw
+    )
     assert _generate(spec_llm, prompts) == plain
     assert _metric(spec_llm, "glassbox:spec_decode_num_draft_tokens") > 0
     _assert_idle(spec_llm)
@@ -210,7 +220,6 @@ def test_seeded_sampling_repeats_run_to_run(ckpts, engines):
         ("vocab300", {}, "vocab_size=300 differs from the target's vocab_size=256"),
         ("missing", {}, "speculative_config.model="),
         ("short", {}, "draft's max_model_len=128 is shorter"),
-        ("qwen3", {"async_scheduling": True}, "runs only in the serial loop"),
     ],
 )
 def test_bad_draft_configs_fail_before_start(ckpts, tmp_path, draft, extra, match):
@@ -300,11 +309,14 @@ def test_eagle_drafts_equal_a_full_recompute_with_transformers(ckpts, engines, t
         known += returned[i]
 
 
+@ASYNC
 @pytest.mark.parametrize("head", ["eagle", "eagle_embed"])
 @ENGINE_CASES
-def test_eagle_keeps_greedy_output(ckpts, engines, head, engine_kw, prompts):
+def test_eagle_keeps_greedy_output(ckpts, engines, head, engine_kw, prompts, async_scheduling):
     plain = _generate(engines(ckpts["llama"], None, **engine_kw), prompts)
-    llm = engines(ckpts["llama"], ckpts[head], method="eagle", **engine_kw)
+    llm = engines(
+        ckpts["llama"], ckpts[head], method="eagle", async_scheduling=async_scheduling, **engine_kw
+    )
     assert _generate(llm, prompts) == plain
     assert _metric(llm, "glassbox:spec_decode_num_draft_tokens") > 0
     _assert_idle(llm)
@@ -315,6 +327,42 @@ def test_eagle_keeps_greedy_output(ckpts, engines, head, engine_kw, prompts):
     assert model.lm_head is target.lm_head
     shares_embedding = model.model.embed_tokens is target.model.embed_tokens
     assert shares_embedding == (head == "eagle")
+
+
+def test_async_drafts_in_the_trace_and_the_replay(ckpts, engines, tmp_path):
+    """Under async scheduling the scheduler verifies -1 placeholders; the
+    replay names the drafts the runner proposed after the step before, and
+    the replay's cursors follow the engine's (it raises otherwise)."""
+    trace = str(tmp_path / "async.jsonl")
+    llm = engines(
+        ckpts["qwen3"],
+        ckpts["qwen3"],
+        async_scheduling=True,
+        trace_path=trace,
+        trace_level="lifecycle",
+    )
+    _generate(llm, PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    llm.shutdown()
+    verified = [e for e in load_trace(trace) if e.kind == "spec.verified"]
+    with_drafts = [e for e in verified if e.draft_token_ids]
+    assert with_drafts and all(set(e.draft_token_ids) == {-1} for e in with_drafts)
+    replay = TraceReplay(trace)
+    rows = 0
+    for step in replay.steps:
+        spec = replay.view(step).spec
+        if spec is None:
+            continue
+        proposed_before = replay.view(step - 1).spec if step > 0 else None
+        for rid, row in spec.verified.items():
+            if not row.draft_token_ids:
+                continue
+            rows += 1
+            assert proposed_before is not None
+            expected = proposed_before.proposed[rid][: len(row.draft_token_ids)]
+            assert row.draft_token_ids == expected and min(expected) >= 0
+            # Draft == target: every draft is the token the target then kept.
+            assert row.token_ids[:-1] == row.draft_token_ids
+    assert rows == len(with_drafts)
 
 
 def test_eagle_head_of_another_width_is_refused(ckpts, engines):

@@ -70,21 +70,22 @@ def test_ngram_turns_async_scheduling_off_and_refuses_it_when_asked(model_dir):
         ).create_engine_config()
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_model_drafters_run_the_serial_loop(model_dir, method):
-    # vLLM overlaps steps with these; Glassbox drafts in the serial loop so far:
-    # off by default, an error when asked for.
+@pytest.mark.parametrize("method, default", [("draft_model", False), ("eagle", True)])
+def test_model_drafters_follow_vllms_async_scheduling_rule(model_dir, method, default):
+    # vLLM's rule: EAGLE overlaps steps by default, a draft model when asked;
+    # asking for the serial loop is always allowed.
     spec = {"method": method, "model": model_dir, "num_speculative_tokens": 2}
     config = EngineArgs(model=model_dir, **TINY, speculative_config=spec).create_engine_config()
-    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.async_scheduling is default
     draft = config.speculative_config.draft_model_config
     assert draft.max_model_len == config.model_config.max_model_len
     expected = "EagleLlamaForCausalLM" if method == "eagle" else "LlamaForCausalLM"
     assert draft.architectures == [expected]
-    with pytest.raises(ValueError, match=f"method='{method}' runs only in the serial loop"):
-        EngineArgs(
-            model=model_dir, **TINY, speculative_config=spec, async_scheduling=True
+    for asked in (True, False):
+        config = EngineArgs(
+            model=model_dir, **TINY, speculative_config=spec, async_scheduling=asked
         ).create_engine_config()
+        assert config.scheduler_config.async_scheduling is asked
 
 
 def test_a_speculative_config_that_is_not_an_object_is_refused(model_dir):

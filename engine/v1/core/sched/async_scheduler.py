@@ -28,11 +28,22 @@ step's token is dropped (the base ``update_from_output`` skips finished
 requests), the price of never waiting for the host.
 Sessions: 01 (engine loop), 02 (scheduler), 03 (KV cache: what ``cache_blocks`` may hash).
 
-Simpler than vLLM: no speculative-decoding placeholders yet (a step adds
-exactly one), and no structured outputs (no ``pending_structured_output_tokens``).
+Speculative decoding (EAGLE or a draft model; session 06): the drafts for
+step N+1 are proposed on the device after step N, so the scheduler never
+sees them. A step that verifies d drafts adds 1 + d placeholders (every draft
+may be accepted), and the request's ``spec_token_ids`` become k -1
+placeholders, which step N+1 schedules after its last token; the runner
+copies the real drafts in on the device. When step N's output arrives,
+``update_from_output`` takes the rejected drafts off both the cursor and the
+placeholders; the runner, which scheduled N+1 from the optimistic cursor,
+corrects its own copy once it sees step N's verdict.
+
+Simpler than vLLM: no structured outputs (no ``pending_structured_output_tokens``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.core.sched.scheduler import Scheduler
@@ -40,14 +51,22 @@ from engine.v1.request import Request, RequestStatus
 
 
 class AsyncScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Shared and never mutated: the drafts the worker keeps on the device.
+        self._spec_token_placeholders: list[int] = [-1] * self.num_spec_tokens
+
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests[req_id]
             if request.is_prefill_chunk:
                 continue  # a mid-prompt chunk samples nothing
-            # This step will sample one token for the request.
-            request.num_output_placeholders += 1
+            # This step samples one token, plus one per draft if all are accepted.
+            request.num_output_placeholders += 1 + len(spec_decode_tokens.get(req_id, ()))
+            # Drafts for the next step: proposed on the device after this one.
+            request.spec_token_ids = self._spec_token_placeholders
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
