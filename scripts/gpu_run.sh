@@ -10,9 +10,10 @@
 #     tracing  only the tracing overhead benchmark and its profile
 #     async    async scheduling on against off: throughput, client inter-token time and
 #              decode step (benchmarks/async_scheduling.py -> async_scheduling_<gpu>.json)
-#     spec     speculative decoding: its gpu tests (Triton attention; tests/v1/sample), then
-#              the cost of a verification step (benchmarks/spec_verify_cost.py ->
-#              spec_verify_cost_<gpu>.json)
+#     spec     speculative decoding: its gpu tests (those matching SPEC_TESTS_K, default
+#              "not ngram": the model drafters on both backends, serial and async, and
+#              tests/v1/sample), then the cost of a verification step
+#              (benchmarks/spec_verify_cost.py -> spec_verify_cost_<gpu>.json)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
@@ -112,7 +113,7 @@ if [ "$WHAT" = async ]; then
     | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 if [ "$WHAT" = spec ]; then
-  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu -k "not FLASHINFER" \
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu -k "${SPEC_TESTS_K:-not ngram}" \
     tests/gpu/test_gpu_spec_decode.py tests/v1/sample 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
   GLASSBOX_ATTENTION_BACKEND=${SPEC_BACKEND:-TRITON_ATTN} "$PYTHON" benchmarks/spec_verify_cost.py \
     --device cuda --batch-sizes "${SPEC_BATCHES:-1,8,32}" --steps "${SPEC_STEPS:-20}" \
