@@ -14,8 +14,12 @@ Read it for the five graph modes and what each captures:
                       default on recent GPUs; not implemented here).
 
 Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to the
-largest batch (capped by ``max_num_seqs``). A batch of 13 decodes is padded to
-16 and replayed with the 16-graph.
+largest batch. A batch of 13 decodes is padded to 16 and replayed with the
+16-graph. The largest is ``max_num_seqs`` tokens, times 1 + k with k drafts
+per request (a verification batch of max_num_seqs requests), and never more
+than ``max_num_batched_tokens``; vLLM doubles that bound (up to 512) because
+its piecewise graphs also serve mixed batches, which FULL_DECODE_ONLY runs
+eagerly.
 Sessions: 04 (worker), 06 (CUDA graphs).
 """
 
@@ -83,12 +87,20 @@ class CompilationConfig:
             )
         self.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
 
-    def finalize(self, max_num_seqs: int, enforce_eager: bool) -> None:
-        """Settle the mode and sizes once the scheduler limits are known."""
+    def finalize(
+        self,
+        max_num_seqs: int,
+        enforce_eager: bool,
+        uniform_decode_query_len: int = 1,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        """Settle the mode and sizes once the scheduler limits are known
+        (``uniform_decode_query_len``: 1 + k with k drafts per request)."""
         if enforce_eager:
             self.cudagraph_mode = CUDAGraphMode.NONE
+        largest = max_num_seqs * uniform_decode_query_len
+        if isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0:
+            largest = min(largest, max_num_batched_tokens)
         if not self.cudagraph_capture_sizes:
-            self.cudagraph_capture_sizes = default_capture_sizes(max_num_seqs)
-        self.cudagraph_capture_sizes = [
-            s for s in self.cudagraph_capture_sizes if s <= max_num_seqs
-        ]
+            self.cudagraph_capture_sizes = default_capture_sizes(largest)
+        self.cudagraph_capture_sizes = [s for s in self.cudagraph_capture_sizes if s <= largest]

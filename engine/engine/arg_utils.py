@@ -177,7 +177,16 @@ class EngineArgs:
         max_num_seqs = (
             SchedulerConfig.DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs
         )
-        compilation_config.finalize(max_num_seqs, enforce_eager=self.enforce_eager)
+        # A verification batch runs 1 + k tokens per request (a bad k is
+        # reported by SpeculativeConfig).
+        spec = self.speculative_config
+        k = spec.get("num_speculative_tokens") if isinstance(spec, dict) else None
+        compilation_config.finalize(
+            max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            uniform_decode_query_len=1 + k if isinstance(k, int) and k > 0 else 1,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         return GlassboxConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -41,24 +41,28 @@ class CudagraphDispatcher:
         compilation_config: CompilationConfig,
         uniform_decode_query_len: int = 1,
         max_num_tokens: int | None = None,
+        max_num_reqs: int | None = None,
     ) -> None:
         self.mode = compilation_config.cudagraph_mode
-        self.capture_sizes = list(compilation_config.cudagraph_capture_sizes)
-        self.uniform_decode_query_len = uniform_decode_query_len
         # The runner's input buffers hold this many tokens (None: no limit).
         self.max_num_tokens = max_num_tokens
-        self.spec_capture_sizes = self._spec_sizes()
+        self.uniform_decode_query_len = uniform_decode_query_len
+        sizes = list(compilation_config.cudagraph_capture_sizes)
+        self.spec_capture_sizes = self._spec_sizes(sizes)
+        # One-token decodes: a batch never holds more than max_num_reqs of them
+        # (the larger sizes are there for verification batches).
+        self.capture_sizes = [s for s in sizes if max_num_reqs is None or s <= max_num_reqs]
         # Keys captured so far (filled by the runner's capture_model()).
         self.captured: set[BatchDescriptor] = set()
 
-    def _spec_sizes(self) -> list[int]:
+    def _spec_sizes(self, sizes: list[int]) -> list[int]:
         """Token counts of the verification graphs: each capture size rounded
         up to a multiple of 1 + k, those that fit the runner's buffers."""
         q = self.uniform_decode_query_len
         if q == 1:
             return []
         limit = self.max_num_tokens or float("inf")
-        return sorted({n for s in self.capture_sizes if (n := -(-s // q) * q) <= limit})
+        return sorted({n for s in sizes if (n := -(-s // q) * q) <= limit})
 
     def disable_spec_graphs(self) -> None:
         """The attention builder cannot replay 1 + k tokens per request."""

@@ -67,3 +67,24 @@ def test_no_graph_mode_means_no_keys():
     d = CudagraphDispatcher(config, uniform_decode_query_len=4)
     assert d.decode_keys() == []
     assert d.dispatch(4, uniform_decode=True, query_len=4)[0] == CUDAGraphMode.NONE
+
+
+def test_capture_sizes_reach_a_full_verification_batch():
+    # max_num_seqs 8, k = 3: a verification batch holds up to 8 x 4 = 32 tokens.
+    config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY)
+    config.finalize(8, enforce_eager=False, uniform_decode_query_len=4, max_num_batched_tokens=2048)
+    assert config.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 24, 32]
+    d = CudagraphDispatcher(config, uniform_decode_query_len=4, max_num_tokens=2048, max_num_reqs=8)
+    # One-token decodes never exceed 8 requests; verification graphs go to 32 tokens.
+    assert d.capture_sizes == [1, 2, 4, 8]
+    assert d.spec_capture_sizes == [4, 8, 16, 24, 32]
+    d.captured.update(d.decode_keys())
+    mode, key = d.dispatch(32, uniform_decode=True, query_len=4)
+    assert (mode, key) == (CUDAGraphMode.FULL, BatchDescriptor(32, 8, True))
+    # Without drafts the sizes stop at max_num_seqs; the token budget caps them too.
+    plain = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY)
+    plain.finalize(8, enforce_eager=False)
+    assert plain.cudagraph_capture_sizes == [1, 2, 4, 8]
+    tight = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY)
+    tight.finalize(8, enforce_eager=False, uniform_decode_query_len=4, max_num_batched_tokens=20)
+    assert tight.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 20]

@@ -396,6 +396,7 @@ class GPUModelRunner:
             compilation_config,
             uniform_decode_query_len=1 + glassbox_config.num_speculative_tokens,
             max_num_tokens=self.max_num_tokens,
+            max_num_reqs=self.max_num_reqs,
         )
         # key -> (graph, its output hidden states), filled by capture_model().
         self.cudagraphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
