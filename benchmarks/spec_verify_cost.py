@@ -7,10 +7,11 @@ the serial loop that speculation uses), at a given batch size and context
 ~512, for
 
   * ``decode_graphs`` -- plain decode, CUDA graphs (the engine's default);
-  * ``decode_eager`` -- plain decode without graphs (``enforce_eager``):
-    Glassbox runs every verification step eagerly (it captures no graph for a
-    query length of 1 + k), so this row separates the graphs' gain from the
-    verification's cost;
+  * ``decode_eager`` -- plain decode without graphs (``enforce_eager``): it
+    separates the graphs' gain from the verification's cost (with
+    ``TRITON_ATTN`` a step where every request verifies k drafts replays a
+    graph of its own, captured for query length 1 + k; with FlashInfer it
+    runs eagerly);
   * ``verify_k<K>`` -- n-gram speculation with k = K, where before every timed
     step each request is handed exactly K drafts through
     ``Scheduler.update_draft_token_ids`` (what ``EngineCore.post_step`` does
