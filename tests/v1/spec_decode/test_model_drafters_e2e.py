@@ -207,6 +207,25 @@ def test_drafts_stop_at_max_model_len(ckpts, engines, tmp_path):
     assert max(len(e.draft_token_ids) for e in proposed) <= 3
 
 
+def test_async_scheduling_keeps_seeded_and_penalised_outputs(ckpts, engines):
+    """Seeded sampling and a repetition penalty (which reads the drafts as if
+    generated: under async scheduling their host copy is waited for) give
+    the same tokens in the serial loop and under async scheduling."""
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5, max_tokens=24),
+    ]
+    prompts = PROMPTS[:3]
+    runs = [
+        _generate(
+            engines(ckpts["qwen3"], ckpts["small"], async_scheduling=a), prompts * 3, params * 3
+        )
+        for a in (False, True)
+    ]
+    assert runs[0] == runs[1]
+
+
 def test_seeded_sampling_repeats_run_to_run(ckpts, engines):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     first = _generate(engines(ckpts["qwen3"], ckpts["small"]), PROMPTS[:3], params)
