@@ -183,7 +183,8 @@ def test_smaller_draft_keeps_greedy_output(ckpts, engines, engine_kw, prompts, a
     assert caches[2].numel() * 2 == caches[0].numel()
 
 
-def test_drafts_stop_at_max_model_len(ckpts, engines, tmp_path):
+@ASYNC
+def test_drafts_stop_at_max_model_len(ckpts, engines, tmp_path, async_scheduling):
     # 60-token prompts in a 64-token context: the last drafts must be cut.
     prompts = [_ids(60), _ids(3) * 20]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -196,15 +197,21 @@ def test_drafts_stop_at_max_model_len(ckpts, engines, tmp_path):
         max_model_len=64,
         trace_path=trace,
         trace_level="lifecycle",
+        async_scheduling=async_scheduling,
     )
     out = _generate(spec_llm, prompts, params)
     assert out == plain and [len(t) for t in out] == [4, 4]
     _assert_idle(spec_llm)
     spec_llm.shutdown()
-    proposed = [e for e in load_trace(trace) if e.kind == "spec.proposed"]
+    events = load_trace(trace)
+    proposed = [e for e in events if e.kind == "spec.proposed"]
     assert proposed and all(e.method == "draft_model" for e in proposed)
-    # After the prompt (60) and one token, 3 positions are left: 3 drafts at most.
-    assert max(len(e.draft_token_ids) for e in proposed) <= 3
+    # After the prompt (60) and one token, 3 positions are left: 3 drafts at most
+    # are verified (under async scheduling the device proposes k, the scheduler cuts).
+    verified = [e for e in events if e.kind == "spec.verified"]
+    assert verified and max(len(e.draft_token_ids) for e in verified) <= 3
+    if not async_scheduling:
+        assert max(len(e.draft_token_ids) for e in proposed) <= 3
 
 
 def test_async_scheduling_keeps_seeded_and_penalised_outputs(ckpts, engines):
