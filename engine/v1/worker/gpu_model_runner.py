@@ -134,6 +134,8 @@ class ExecuteModelState:
     spec_decode_metadata: SpecDecodeMetadata | None = None
     # [num_tokens, hidden]: the step's last-layer states, which an EAGLE drafter reads.
     hidden_states: torch.Tensor | None = None
+    # [num_reqs] tokens each row ran (from _prepare_inputs), which a model drafter reads.
+    num_scheduled_tokens: np.ndarray | None = None
 
 
 @dataclass
@@ -145,6 +147,7 @@ class PreparedInputs:
 
     common_attn_metadata: CommonAttentionMetadata
     num_tokens: int  # scheduled tokens, before any CUDA-graph padding
+    num_scheduled_tokens: np.ndarray  # [num_reqs] per row
     # On the device, [num_reqs]: each request's last token; with drafts, each
     # request's last 1 + num_drafts tokens ([num_drafts + num_reqs]).
     logits_indices: torch.Tensor
@@ -176,6 +179,9 @@ class PendingDraftStep:
     draft_token_ids_cpu: torch.Tensor | None = None
     draft_copy_event: torch.cuda.Event | None = None
     applied: bool = False  # its tokens are in the rows (one _update_states did it)
+
+    def __post_init__(self) -> None:
+        self.row_of = {req_id: i for i, req_id in enumerate(self.req_ids)}  # its row per request
 
 
 @dataclass
@@ -711,6 +717,7 @@ class GPUModelRunner:
         return PreparedInputs(
             common_attn_metadata=common,
             num_tokens=total,
+            num_scheduled_tokens=num_scheduled,
             logits_indices=logits_indices,
             discard_rows=discard_rows,
             cudagraph_mode=cudagraph_mode,
@@ -814,7 +821,7 @@ class GPUModelRunner:
         pending = self._pending_draft_step
         if pending is None or not scheduled_spec_decode_tokens:
             return
-        prev_rows = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        prev_rows = pending.row_of
         k = pending.draft_token_ids.shape[1]
         dst: list[int] = []  # flat input positions
         src: list[int] = []  # flat index into draft_token_ids
@@ -896,6 +903,7 @@ class GPUModelRunner:
             inputs.discard_rows,
             inputs.spec_decode_metadata,
             hidden_states,
+            inputs.num_scheduled_tokens,
         )
         return None
 
@@ -1001,10 +1009,8 @@ class GPUModelRunner:
             return self.drafter.propose(
                 sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu
             )
-        num_scheduled = np.array(
-            [state.scheduler_output.num_scheduled_tokens[r] for r in state.req_ids],
-            dtype=np.int64,
-        )
+        num_scheduled = state.num_scheduled_tokens
+        assert num_scheduled is not None
         return self.drafter.propose(
             DraftInputs(
                 sampled_token_ids,
@@ -1031,9 +1037,8 @@ class GPUModelRunner:
         batch = self.input_batch
         sched = state.scheduler_output
         num_reqs = len(state.req_ids)
-        num_scheduled = np.array(
-            [sched.num_scheduled_tokens[r] for r in state.req_ids], dtype=np.int64
-        )
+        num_scheduled = state.num_scheduled_tokens
+        assert num_scheduled is not None
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         num_drafts = np.array(
             [len(sched.scheduled_spec_decode_tokens.get(r, ())) for r in state.req_ids],
@@ -1092,7 +1097,7 @@ class GPUModelRunner:
         if pending.draft_copy_event is not None:
             pending.draft_copy_event.synchronize()
         proposals = pending.draft_token_ids_cpu.tolist()
-        prev_rows = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        prev_rows = pending.row_of
         batch = self.input_batch
         for row, req_id in enumerate(batch.req_ids):
             drafts = batch.spec_token_ids[row]
