@@ -15,7 +15,10 @@ Sessions: 01 (engine loop: what a request carries), 05 (sampling: what the
 sampler does with these numbers).
 
 Simpler than vLLM:
-- Left out: structured outputs, beam search (``BeamSearchParams``), thinking
+- ``StructuredOutputsParams`` has no ``structural_tag`` (tool-call tags), and
+  its per-request whitespace options are refused: vLLM's xgrammar backend
+  ignores them and reads the engine's ``structured_outputs_config`` instead.
+- Left out: beam search (``BeamSearchParams``), thinking
   budgets, repetition detection, ``logprob_token_ids``/``flat_logprobs``,
   routed-expert capture and the pydantic mixin. Glassbox has no engine support
   for them, so a field for them would be a promise the engine cannot keep.
@@ -206,6 +209,98 @@ def _tokenizer_vocab_size(tokenizer: Any) -> int | None:
     return None
 
 
+# Deeper schemas would hit Python's recursion limit when a request is copied.
+_MAX_SCHEMA_DEPTH = 64
+
+
+def _nesting_depth(value: Any) -> int:
+    """Levels of dicts/lists in ``value`` (iterative: no recursion limit)."""
+    depth, level = 0, [value]
+    while level:
+        level = [
+            child
+            for v in level
+            if isinstance(v, dict | list)
+            for child in (v.values() if isinstance(v, dict) else v)
+        ]
+        depth += 1
+    return depth - 1
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """One constraint on a request's output (session 06). Exactly one of
+    ``json`` (a JSON schema, as a dict or a JSON string), ``regex``,
+    ``choice`` (the output is one of these strings), ``grammar`` (xgrammar's
+    EBNF) and ``json_object`` (any JSON object) must be set; the input
+    processor checks it compiles before the request reaches the engine."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    _backend: str | None = None
+    """Set by the input processor: the backend that checked it."""
+    _backend_was_auto: bool = False
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("json", self.json, (str, dict)),
+            ("regex", self.regex, str),
+            ("choice", self.choice, list),
+            ("grammar", self.grammar, str),
+            ("json_object", self.json_object, bool),
+        )
+        for name, value, kind in checks:
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(
+                    f"structured_outputs.{name} has the wrong type: {_describe(value)}"
+                )
+        if self.choice is not None:
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be an empty list")
+            _as_str_list("structured_outputs.choice", self.choice)
+        if self.json_object is False:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        if isinstance(self.json, dict) and _nesting_depth(self.json) > _MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json is nested more than {_MAX_SCHEMA_DEPTH} levels deep"
+            )
+        if isinstance(self.grammar, str) and not self.grammar.strip():
+            raise ValueError("structured_outputs.grammar must not be an empty string")
+        set_fields = [name for name, value, _ in checks if value is not None]
+        if len(set_fields) > 1:
+            raise ValueError(
+                "structured_outputs takes one kind of constraint, got "
+                f"{len(set_fields)}: {', '.join(set_fields)}"
+            )
+        if not set_fields:
+            raise ValueError(
+                "structured_outputs needs one constraint: json, regex, choice, grammar or "
+                "json_object"
+            )
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"structured_outputs.{name} is not a per-request option here: set "
+                    f"structured_outputs_config.{name} on the engine (vLLM's xgrammar "
+                    "backend reads only that)"
+                )
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is an outlines option; the xgrammar "
+                "backend does not support it"
+            )
+
+    def all_constraints_none(self) -> bool:
+        return all(
+            getattr(self, f) is None for f in ("json", "regex", "choice", "grammar", "json_object")
+        )
+
+
 class SamplingParams(
     msgspec.Struct,
     omit_defaults=True,  # only non-default fields go over the wire
@@ -301,6 +396,10 @@ class SamplingParams(
     _bad_words_token_ids: list[list[int]] | None = None
     """bad_words encoded to token ids; set by update_from_tokenizer."""
 
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar
+    (session 06): disallowed tokens are masked out before sampling."""
+
     skip_reading_prefix_cache: bool | None = None
     """Don't take prompt tokens from the prefix cache. Defaults to True when
     prompt_logprobs are requested, since cached prompt tokens are never run
@@ -334,6 +433,7 @@ class SamplingParams(
         allowed_token_ids: list[int] | None = None,
         extra_args: dict[str, Any] | None = None,
         skip_clone: bool = False,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Build from API-style arguments where None means "use the default".
 
@@ -373,6 +473,7 @@ class SamplingParams(
             allowed_token_ids=allowed_token_ids,
             extra_args=extra_args,
             skip_clone=skip_clone,
+            structured_outputs=structured_outputs,
         )
 
     def __post_init__(self) -> None:
@@ -469,6 +570,13 @@ class SamplingParams(
             self.logit_bias = _as_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_int_list("allowed_token_ids", self.allowed_token_ids)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{_describe(self.structured_outputs)}"
+            )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {_describe(self.extra_args)}")
 
@@ -648,6 +756,24 @@ class SamplingParams(
                 )
         self._bad_words_token_ids = bad_words_token_ids
 
+    def _validate_structured_outputs(self, structured_outputs_config: Any) -> None:
+        """Pick the backend and check the constraint compiles (front end)."""
+        so = self.structured_outputs
+        if so is None:
+            return
+        backend = structured_outputs_config.backend
+        if so._backend is not None and so._backend != backend:
+            if not (backend == "auto" and so._backend_was_auto):
+                raise ValueError(
+                    f"structured_outputs: the request asks for backend {so._backend!r} but the "
+                    f"engine runs {backend!r}; per-request backends are not supported"
+                )
+        from engine.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+        validate_xgrammar_grammar(self)  # "auto" and "xgrammar" both end here
+        so._backend = "xgrammar"
+        so._backend_was_auto = backend == "auto"
+
     @cached_property
     def sampling_type(self) -> SamplingType:
         if self.temperature < _SAMPLING_EPS:
@@ -697,5 +823,6 @@ class SamplingParams(
             f"skip_special_tokens={self.skip_special_tokens}, "
             f"spaces_between_special_tokens={self.spaces_between_special_tokens}, "
             f"output_kind={self.output_kind.name}, "
+            f"structured_outputs={self.structured_outputs}, "
             f"extra_args={self.extra_args})"
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.tracing import SamplingParamsSummary
 from tui.session import TraceSession
-from tui.timelines import PHASE_NAMES, STALLED, visible_whitespace
+from tui.timelines import GRAMMAR, PHASE_NAMES, STALLED, visible_whitespace
 
 # Timeline letters, as in the TUI's legend.
 TIMELINE_LEGEND = "w waiting, p prefill, r recompute, d decode, s stalled, x preempted, f finished"
@@ -84,7 +84,8 @@ def request_summary(session: TraceSession, request_id: str | None = None) -> str
     )
     phases = "".join(tl.phases)
     lines.append(f"  timeline from step {tl.queued_step}: {compress_phases(phases)}")
-    lines.append(f"    ({TIMELINE_LEGEND})")
+    legend = TIMELINE_LEGEND + (", g waiting for grammar" if GRAMMAR in phases else "")
+    lines.append(f"    ({legend})")
     for ev in tl.events:
         steps = f"{ev.step}" if ev.end_step is None else f"{ev.step}-{ev.end_step}"
         lines.append(f"  step {steps:>9}  {ev.text}")

@@ -21,6 +21,12 @@ Speculative decoding: a decode step may verify drafts too (``sched.step``'s
 steps back over the rejected drafts (``spec.verified``), and a decode line
 counts its drafts and the accepted ones.
 
+Structured outputs: a constrained request waits for its grammar to compile
+(``so.compile_started``, before its ``sched.queued``, to ``so.ready``) in
+the scheduler's ``skipped_waiting`` queue: its own phase (``GRAMMAR``) and
+one lifecycle line over those steps, noting the compile (``so.compiled``:
+its time, a cache hit) and the step that found it ready.
+
 Ids: the engine knows a request by its internal id (the user's id, ``-``
 and 8 random hex digits, as vLLM's), and so do the timelines; each
 timeline also keeps the id the user gave (``request.added``'s
@@ -36,6 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from engine.tracing import (
+    GrammarCompiled,
+    GrammarCompileStarted,
+    GrammarReady,
     KVAllocated,
     KVAllocationFailed,
     KVCacheHit,
@@ -76,6 +85,7 @@ def visible_whitespace(text: str) -> str:
 # Phase of a request in one step (one character per step on the timeline).
 NOT_ARRIVED = " "
 WAITING = "w"
+GRAMMAR = "g"  # queued, waiting for its grammar to compile (structured outputs)
 PREFILL = "p"
 RECOMPUTE = "r"
 DECODE = "d"
@@ -85,6 +95,7 @@ FINISHED = "f"
 PHASE_NAMES = {
     NOT_ARRIVED: "not arrived",
     WAITING: "waiting",
+    GRAMMAR: "waiting for grammar",
     PREFILL: "prefill chunk",
     RECOMPUTE: "recompute chunk",
     DECODE: "decode",
@@ -100,8 +111,8 @@ class LifecycleEvent:
     (or over a run of steps, for decoding)."""
 
     step: int
-    kind: str  # queued, admitted, resumed, prefill, recompute, first_token, decode,
-    #            stalled, blocked, preempted, finished
+    kind: str  # queued, grammar, admitted, resumed, prefill, recompute, first_token,
+    #            decode, stalled, blocked, preempted, finished
     text: str
     end_step: int | None = None  # last step of a range (decode/stalled/blocked runs)
     notes: list[str] = field(default_factory=list)
@@ -196,6 +207,8 @@ class _Live:
     placeholders: int = 0
     discard: int = 0
     last_scheduled_step: int | None = None
+    # Structured outputs: the line of its wait for the grammar, open until so.ready.
+    grammar_open: LifecycleEvent | None = None
 
 
 def _fmt_blocks(ids: list[int]) -> str:
@@ -215,6 +228,7 @@ def _finish_text(status: str, reason: str | None) -> str:
 # When two things happen to a request in one step, the timeline shows the weightier.
 _PHASE_PRIORITY = {
     WAITING: 0,
+    GRAMMAR: 0,
     STALLED: 1,
     DECODE: 2,
     PREFILL: 3,
@@ -240,6 +254,8 @@ class _TimelineBuilder:
         self.async_scheduling = replay.config is not None and replay.config.async_scheduling
         # Async: step in flight -> the requests it samples a token for.
         self.sampling: dict[int, list[str]] = {}
+        # Structured outputs: grammar kind and compile of requests not queued yet.
+        self.grammar_pending: dict[str, tuple[str, GrammarCompiled | None]] = {}
 
     def build(self) -> dict[str, RequestTimeline]:
         handlers = self.HANDLERS
@@ -267,7 +283,10 @@ class _TimelineBuilder:
         while len(phases) <= i:
             # A step with no news for the request continues its last phase.
             prev = phases[-1] if phases else WAITING
-            phases.append(WAITING if prev in (WAITING, PREEMPTED) else STALLED)
+            if prev == GRAMMAR:
+                phases.append(GRAMMAR)
+            else:
+                phases.append(WAITING if prev in (WAITING, PREEMPTED) else STALLED)
         if _PHASE_PRIORITY[phase] >= _PHASE_PRIORITY[phases[i]]:
             phases[i] = phase
 
@@ -305,6 +324,56 @@ class _TimelineBuilder:
                 f"tokens, {e.num_block_hashes} full blocks hashed",
             )
         )
+        grammar = self.grammar_pending.pop(rid, None)
+        if grammar is not None:
+            kind, compiled = grammar
+            self.set_phase(lv, step, GRAMMAR)
+            ev = LifecycleEvent(
+                step,
+                "grammar",
+                f"waiting for its {kind} grammar to compile (on a thread; queued in "
+                "skipped_waiting)",
+            )
+            tl.events.append(ev)
+            lv.grammar_open = ev
+            if compiled is not None:
+                self.on_grammar_compiled(compiled, step)
+
+    def on_grammar_compile_started(self, e: GrammarCompileStarted, step: int) -> None:
+        """Before the request's ``sched.queued`` (the engine core starts the
+        compile, then queues the request)."""
+        self.grammar_pending[e.request_id] = (e.grammar_kind, None)
+
+    def on_grammar_compiled(self, e: GrammarCompiled, step: int) -> None:
+        lv = self.live.get(e.request_id)
+        if lv is None:
+            pending = self.grammar_pending.get(e.request_id)
+            if pending is not None:  # a cache hit can beat the request's sched.queued
+                self.grammar_pending[e.request_id] = (pending[0], e)
+            return
+        if e.error:
+            note = f"the compile failed at step {step}: {e.error}"
+        else:
+            hit = "a cache hit" if e.cache_hit else "not cached"
+            note = f"compiled in {e.compile_s * 1e3:.1f} ms ({hit}) at step {step}"
+        target = lv.grammar_open
+        if target is None:
+            target = next((ev for ev in reversed(lv.tl.events) if ev.kind == "grammar"), None)
+        if target is not None:
+            target.notes.append(note)
+
+    def on_grammar_ready(self, e: GrammarReady, step: int) -> None:
+        """``schedule()`` found the grammar compiled: the wait ends before this step."""
+        lv = self.live.get(e.request_id)
+        if lv is None:
+            return
+        ev = lv.grammar_open
+        lv.grammar_open = None
+        if ev is not None:
+            if step - 1 > ev.step:
+                ev.end_step = step - 1
+            ev.notes.append(f"ready at step {step}: WAITING again, first in line")
+        self.set_phase(lv, step, WAITING)
 
     def on_kv_cache_hit(self, e: KVCacheHit, step: int) -> None:
         lv = self.live.get(e.request_id)
@@ -502,6 +571,10 @@ class _TimelineBuilder:
         tl = lv.tl
         self.running.discard(e.request_id)
         tl.finished_step = step
+        if lv.grammar_open is not None:  # aborted while waiting for its grammar
+            if step > lv.grammar_open.step:
+                lv.grammar_open.end_step = step
+            lv.grammar_open = None
         tl.finish_reason = e.finish_reason
         self.set_phase(lv, step, FINISHED)
         self.close_ranges(lv)
@@ -521,6 +594,9 @@ class _TimelineBuilder:
     # The engine events a lifecycle is built from.
     HANDLERS: ClassVar[dict[type[TraceEvent], Callable[[_TimelineBuilder, Any, int], None]]] = {
         SchedQueued: on_sched_queued,
+        GrammarCompileStarted: on_grammar_compile_started,
+        GrammarCompiled: on_grammar_compiled,
+        GrammarReady: on_grammar_ready,
         KVCacheHit: on_kv_cache_hit,
         KVAllocated: on_kv_allocated,
         KVAllocationFailed: on_kv_allocation_failed,
@@ -556,7 +632,9 @@ class _TimelineBuilder:
             tl = lv.tl
             if tl.finished_step is None:
                 # Still alive when the trace ends: its phase runs on to the last step.
-                self.set_phase(lv, last_step, WAITING)
+                self.set_phase(lv, last_step, GRAMMAR if lv.grammar_open else WAITING)
+                if lv.grammar_open is not None and last_step > lv.grammar_open.step:
+                    lv.grammar_open.end_step = last_step
             else:
                 end = tl.finished_step
                 del tl.phases[end - tl.queued_step + 1 :]

@@ -10,6 +10,7 @@ from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
+from engine.config.structured_outputs import StructuredOutputsConfig
 
 __all__ = [
     "CacheConfig",
@@ -23,4 +24,5 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsConfig",
 ]

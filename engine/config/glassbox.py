@@ -27,6 +27,7 @@ from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
+from engine.config.structured_outputs import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
 # The resolved async-scheduling setting, once logged (vLLM logs it once).
@@ -44,6 +45,9 @@ class GlassboxConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
     shutdown_timeout: int = 0
     """Seconds a stopping engine lets the requests in flight finish before it
     aborts them; 0 aborts them at once."""

@@ -23,6 +23,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 
 
@@ -113,6 +114,9 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding, as a JSON object: {"method": "ngram",
     "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
+    structured_outputs_config: dict[str, Any] | None = None
+    """Structured outputs, as a JSON object: {"backend": "auto" or "xgrammar",
+    "disable_any_whitespace": false}."""
     async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs on the device (vLLM's default); None:
     on unless the executor cannot overlap steps; --no-async-scheduling runs the
@@ -223,5 +227,10 @@ class EngineArgs:
                 trace_path=self.trace_path, trace_level=self.trace_level
             ),
             speculative_config=self._speculative_config(),
+            structured_outputs_config=(
+                self.structured_outputs_config
+                if isinstance(self.structured_outputs_config, StructuredOutputsConfig)
+                else StructuredOutputsConfig.from_dict(self.structured_outputs_config or {})
+            ),
             shutdown_timeout=self.shutdown_timeout,
         )

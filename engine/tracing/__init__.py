@@ -8,9 +8,10 @@ move and sampling step -- so that a run can be replayed). The modules:
   * ``tracer.py``   -- ``Tracer`` (one per process, writes the file) and
     ``SubsystemTrace``, the base of the trace objects subsystems receive;
   * ``core_trace.py``, ``engine_trace.py``, ``worker_trace.py`` -- those
-    trace objects (``SchedulerTrace``, ``KVCacheTrace``, ``EngineCoreTrace``,
-    ``OutputProcessorTrace``, ``ClientTrace``, ``ServerTrace``,
-    ``RunnerTrace``, ``SamplerTrace``): where every event is built;
+    trace objects (``SchedulerTrace``, ``KVCacheTrace``,
+    ``StructuredOutputTrace``, ``EngineCoreTrace``, ``OutputProcessorTrace``,
+    ``ClientTrace``, ``ServerTrace``, ``RunnerTrace``, ``SamplerTrace``):
+    where every event is built;
   * ``reader.py``   -- ``load_trace``, ``merge_trace_parts``, version checks,
     ``find_truncation`` (a writer that did not finish its file);
   * ``replay.py`` / ``replay_state.py`` -- ``TraceReplay``: the engine's state
@@ -54,6 +55,7 @@ from engine.tracing.tracer import (
 _LAZY = {
     "BatchSlot": "engine.tracing.replay",
     "EngineState": "engine.tracing.replay",
+    "GrammarMaskEffect": "engine.tracing.replay",
     "ReplayBlock": "engine.tracing.replay",
     "ReplayError": "engine.tracing.replay",
     "ReplayRequest": "engine.tracing.replay",
@@ -61,7 +63,10 @@ _LAZY = {
     "SpecDecodeStep": "engine.tracing.replay",
     "StepPhases": "engine.tracing.replay",
     "StepView": "engine.tracing.replay",
+    "StructuredOutputRow": "engine.tracing.replay",
+    "StructuredOutputStep": "engine.tracing.replay",
     "TraceReplay": "engine.tracing.replay",
+    "WAITING_FOR_GRAMMAR": "engine.tracing.replay",
     "build_perfetto": "engine.tracing.perfetto",
     "export_perfetto": "engine.tracing.perfetto",
 }

@@ -4,11 +4,13 @@ vLLM twin: none; the pattern is vLLM's ``KVCacheMetricsCollector``, which
 ``BlockPool`` receives at construction and calls at a few points. The
 scheduler (``engine/v1/core/sched/scheduler.py``) holds a ``SchedulerTrace``;
 its KV cache manager, coordinator, single-type managers and block pool share
-the ``KVCacheTrace`` it hands down. Each method is one named point of those
-files and builds the event(s) of ``events.py`` from what it is given. No
-torch here: ``engine/v1/core`` imports this module.
+the ``KVCacheTrace`` it hands down; the ``StructuredOutputManager``
+(``engine/v1/structured_output/__init__.py``) and the scheduler's grammar
+bookkeeping call a ``StructuredOutputTrace``. Each method is one named point
+of those files and builds the event(s) of ``events.py`` from what it is
+given. No torch here: ``engine/v1/core`` imports this module.
 
-Sessions: 02 (scheduler), 03 (KV cache).
+Sessions: 02 (scheduler), 03 (KV cache), 06 (structured outputs).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from typing import Any
 
 from engine.tracing.events import (
     EngineConfig,
+    GrammarAdvanced,
+    GrammarBitmask,
+    GrammarCompiled,
+    GrammarCompileStarted,
+    GrammarReady,
+    GrammarRolledBack,
     KVAllocated,
     KVAllocationFailed,
     KVCached,
@@ -156,12 +164,84 @@ class KVCacheTrace(SubsystemTrace):
             )
 
 
+class StructuredOutputTrace(SubsystemTrace):
+    """Events of ``StructuredOutputManager`` (compiles run on its thread
+    pool, so ``grammar_compiled`` is called from a compile thread) and of the
+    scheduler's grammar bookkeeping (it holds this object as
+    ``SchedulerTrace.structured_output``)."""
+
+    def compile_started(self, request: Any, grammar_kind: str) -> None:
+        self.tracer.record(
+            GrammarCompileStarted(request_id=request.request_id, grammar_kind=grammar_kind)
+        )
+
+    def grammar_compiled(
+        self, request_id: str, grammar_kind: str, seconds: float, cache_hit: bool, error: str = ""
+    ) -> None:
+        self.tracer.record(
+            GrammarCompiled(
+                request_id=request_id,
+                grammar_kind=grammar_kind,
+                compile_s=seconds,
+                cache_hit=cache_hit,
+                error=error,
+            )
+        )
+
+    def grammar_ready(self, request: Any) -> None:
+        self.tracer.record(GrammarReady(request_id=request.request_id))
+
+    def bitmask_filled(
+        self, request_ids: list[str], num_rows: list[int], bitmask: Any, vocab_size: int
+    ) -> None:
+        """``bitmask``: the int32 rows just written (a tensor), in order. The
+        rows are for the step ``schedule()`` built last: with async
+        scheduling a deferred step's are filled after the previous step's
+        update (``tracer.step`` is that step's again)."""
+        first_rows, row = [], 0
+        for n in num_rows:
+            first_rows.append(row)
+            row += n
+        rows = bitmask.numpy()[first_rows].view("uint8")
+        # Bits set = tokens allowed; an all-ones row also sets the padding bits.
+        num_allowed = [min(int(c), vocab_size) for c in _popcount(rows)]
+        self.tracer.record(
+            GrammarBitmask(
+                step=self.tracer.scheduled_step,
+                request_ids=list(request_ids),
+                num_rows=list(num_rows),
+                num_allowed=num_allowed,
+                vocab_size=vocab_size,
+            )
+        )
+
+    def rolled_back(self, request_id: str, num_tokens: int) -> None:
+        """While the bitmask rows of the step ``schedule()`` built last are filled."""
+        self.tracer.record(
+            GrammarRolledBack(
+                step=self.tracer.scheduled_step, request_id=request_id, num_tokens=num_tokens
+            )
+        )
+
+    def advanced(self, request: Any, token_ids: list[int]) -> None:
+        grammar = request.structured_output_request.grammar
+        self.tracer.record(
+            GrammarAdvanced(
+                request_id=request.request_id,
+                token_ids=list(token_ids),
+                num_processed_tokens=grammar.num_processed_tokens,
+                terminated=grammar.is_terminated(),
+            )
+        )
+
+
 class SchedulerTrace(SubsystemTrace):
     """Events of ``Scheduler``; ``kv_cache`` is the trace its KV cache manager gets."""
 
     def __init__(self, tracer: Tracer) -> None:
         super().__init__(tracer)
         self.kv_cache = KVCacheTrace.create(tracer)
+        self.structured_output = StructuredOutputTrace.create(tracer)
         self._update_start_ns = 0
         # Request id -> its PrefillStats.num_cached_tokens, noted at admission:
         # the request gives its PrefillStats away with its first output.
@@ -188,6 +268,7 @@ class SchedulerTrace(SubsystemTrace):
     def step_started(self, step: int) -> None:
         """Events from here until the next ``schedule()`` belong to ``step``."""
         self.tracer.set_step(step)
+        self.tracer.scheduled_step = step
 
     def queued(self, request: Any) -> None:
         self.tracer.record(
@@ -277,6 +358,7 @@ class SchedulerTrace(SubsystemTrace):
                 finished_req_ids=sorted(scheduler_output.finished_req_ids),
                 num_running=len(scheduler.running),
                 num_waiting=len(scheduler.waiting),
+                num_skipped_waiting=len(getattr(scheduler, "skipped_waiting", ())),
                 num_common_prefix_blocks=scheduler_output.num_common_prefix_blocks,
                 kv_cache_usage=scheduler.kv_cache_manager.usage,
                 duration_ns=int((time.monotonic() - started) * 1e9),
@@ -307,6 +389,7 @@ class SchedulerTrace(SubsystemTrace):
                 finished=finished,
                 num_running=len(scheduler.running),
                 num_waiting=len(scheduler.waiting),
+                num_skipped_waiting=len(getattr(scheduler, "skipped_waiting", ())),
                 duration_ns=time.perf_counter_ns() - self._update_start_ns,
             )
         )
@@ -326,4 +409,11 @@ class SchedulerTrace(SubsystemTrace):
         )
 
 
-__all__ = ["KVCacheTrace", "SchedulerTrace"]
+__all__ = ["KVCacheTrace", "SchedulerTrace", "StructuredOutputTrace"]
+
+
+def _popcount(rows: Any) -> Any:
+    """Set bits per row of a uint8 array (numpy; no torch here)."""
+    import numpy as np
+
+    return np.unpackbits(rows, axis=1).sum(axis=1)

@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.6"
+TRACE_FORMAT_VERSION = "1.7"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.6"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.7"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -421,6 +421,13 @@ class SchedStep(TraceEvent, kw_only=True, tag="sched.step"):
     ] = []
     num_running: Annotated[int, doc("queue length after scheduling")] = 0
     num_waiting: Annotated[int, doc("queue length after scheduling")] = 0
+    num_skipped_waiting: Annotated[
+        int,
+        doc(
+            "requests in the second waiting queue, `skipped_waiting`, after scheduling: "
+            "blocked, e.g. waiting for their grammar; not in `num_waiting` (absent before 1.7)"
+        ),
+    ] = 0
     num_common_prefix_blocks: Annotated[
         list[int], doc("blocks every running request shares (cascade attention's input)")
     ] = []
@@ -475,6 +482,9 @@ class SchedUpdate(TraceEvent, kw_only=True, tag="sched.update"):
     finished: Annotated[dict[str, str], doc("requests the core finished, with the reason")] = {}
     num_running: int = 0
     num_waiting: int = 0
+    num_skipped_waiting: Annotated[
+        int, doc("requests in `skipped_waiting` afterwards (absent before 1.7)")
+    ] = 0
     duration_ns: Annotated[int, doc("time spent in `update_from_output()`, ns")] = 0
 
 
@@ -759,6 +769,97 @@ class TraceTokenTexts(TraceEvent, kw_only=True, tag="trace.token_texts"):
     token_texts: Annotated[dict[str, str], doc("str(token_id) -> its text")] = {}
 
 
+# ---------------------------------------------------------------------------
+# Structured outputs (engine core; the mask itself in the worker)
+# ---------------------------------------------------------------------------
+class GrammarCompileStarted(TraceEvent, kw_only=True, tag="so.compile_started"):
+    """``StructuredOutputManager.grammar_init`` (from ``EngineCore.add_request``,
+    so before the request's ``sched.queued``): the request's grammar went to
+    the compile thread pool. The request starts in
+    ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` and is queued in the
+    scheduler's second waiting queue, ``skipped_waiting``, until ``so.ready``.
+    Replay: the request is constrained (``ReplayRequest.grammar_kind``) and
+    waits for its grammar (``StepView.structured_output``)."""
+
+    request_id: str
+    grammar_kind: Annotated[str, doc("JSON, JSON_OBJECT, REGEX, GRAMMAR or CHOICE")]
+
+
+class GrammarCompiled(TraceEvent, kw_only=True, tag="so.compiled"):
+    """A compile thread finished the request's grammar, written from that
+    thread (its ``step`` is the one the engine was in then; with a cache hit
+    it may come before the request's ``sched.queued``). Replay: the compile's
+    time and cache hit, on the request."""
+
+    request_id: str
+    grammar_kind: Annotated[str, doc("as `so.compile_started`'s")]
+    compile_s: Annotated[float, doc("seconds in the compiler (cache hits take microseconds)")]
+    cache_hit: Annotated[bool, doc("xgrammar's compiled-grammar cache already held it")]
+    error: Annotated[str, doc("why the compile failed (the request then ends with an error)")] = ""
+
+
+class GrammarReady(TraceEvent, kw_only=True, tag="so.ready"):
+    """``schedule()`` found the request's grammar compiled and set it from
+    ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` back to ``WAITING``; it stays
+    at its place in ``skipped_waiting``, which FCFS serves first, and is
+    usually admitted in the same step. Replay: the request no longer waits
+    for its grammar."""
+
+    request_id: str
+
+
+class GrammarBitmask(TraceEvent, kw_only=True, tag="so.bitmask"):
+    """``Scheduler.get_grammar_bitmask`` (``StructuredOutputManager.grammar_bitmask``):
+    the bitmask rows sent to the runner for one step, one per constrained
+    request that samples in it (1 + d rows for a request verifying d
+    drafts). ``step`` is the step whose logits the rows mask: with async
+    scheduling a step whose request still has a token in flight is sampled
+    later (its mask is built after the previous step's ``sched.update``).
+    Replay: ``StepView.structured_output``."""
+
+    request_ids: Annotated[list[str], doc("the constrained requests, in bitmask order")]
+    num_rows: Annotated[list[int], doc("rows per request (1 + its drafts)")]
+    num_allowed: Annotated[
+        list[int], doc("tokens each request's first row allows (`vocab_size`: none masked)")
+    ]
+    vocab_size: Annotated[int, doc("tokens a row covers: the model's vocabulary")] = 0
+
+
+class GrammarAdvanced(TraceEvent, kw_only=True, tag="so.advanced"):
+    """``update_from_output()``: the request's matcher accepted the tokens the
+    step appended to it (written before the step's ``sched.update``).
+    Replay: ``StepView.structured_output``."""
+
+    request_id: str
+    token_ids: Annotated[list[int], doc("the tokens the matcher was given")]
+    num_processed_tokens: Annotated[int, doc("tokens the matcher has accepted in all")]
+    terminated: Annotated[bool, doc("the grammar is complete (it accepted a stop token)")]
+
+
+class GrammarRolledBack(TraceEvent, kw_only=True, tag="so.rollback"):
+    """Speculative decoding, while the bitmask rows of a request's drafts are
+    written: each draft is accepted to get the row after it, then the
+    matcher steps back over all of them (``step``: as ``so.bitmask``'s)."""
+
+    request_id: str
+    num_tokens: Annotated[int, doc("drafts the matcher stepped back over")]
+
+
+class GrammarMasked(TraceEvent, kw_only=True, tag="so.masked"):
+    """Trace level ``full``, the runner's ``apply_grammar_bitmask``: what the
+    mask did to the request's first row of logits (the one the sampler
+    draws from without drafts), before the sampler's stages, whose ``raw``
+    candidates are then the masked ones. Replay: ``StepView.structured_output``."""
+
+    request_id: str
+    num_allowed: Annotated[int, doc("tokens left with a finite logit")]
+    masked_top_token_ids: Annotated[
+        list[int], doc("of the row's 5 highest logits before masking, the ids the mask removed")
+    ]
+    top_token_id_before: Annotated[int, doc("the highest-logit token before masking")]
+    top_token_id_after: Annotated[int, doc("the highest-logit token after masking")]
+
+
 # Every kind, grouped by the section of docs/trace_format.md that lists it.
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
     "The file": (TraceHeader, TraceEnd),
@@ -798,6 +899,15 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         RunnerForward,
         SamplerSampled,
         SpecProposed,
+    ),
+    "Structured outputs": (
+        GrammarCompileStarted,
+        GrammarCompiled,
+        GrammarReady,
+        GrammarBitmask,
+        GrammarAdvanced,
+        GrammarRolledBack,
+        GrammarMasked,
     ),
     "Written by tools": (TraceCli, TraceTokenTexts),
 }

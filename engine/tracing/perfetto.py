@@ -39,8 +39,14 @@ Read it for how engine events map onto a timeline:
     otherwise ``request.added`` -> ``sched.queued`` and ``sched.update`` ->
     ``request.output``. Flow ends bind to small slices on an ``io`` thread;
   * KV and API events as instants (``ph`` i) on their own threads, the
-    runner's (``runner.batch``, ``sampler.sampled``, ``spec.proposed``, ...)
-    on the ``model runner`` thread;
+    runner's (``runner.batch``, ``sampler.sampled``, ``spec.proposed``,
+    ``so.masked``, ...) on the ``model runner`` thread;
+  * structured outputs: each grammar's compile as a slice on the engine
+    core's ``grammar compile`` thread (the compiler's time, ``compile_s``,
+    ending at ``so.compiled``; concurrent compiles on lanes of their own),
+    the request's core span in a ``waiting for grammar`` phase from
+    ``sched.queued`` to ``so.ready``, and each step's ``so.bitmask`` (and
+    ``so.advanced``, ``so.rollback``) as instants on the ``scheduler`` thread;
   * names for every process and thread (``ph`` M).
 
 Timestamps are microseconds since the first event. Slices on one thread are
@@ -72,6 +78,8 @@ TID_CORE_IO = 5
 TID_API = 6
 # The "steps in flight" threads: 7, 8, ... (two with async scheduling).
 TID_IN_FLIGHT = 7
+# The "grammar compile" threads: 32, 33, ... (one per compile running at once).
+TID_GRAMMAR = 32
 _THREAD_NAMES = {
     TID_SCHEDULER: "scheduler",
     TID_RUNNER: "model runner",
@@ -89,7 +97,10 @@ _RUNNER_INSTANTS = (
     "runner.inputs",
     "sampler.sampled",
     "spec.proposed",
+    "so.masked",
 )
+# Structured-output events drawn as instants on the scheduler's thread.
+_GRAMMAR_INSTANTS = ("so.bitmask", "so.advanced", "so.rollback")
 _HOP_KINDS = ("request.sent", "request.received", "output.sent", "output.received")
 # Width of the small slices flow arrows bind to (µs).
 _POINT_US = 1.0
@@ -147,18 +158,19 @@ class _Builder:
     def build(self) -> dict[str, Any]:
         for e in self.events:
             kind = e.kind
-            if kind in ("request.received", "output.sent", "spec.verified") or kind.startswith(
-                ("sched.", "kv.", "engine.")
+            if kind in ("spec.proposed", "so.masked") or kind.startswith(("runner.", "sampler.")):
+                self.roles[e.pid].add("worker")
+            elif kind in ("request.received", "output.sent", "spec.verified") or kind.startswith(
+                ("sched.", "kv.", "engine.", "so.")
             ):
                 self.roles[e.pid].add("engine core")
-            elif kind.startswith(("runner.", "sampler.")) or kind == "spec.proposed":
-                self.roles[e.pid].add("worker")
             elif kind.startswith("request."):
                 self.roles[e.pid].add("front end")
             elif kind.startswith("api."):
                 self.roles[e.pid].add("API server")
         self._steps()
         self._runner()
+        self._grammar()
         self._kv_instants()
         self._counters()
         self._core_requests()
@@ -298,6 +310,43 @@ class _Builder:
                 previous_end = end
                 self.add_slice(pid, TID_RUNNER, start, end, "forward", args)
 
+    def _grammar(self) -> None:
+        """Compiles as slices (the compiler's time, ending at ``so.compiled``)
+        on the ``grammar compile`` lanes; the per-step grammar events as
+        instants on the scheduler's thread."""
+        started: dict[str, TraceEvent] = {}
+        compiles: dict[int, list[tuple[float, float, str, dict[str, Any]]]] = defaultdict(list)
+        for e in self.events:
+            k = e.kind
+            if k == "so.compile_started":
+                started[e.request_id] = e
+            elif k == "so.compiled":
+                end = self.us(e.ts)
+                start = end - e.compile_s * 1e6
+                args: dict[str, Any] = {
+                    "request_id": e.request_id,
+                    "grammar_kind": e.grammar_kind,
+                    "compile_ms": e.compile_s * 1e3,
+                    "cache_hit": e.cache_hit,
+                }
+                first = started.pop(e.request_id, None)
+                if first is not None:
+                    # Time in the pool's queue before a thread took it up.
+                    args["queued_ms"] = max(0.0, start - self.us(first.ts)) / 1e3
+                if e.error:
+                    args["error"] = e.error
+                compiles[e.pid].append((start, end, f"compile {e.grammar_kind}", args))
+            elif k in _GRAMMAR_INSTANTS:
+                self._instant(e, TID_SCHEDULER, k, _event_args(e))
+        for pid, spans in compiles.items():
+            lane_ends: list[float] = []
+            for start, end, name, args in sorted(spans, key=lambda c: c[0]):
+                lane = next((i for i, t in enumerate(lane_ends) if t <= start), len(lane_ends))
+                if lane == len(lane_ends):
+                    lane_ends.append(end)
+                lane_ends[lane] = end
+                self.add_slice(pid, TID_GRAMMAR + lane, start, end, name, args)
+
     def _kv_instants(self) -> None:
         for e in self.events:
             k = e.kind
@@ -324,6 +373,8 @@ class _Builder:
     def _counters(self) -> None:
         state = EngineState()
         engine_pids = {e.pid for e in self.events if e.kind == "kv.init"}
+        # Structured outputs: the second waiting queue too.
+        skipped = any(e.kind == "so.compile_started" for e in self.events)
         core = sorted(
             (e for e in self.events if e.pid in engine_pids and e.kind in STATE_KINDS),
             key=lambda e: (e.pid, e.seq),
@@ -349,6 +400,9 @@ class _Builder:
                     },
                 }
             )
+            counts = {"running": len(state.running), "waiting": len(state.waiting)}
+            if skipped:
+                counts["skipped waiting"] = len(state.skipped_waiting)
             self.out.append(
                 {
                     "name": "requests",
@@ -356,7 +410,7 @@ class _Builder:
                     "ts": ts,
                     "pid": pid,
                     "tid": TID_SCHEDULER,
-                    "args": {"running": len(state.running), "waiting": len(state.waiting)},
+                    "args": counts,
                 }
             )
             if e.kind == "sched.step":
@@ -426,10 +480,13 @@ class _Builder:
                 }
             )
 
+        grammar: set[str] = set()  # constrained requests not yet queued
         for e in self.events:
             k = e.kind
             rid = getattr(e, "request_id", None)
-            if k == "sched.queued":
+            if k == "so.compile_started":
+                grammar.add(rid)
+            elif k == "sched.queued":
                 b(
                     e,
                     f"core {rid}",
@@ -437,9 +494,22 @@ class _Builder:
                     {"request_id": rid, "num_prompt_tokens": e.num_prompt_tokens},
                 )
                 opened[rid] = e
-                phase(e, rid, "waiting")
+                if rid in grammar:
+                    grammar.discard(rid)
+                    phase(e, rid, "waiting for grammar")
+                else:
+                    phase(e, rid, "waiting")
             elif rid not in opened and k != "sched.update":
                 continue
+            elif k == "so.ready":
+                phase(e, rid, "waiting")
+            elif k == "so.compiled":
+                n(
+                    e,
+                    "grammar compiled",
+                    rid,
+                    {"compile_ms": e.compile_s * 1e3, "cache_hit": e.cache_hit, "error": e.error},
+                )
             elif k == "sched.admitted":
                 phase(e, rid, "running")
             elif k == "sched.preempted":
@@ -704,6 +774,9 @@ class _Builder:
 
 
 def _thread_name(tid: int) -> str:
+    if tid >= TID_GRAMMAR:
+        lane = tid - TID_GRAMMAR
+        return "grammar compile" + (f" ({lane + 1})" if lane else "")
     if tid > TID_IN_FLIGHT:
         # The second lane holds the steps launched while another was in flight.
         return f"steps in flight ({tid - TID_IN_FLIGHT + 1})"

@@ -47,6 +47,18 @@ the rejected ones. ``StepView.spec`` (a ``SpecDecodeStep``) keeps, per
 request, the drafts and their fate (``SpecDecodeRow``) and the drafts
 proposed for the next step.
 
+Structured outputs: a constrained request waits for its grammar to compile
+(``so.compile_started`` .. ``so.ready``) in the scheduler's second queue,
+``skipped_waiting`` (``EngineState.skipped_waiting``; FCFS serves it first).
+Once running, each step that samples for it builds a bitmask row of the
+tokens its grammar allows (``so.bitmask``), the runner masks the logits
+with it (``so.masked``, level ``full``: which of the best raw candidates it
+removed) and the matcher accepts the sampled token (``so.advanced``).
+``StepView.structured_output`` (a ``StructuredOutputStep``) keeps, per
+constrained request (``StructuredOutputRow``), whether it waits for its
+grammar, the compile, and the step's mask and its effect
+(``GrammarMaskEffect``).
+
 Ids: the engine's events name a request by its internal id (the id it was
 sent under, ``-`` and 8 random hex digits, as vLLM's ``assign_request_id``
 makes it); ``external_req_ids`` finds the internal ids of a user's id.
@@ -63,6 +75,11 @@ from engine.tracing.events import (
     EngineConfig,
     EngineOutputReady,
     EngineStepLaunched,
+    GrammarAdvanced,
+    GrammarBitmask,
+    GrammarCompileStarted,
+    GrammarMasked,
+    GrammarRolledBack,
     KVInit,
     RequestAdded,
     RunnerBatch,
@@ -81,6 +98,7 @@ from engine.tracing.replay_state import (
     STATE_KINDS,
     STATE_TYPES,
     WAITING,
+    WAITING_FOR_GRAMMAR,
     EngineState,
     ReplayBlock,
     ReplayError,
@@ -206,6 +224,88 @@ class SpecDecodeStep:
         return sum(r.num_accepted for r in self.verified.values())
 
 
+@dataclass(frozen=True)
+class GrammarMaskEffect:
+    """Trace level ``full`` (``so.masked``): what the grammar's bitmask did to
+    a request's row of logits before the sampler saw it. The sampler's
+    stages (``SamplerSampled.stages``) start from the masked row, so its
+    ``raw`` candidates are the allowed ones; these are the model's own."""
+
+    num_allowed: int  # tokens left with a finite logit
+    # Of the 5 highest raw logits, the tokens the mask removed (best first).
+    masked_top_token_ids: list[int]
+    top_token_id_before: int  # the model's argmax
+    top_token_id_after: int  # the argmax among the allowed tokens
+
+    @property
+    def changed_top(self) -> bool:
+        """The model's favourite token was not allowed."""
+        return self.top_token_id_before != self.top_token_id_after
+
+
+@dataclass(frozen=True)
+class StructuredOutputRow:
+    """One constrained request at one step: its grammar, whether it still
+    waits for it (``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, in
+    ``skipped_waiting``), and what the step's mask did. The compile's
+    fields are None until the compile thread finished (as of this step)."""
+
+    request_id: str
+    grammar_kind: str  # JSON, JSON_OBJECT, REGEX, GRAMMAR or CHOICE
+    waiting_for_grammar: bool  # after this step, still blocked on the compile
+    compile_s: float | None  # seconds in the compiler (so.compiled)
+    cache_hit: bool | None  # xgrammar's cache already held the compiled grammar
+    compile_error: str  # why the compile failed ("" when it did not)
+    compiled_step: int | None  # the step the engine was in when the compile finished
+    ready_step: int | None  # the step whose schedule() found the grammar compiled
+    # This step's bitmask (``so.bitmask``): rows (1 + drafts; 0: the step
+    # masked nothing for it) and the tokens the first row allows, of ``vocab_size``.
+    num_rows: int = 0
+    num_allowed: int | None = None
+    vocab_size: int | None = None
+    # Level ``full``: the mask's effect on the row the sampler draws from.
+    mask: GrammarMaskEffect | None = None
+    # What the matcher accepted after the step (``so.advanced``): the
+    # request's new tokens, all it has accepted so far, and whether the
+    # grammar is now complete.
+    accepted_token_ids: list[int] = field(default_factory=list)
+    num_processed_tokens: int | None = None
+    terminated: bool = False
+    # Speculative decoding: drafts the matcher stepped over and back while
+    # the rows were filled (``so.rollback``).
+    num_rolled_back: int = 0
+
+    @property
+    def masked(self) -> bool:
+        """The step sampled for it under a bitmask."""
+        return self.num_allowed is not None
+
+    @property
+    def allowed_fraction(self) -> float | None:
+        """``num_allowed`` over the vocabulary (None without both)."""
+        if self.num_allowed is None or not self.vocab_size:
+            return None
+        return self.num_allowed / self.vocab_size
+
+
+@dataclass
+class StructuredOutputStep:
+    """Structured outputs in one step: every constrained request alive in it
+    (queued and not finished before it), in the order the state holds them."""
+
+    requests: dict[str, StructuredOutputRow] = field(default_factory=dict)
+
+    @property
+    def waiting_for_grammar(self) -> list[str]:
+        """Requests still waiting for their grammar after the step."""
+        return [r for r, row in self.requests.items() if row.waiting_for_grammar]
+
+    @property
+    def masked(self) -> list[str]:
+        """Requests the step sampled for under a bitmask."""
+        return [r for r, row in self.requests.items() if row.masked]
+
+
 @dataclass
 class StepView:
     """Everything the trace says about one step, with the state after it."""
@@ -240,6 +340,9 @@ class StepView:
     # Speculative decoding: the drafts verified this step and proposed after
     # it; None when the step has neither (always, without speculation).
     spec: SpecDecodeStep | None = None
+    # Structured outputs: the constrained requests alive in this step, their
+    # grammars and masks; None when there is none (always, without them).
+    structured_output: StructuredOutputStep | None = None
 
     @property
     def waiting(self) -> list[str]:
@@ -390,6 +493,12 @@ class TraceReplay:
             (e.method for e in self.core_events if type(e) is SpecProposed and e.method), None
         )
 
+    @cached_property
+    def structured_outputs(self) -> bool:
+        """The run had constrained requests: it holds ``so.compile_started``
+        events (format 1.7)."""
+        return any(type(e) is GrammarCompileStarted for e in self.core_events)
+
     @property
     def max_in_flight(self) -> int:
         """The most steps that were in flight at once (0: no step ran)."""
@@ -535,6 +644,9 @@ class TraceReplay:
             num_output_placeholders=dict(placeholders),
             num_placeholder_inputs=dict(inputs),
             spec=_spec_step(events, new_token_ids, self._proposals(step - 1)),
+            structured_output=(
+                _structured_output_step(step, state, events) if self.structured_outputs else None
+            ),
         )
 
     def _proposals(self, step: int) -> dict[str, list[int]]:
@@ -645,6 +757,65 @@ def _spec_step(
     return spec
 
 
+def _structured_output_step(
+    step: int, state: EngineState, events: list[TraceEvent]
+) -> StructuredOutputStep | None:
+    """The constrained requests alive at ``step`` (from ``state``, the state
+    after it) with the step's grammar events; None when there is none."""
+    bitmask: dict[str, tuple[int, int, int]] = {}  # id -> (rows, allowed, vocabulary)
+    masked: dict[str, GrammarMasked] = {}
+    advanced: dict[str, GrammarAdvanced] = {}
+    rolled_back: dict[str, int] = {}
+    for e in events:
+        t = type(e)
+        if t is GrammarBitmask:
+            for rid, rows, allowed in zip(e.request_ids, e.num_rows, e.num_allowed):
+                bitmask[rid] = (rows, allowed, e.vocab_size)
+        elif t is GrammarMasked:
+            masked[e.request_id] = e
+        elif t is GrammarAdvanced:
+            advanced[e.request_id] = e
+        elif t is GrammarRolledBack:
+            rolled_back[e.request_id] = rolled_back.get(e.request_id, 0) + e.num_tokens
+    out = StructuredOutputStep()
+    for rid, req in state.requests.items():
+        if req.grammar_kind is None:
+            continue
+        if req.is_finished and req.finished_step is not None and req.finished_step < step:
+            continue
+        rows, allowed, vocab = bitmask.get(rid, (0, None, None))
+        m = masked.get(rid)
+        a = advanced.get(rid)
+        out.requests[rid] = StructuredOutputRow(
+            request_id=rid,
+            grammar_kind=req.grammar_kind,
+            waiting_for_grammar=req.status == WAITING_FOR_GRAMMAR,
+            compile_s=req.grammar_compile_s,
+            cache_hit=req.grammar_cache_hit,
+            compile_error=req.grammar_error,
+            compiled_step=req.grammar_compiled_step,
+            ready_step=req.grammar_ready_step,
+            num_rows=rows,
+            num_allowed=allowed,
+            vocab_size=vocab or None,
+            mask=(
+                GrammarMaskEffect(
+                    num_allowed=m.num_allowed,
+                    masked_top_token_ids=list(m.masked_top_token_ids),
+                    top_token_id_before=m.top_token_id_before,
+                    top_token_id_after=m.top_token_id_after,
+                )
+                if m is not None
+                else None
+            ),
+            accepted_token_ids=list(a.token_ids) if a is not None else [],
+            num_processed_tokens=a.num_processed_tokens if a is not None else None,
+            terminated=a.terminated if a is not None else False,
+            num_rolled_back=rolled_back.get(rid, 0),
+        )
+    return out if out.requests else None
+
+
 def _seq(event: TraceEvent) -> int:
     return event.seq
 
@@ -668,8 +839,10 @@ __all__ = [
     "STATE_KINDS",
     "STATE_TYPES",
     "WAITING",
+    "WAITING_FOR_GRAMMAR",
     "BatchSlot",
     "EngineState",
+    "GrammarMaskEffect",
     "ReplayBlock",
     "ReplayError",
     "ReplayRequest",
@@ -677,5 +850,7 @@ __all__ = [
     "SpecDecodeStep",
     "StepPhases",
     "StepView",
+    "StructuredOutputRow",
+    "StructuredOutputStep",
     "TraceReplay",
 ]

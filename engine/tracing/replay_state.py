@@ -19,7 +19,14 @@ re-enacts, event by event, what ``engine/v1/core/sched/scheduler.py``,
   * with speculative decoding, the rollback of the cursor: ``sched.step``
     advances it over the drafts too, ``spec.verified`` steps it back over
     the rejected ones (``Scheduler.update_from_output``), and each request
-    counts its drafts and the accepted ones.
+    counts its drafts and the accepted ones;
+  * with structured outputs, the scheduler's second waiting queue,
+    ``skipped_waiting``: a constrained request is queued there in
+    ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` (``so.compile_started`` comes
+    before its ``sched.queued``), is set back to ``WAITING`` by ``so.ready``
+    and admitted from there; FCFS serves ``skipped_waiting`` first, setting
+    aside the requests still blocked. Each request keeps its grammar's kind
+    and compile (``so.compiled``).
 
 Read it for: which event changes which piece of state (``EngineState.apply``
 and the ``_on_*`` handlers). ``replay.py`` (``TraceReplay``) drives it over a
@@ -47,6 +54,9 @@ from typing import Any
 
 from engine.tracing.events import (
     EngineConfig,
+    GrammarCompiled,
+    GrammarCompileStarted,
+    GrammarReady,
     KVAllocated,
     KVCached,
     KVCacheReset,
@@ -65,6 +75,8 @@ from engine.tracing.events import (
 )
 
 WAITING, RUNNING, PREEMPTED = "WAITING", "RUNNING", "PREEMPTED"
+# Structured outputs: queued (in ``skipped_waiting``) until the grammar compiles.
+WAITING_FOR_GRAMMAR = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
 
 
 class ReplayError(RuntimeError):
@@ -77,7 +89,9 @@ class ReplayRequest:
     """One request as the scheduler saw it."""
 
     request_id: str
-    status: str  # WAITING, RUNNING, PREEMPTED or FINISHED_* (RequestStatus names)
+    # RequestStatus names: WAITING, WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    # (``WAITING_FOR_GRAMMAR``), RUNNING, PREEMPTED or FINISHED_*.
+    status: str
     num_prompt_tokens: int
     max_tokens: int
     priority: int = 0
@@ -99,6 +113,15 @@ class ReplayRequest:
     # target accepted (``spec.verified``).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Structured outputs: the grammar's kind (``so.compile_started``; None:
+    # not constrained), its compile (``so.compiled``: None until then) and the
+    # step whose schedule() found it compiled (``so.ready``).
+    grammar_kind: str | None = None
+    grammar_compile_s: float | None = None
+    grammar_cache_hit: bool | None = None
+    grammar_error: str = ""
+    grammar_compiled_step: int | None = None
+    grammar_ready_step: int | None = None
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # Steps at which it was admitted, preempted, finished.
@@ -113,6 +136,11 @@ class ReplayRequest:
     @property
     def is_finished(self) -> bool:
         return self.status.startswith("FINISHED")
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Queued in ``skipped_waiting`` until its grammar has compiled."""
+        return self.status == WAITING_FOR_GRAMMAR
 
     @property
     def is_prefill_chunk(self) -> bool:
@@ -144,7 +172,12 @@ class EngineState:
         self.policy = "fcfs"
         self.waiting: list[str] = []
         self.running: list[str] = []
+        # The second waiting queue (``Scheduler.skipped_waiting``): requests
+        # waiting for their grammar, and those promoted but not yet admitted.
+        self.skipped_waiting: list[str] = []
         self.requests: dict[str, ReplayRequest] = {}
+        # Grammar events of requests not queued yet: id -> (kind, so.compiled or None).
+        self._grammar_pending: dict[str, tuple[str, Any]] = {}
         # Requests this state may change in place (it made or copied them);
         # the others are shared with copies of it (see the module docstring).
         self._owned: set[str] = set()
@@ -180,6 +213,8 @@ class EngineState:
         new.__dict__.update(self.__dict__)
         new.waiting = list(self.waiting)
         new.running = list(self.running)
+        new.skipped_waiting = list(self.skipped_waiting)
+        new._grammar_pending = dict(self._grammar_pending)  # of tuples
         new.requests = dict(self.requests)
         new._owned = set()
         self._owned = set()
@@ -408,7 +443,7 @@ class EngineState:
 
     def _on_queued(self, e: SchedQueued) -> None:
         rid = e.request_id
-        self.requests[rid] = ReplayRequest(
+        req = self.requests[rid] = ReplayRequest(
             request_id=rid,
             status=WAITING,
             num_prompt_tokens=e.num_prompt_tokens,
@@ -417,18 +452,30 @@ class EngineState:
             arrival_time=e.arrival_time,
         )
         self._owned.add(rid)
-        self._enqueue(rid, front=False)
+        grammar = self._grammar_pending.pop(rid, None)
+        if grammar is None:
+            self._enqueue(rid, front=False)
+            return
+        # Structured outputs: the request starts blocked, in skipped_waiting.
+        req.grammar_kind, compiled = grammar
+        if compiled is not None:
+            self._note_compiled(req, compiled)
+        req.status = WAITING_FOR_GRAMMAR
+        self._insert(self.skipped_waiting, rid, front=False)
 
     def _enqueue(self, rid: str, front: bool) -> None:
+        self._insert(self.waiting, rid, front)
+
+    def _insert(self, queue: list[str], rid: str, front: bool) -> None:
         if self.policy == "priority":
             # The heap's pop order: (priority, arrival_time, request_id), Request.__lt__'s.
             key = self._priority_key(rid)
-            keys = [self._priority_key(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, key), rid)
+            keys = [self._priority_key(r) for r in queue]
+            queue.insert(bisect.bisect_right(keys, key), rid)
         elif front:
-            self.waiting.insert(0, rid)
+            queue.insert(0, rid)
         else:
-            self.waiting.append(rid)
+            queue.append(rid)
 
     def _priority_key(self, rid: str) -> tuple[int, float, str]:
         r = self.requests[rid]
@@ -437,12 +484,35 @@ class EngineState:
     def _on_admitted(self, e: SchedAdmitted) -> None:
         req = self._request(e)
         rid = req.request_id
-        if not self.waiting or self.waiting[0] != rid:
+        # FCFS takes skipped_waiting first, setting aside the requests at its
+        # head that are still blocked; PRIORITY the better of the two heads.
+        skipped = self.skipped_waiting
+        blocked = [r for r in skipped if self.requests[r].waiting_for_grammar]
+        if req.waiting_for_grammar:
             raise ReplayError(
-                f"step {self.step}: {rid} was admitted but the head of the waiting queue is "
-                f"{self.waiting[0] if self.waiting else 'nothing'}"
+                f"step {self.step}: {rid} was admitted while waiting for its grammar (no so.ready)"
             )
-        self.waiting.pop(0)
+        if rid in skipped:
+            ahead = skipped[: skipped.index(rid)]
+            if self.policy != "priority" and any(r not in blocked for r in ahead):
+                raise ReplayError(
+                    f"step {self.step}: {rid} was admitted from skipped_waiting behind "
+                    f"{[r for r in ahead if r not in blocked]}, which were not blocked"
+                )
+            skipped.remove(rid)
+        else:
+            if not self.waiting or self.waiting[0] != rid:
+                raise ReplayError(
+                    f"step {self.step}: {rid} was admitted but the head of the waiting queue "
+                    f"is {self.waiting[0] if self.waiting else 'nothing'}"
+                )
+            if self.policy != "priority" and len(blocked) < len(skipped):
+                raise ReplayError(
+                    f"step {self.step}: {rid} was admitted from the waiting queue while "
+                    f"skipped_waiting held {[r for r in skipped if r not in blocked]}, "
+                    "which FCFS serves first"
+                )
+            self.waiting.pop(0)
         self.running.append(rid)
         req.status = RUNNING
         req.num_computed_tokens = e.num_computed_tokens
@@ -545,6 +615,12 @@ class EngineState:
                 f"step {self.step} ({e.kind}): the engine had {e.num_running} running / "
                 f"{e.num_waiting} waiting, the replay {len(self.running)} / {len(self.waiting)}"
             )
+        # Traces before 1.7 leave it out (0); nothing was ever skipped then.
+        if len(self.skipped_waiting) != e.num_skipped_waiting:
+            raise ReplayError(
+                f"step {self.step} ({e.kind}): the engine had {e.num_skipped_waiting} "
+                f"requests in skipped_waiting, the replay {len(self.skipped_waiting)}"
+            )
 
     def _on_finished(self, e: SchedFinished) -> None:
         req = self._request(e)
@@ -553,9 +629,42 @@ class EngineState:
             self.running.remove(rid)
         elif rid in self.waiting:
             self.waiting.remove(rid)
+        elif rid in self.skipped_waiting:
+            self.skipped_waiting.remove(rid)
         req.status = e.status
         req.finish_reason = e.finish_reason
         req.finished_step = self.step
+
+    def _on_compile_started(self, e: GrammarCompileStarted) -> None:
+        """Before the request's ``sched.queued``: noted until it is queued."""
+        rid = e.request_id
+        if rid in self.requests:
+            self._mutable(rid).grammar_kind = e.grammar_kind
+        else:
+            self._grammar_pending[rid] = (e.grammar_kind, None)
+
+    def _on_compiled(self, e: GrammarCompiled) -> None:
+        rid = e.request_id
+        if rid in self.requests:
+            self._note_compiled(self._mutable(rid), e)
+        elif rid in self._grammar_pending:  # a cache hit, before sched.queued
+            self._grammar_pending[rid] = (self._grammar_pending[rid][0], e)
+
+    def _note_compiled(self, req: ReplayRequest, e: GrammarCompiled) -> None:
+        req.grammar_compile_s = e.compile_s
+        req.grammar_cache_hit = e.cache_hit
+        req.grammar_error = e.error
+        req.grammar_compiled_step = e.step if e.step is not None else self.step
+
+    def _on_ready(self, e: GrammarReady) -> None:
+        req = self._request(e)
+        if not req.waiting_for_grammar or req.request_id not in self.skipped_waiting:
+            raise ReplayError(
+                f"step {self.step}: so.ready for {req.request_id}, which was not waiting for "
+                f"its grammar in skipped_waiting (status {req.status})"
+            )
+        req.status = WAITING
+        req.grammar_ready_step = self.step
 
 
 _HANDLERS: dict[type[TraceEvent], Any] = {
@@ -574,6 +683,9 @@ _HANDLERS: dict[type[TraceEvent], Any] = {
     SchedUpdate: EngineState._on_update,
     SpecVerified: EngineState._on_spec_verified,
     SchedFinished: EngineState._on_finished,
+    GrammarCompileStarted: EngineState._on_compile_started,
+    GrammarCompiled: EngineState._on_compiled,
+    GrammarReady: EngineState._on_ready,
 }
 
 # Event types whose effect on the state is applied, in the scheduler process's order.
@@ -597,6 +709,7 @@ __all__ = [
     "STATE_KINDS",
     "STATE_TYPES",
     "WAITING",
+    "WAITING_FOR_GRAMMAR",
     "EngineState",
     "ReplayBlock",
     "ReplayError",

@@ -225,6 +225,11 @@ class Tracer:
         self.pid = os.getpid()
         # The engine step the events being recorded belong to (set by the scheduler).
         self.step: int | None = None
+        # The step ``schedule()`` built last (set by the scheduler). With async
+        # scheduling ``step`` goes back to the previous step while its output
+        # is applied; work for the newest step done meanwhile (a deferred
+        # step's grammar bitmask) names this one.
+        self.scheduled_step: int | None = None
         self.buffer_size = buffer_size
         self._writer: _TraceWriter | None = None
         # The writer's event list while the tracer is open, None otherwise.

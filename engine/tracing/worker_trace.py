@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.tracing.events import (
+    GrammarMasked,
     RunnerBatch,
     RunnerCudagraphs,
     RunnerForward,
@@ -261,6 +262,12 @@ class RunnerTrace(SubsystemTrace):
         self._pending_forward: dict[int, _PendingForward] = {}
         # Speculative decoding: the proposer's method (read at set-up), "" without one.
         self._spec_method = ""
+        # Structured outputs at level full: (request id, logits row) of each
+        # constrained request, and their 5 best raw candidates [rows, 5] (device).
+        self._grammar_rows: list[tuple[str, int]] = []
+        self._grammar_top: torch.Tensor | None = None
+        # The step whose forward ran last: the one the next sampling is for.
+        self._step: int | None = None
 
     def initialized(self, runner: Any, kv_cache_config: Any) -> None:
         """``runner.init``, once the KV cache is allocated (and the method of
@@ -287,6 +294,7 @@ class RunnerTrace(SubsystemTrace):
     def step_started(self, step: int) -> None:
         """Worker and sampler events belong to the scheduler's step (needed
         when the worker runs in a process of its own)."""
+        self._step = step
         self.tracer.set_step(step)
 
     def forward_started(self, device: torch.device) -> None:
@@ -396,9 +404,69 @@ class RunnerTrace(SubsystemTrace):
         )
 
     def sampling(self, req_ids: Sequence[str], discard_rows: Sequence[int]) -> None:
-        """The rows about to be sampled; prefill-chunk rows (discarded) are not traced."""
+        """The rows about to be sampled; prefill-chunk rows (discarded) are not
+        traced. The sampling is the last forward's: with async scheduling and
+        structured outputs it can come after the previous step's update
+        (which set the in-process tracer back to that step), so its events
+        (``so.masked``, ``sampler.sampled``) get their step here."""
+        if self._step is not None:
+            self.tracer.set_step(self._step)
         discard = set(discard_rows)
         self.sampler.begin([None if i in discard else r for i, r in enumerate(req_ids)])
+
+    def grammar_mask_started(
+        self, logits: torch.Tensor, req_ids: Sequence[str], grammar_output: Any, num_drafts: Any
+    ) -> None:
+        """Trace level ``full``, before ``apply_grammar_bitmask``: note each
+        constrained request's first logits row and its 5 best raw candidates
+        (on the device: queued before the mask, so they are the raw ones)."""
+        self._grammar_rows = []
+        self._grammar_top = None
+        if not self.full:
+            return
+        first_row, row = {}, 0
+        for req_id in req_ids:
+            first_row[req_id] = row
+            row += 1 + num_drafts.get(req_id, 0)
+        for req_id in grammar_output.structured_output_request_ids:
+            if (r := first_row.get(req_id)) is not None:
+                self._grammar_rows.append((req_id, r))
+        if self._grammar_rows:
+            index = torch.tensor([r for _, r in self._grammar_rows], device=logits.device)
+            k = min(5, logits.shape[-1])
+            self._grammar_top = logits.index_select(0, index).float().topk(k, dim=-1).indices
+
+    def grammar_masked(self, logits: torch.Tensor) -> None:
+        """``so.masked`` per row noted by ``grammar_mask_started``: what is
+        left allowed (a finite logit), read back in one copy."""
+        rows, top = self._grammar_rows, self._grammar_top
+        self._grammar_rows, self._grammar_top = [], None
+        if not rows or top is None:
+            return
+        index = torch.tensor([r for _, r in rows], device=logits.device)
+        masked = logits.index_select(0, index).float()
+        allowed = torch.isfinite(masked)
+        values = torch.cat(
+            [
+                allowed.sum(dim=-1, keepdim=True),
+                masked.argmax(dim=-1, keepdim=True),
+                top,
+                allowed.gather(1, top).long(),
+            ],
+            dim=1,
+        ).tolist()
+        k = top.shape[1]
+        for (req_id, _), v in zip(rows, values):
+            top_ids, kept = v[2 : 2 + k], v[2 + k :]
+            self.tracer.record(
+                GrammarMasked(
+                    request_id=req_id,
+                    num_allowed=v[0],
+                    masked_top_token_ids=[t for t, ok in zip(top_ids, kept) if not ok],
+                    top_token_id_before=top_ids[0],
+                    top_token_id_after=v[1],
+                )
+            )
 
     def drafts_proposed(
         self,

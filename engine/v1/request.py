@@ -14,15 +14,15 @@ Sessions: 02 (scheduler), 03 (KV cache: ``block_hashes``).
 The constructor takes vLLM's arguments in vLLM's order. ``pooling_params``,
 ``mm_features``, ``prompt_embeds`` and ``prompt_is_token_ids`` are for
 features Glassbox does not have: a value other than None (or an empty
-``mm_features``) raises ValueError naming the field. ``lora_request`` and
-``structured_output_request`` are kept but unused until LoRA and structured
-outputs arrive.
+``mm_features``) raises ValueError naming the field. ``lora_request`` is
+kept but unused until LoRA arrives. A request whose sampling parameters carry
+``structured_outputs`` starts in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``
+with a ``structured_output_request`` (session 06).
 
 Simpler than vLLM: no streaming-input sessions (``resumable``), reasoning
 parser state, NaN counting, or ``FINISHED_ERROR`` / ``FINISHED_REPETITION``
-statuses; ``structured_output_request`` is always None when built
-(``SamplingParams`` has no structured outputs yet), so only a test can park
-a request on a grammar. ``prefill_stats`` never counts external (KV
+statuses (a grammar that fails to compile ends the request as
+``FINISHED_ABORTED``). ``prefill_stats`` never counts external (KV
 connector) tokens.
 
 Differs from vLLM on purpose: ``pooling_params`` defaults to None (vLLM
@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
 from engine.v1.metrics.stats import PrefillStats
+from engine.v1.structured_output.request import (
+    StructuredOutputRequest as _StructuredOutputRequest,
+)
 from engine.v1.utils import ConstantList
 
 if TYPE_CHECKING:
@@ -117,12 +120,15 @@ class Request:
         self.pooling_params = pooling_params
         # Kept for the LoRA round; nothing reads it yet.
         self.lora_request = lora_request
-        # Set (by a test, or later by structured outputs) together with the
-        # WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR status.
-        self.structured_output_request: StructuredOutputRequest | None = None
+        # A constrained request waits for its grammar before it may be scheduled.
+        self.structured_output_request: StructuredOutputRequest | None = (
+            _StructuredOutputRequest.from_sampling_params(sampling_params)
+        )
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
 
         self.status = RequestStatus.WAITING
+        if self.structured_output_request is not None:
+            self.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.events: list[EngineCoreEvent] = []
         # Which stop token id / stop string ended the request, if any.
         self.stop_reason: int | str | None = None

@@ -503,3 +503,21 @@ def finish_step(scheduler: Scheduler, step: InFlightStep) -> StepResult:
     model_runner_output = make_model_runner_output(scheduler, step.scheduler_output, step.sampled)
     engine_core_outputs = scheduler.update_from_output(step.scheduler_output, model_runner_output)
     return StepResult(step.scheduler_output, model_runner_output, engine_core_outputs)
+
+
+class AnyTokenGrammar:
+    """A compiled grammar that allows every token: what a parked request's
+    ``structured_output_request.grammar`` becomes once "compiled" in the
+    scheduler tests (the scheduler advances it over each request's tokens)."""
+
+    num_processed_tokens = 0
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        self.num_processed_tokens += len(tokens)
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def is_terminated(self) -> bool:
+        return False

@@ -8,6 +8,7 @@ Sessions: all.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rich.console import Console, RenderableType
@@ -22,6 +23,7 @@ from tui.session import TraceSession
 from tui.timelines import (
     DECODE,
     FINISHED,
+    GRAMMAR,
     NOT_ARRIVED,
     PREEMPTED,
     PREFILL,
@@ -35,6 +37,7 @@ from tui.timelines import (
 PHASE_STYLES: dict[str, tuple[str, str]] = {
     NOT_ARRIVED: (" ", ""),
     WAITING: ("─", "#8a8a8a"),
+    GRAMMAR: ("┄", "#17becf"),
     PREFILL: ("█", "#1f77b4"),
     RECOMPUTE: ("▓", "#ff7f0e"),
     DECODE: ("▄", "#2ca02c"),
@@ -51,6 +54,8 @@ PHASE_LABELS: dict[str, str] = {
     PREEMPTED: "preempt",
     FINISHED: "done",
 }
+# Phases only some runs have: in the legend only where a timeline shows them.
+OPTIONAL_PHASE_LABELS: dict[str, str] = {GRAMMAR: "grammar"}
 
 DIM = Style(dim=True)
 BOLD = Style(bold=True)
@@ -107,9 +112,16 @@ def zoom_bindings(name: str) -> list[Binding]:
     ]
 
 
-def phase_legend() -> Text:
+def phase_legend(phases: Iterable[str] = ()) -> Text:
+    """Glyph and name of every phase, plus the optional ones among ``phases``."""
+    shown = set(phases)
     out = Text()
-    for phase, label in PHASE_LABELS.items():
+    for phase in PHASE_STYLES:  # in the order of the phases' styles
+        label = PHASE_LABELS.get(phase)
+        if label is None and phase in shown:
+            label = OPTIONAL_PHASE_LABELS.get(phase)
+        if label is None:
+            continue
         glyph, colour = PHASE_STYLES[phase]
         if out:
             out.append(" ")

@@ -4,7 +4,9 @@ the current step marked.
 vLLM twin: none; it shows what ``engine/v1/request.py``'s ``RequestStatus``
 goes through inside ``engine/v1/core/sched/scheduler.py``: WAITING ->
 RUNNING (prefill chunks, then one decode token per step) -> PREEMPTED and
-back to WAITING when KV blocks run out -> FINISHED_*. Under the strip, what
+back to WAITING when KV blocks run out -> FINISHED_*. A request with
+structured outputs starts in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR (``┄``,
+in ``skipped_waiting``) until its grammar has compiled. Under the strip, what
 the run shows that this request does not (a preemption, a prefix hit, a
 chunked prefill) and which request to follow to see it
 (``TraceSession.highlights_elsewhere``).
@@ -132,7 +134,10 @@ def render_lifecycle_head(ctx: StepContext, width: int) -> RenderableType:
     if ctx.follow is None:
         return Text("No request to follow: the trace has none.", style=DIM)
     tl = ctx.session.timelines[ctx.follow]
-    parts = [render_timeline(tl, ctx.step, width, ctx.session.last_step), phase_legend()]
+    parts = [
+        render_timeline(tl, ctx.step, width, ctx.session.last_step),
+        phase_legend(tl.phases),
+    ]
     elsewhere = render_elsewhere(ctx)
     if elsewhere is not None:
         parts.append(elsewhere)

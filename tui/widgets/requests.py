@@ -4,7 +4,8 @@ unambiguous (``RequestTimeline.label``); the other panels show the internal
 id the engine gave it (that id plus ``-`` and 8 hex digits), in the same colour.
 
 vLLM twin: none; the statuses are ``engine/v1/request.py``'s
-``RequestStatus`` as the replay model rebuilt them at the shown step.
+``RequestStatus`` as the replay model rebuilt them at the shown step
+("waiting for grammar": ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``).
 Sessions: 01, 02.
 """
 
@@ -32,6 +33,9 @@ def request_status(ctx: StepContext, request_id: str) -> str:
         if req.num_computed_tokens < req.num_prompt_tokens:
             return f"prefill {req.num_computed_tokens}/{req.num_prompt_tokens}"
         return f"decode {req.num_output_tokens}/{req.max_tokens}"
+    if req.waiting_for_grammar:
+        # Structured outputs: blocked in skipped_waiting until the grammar compiles.
+        return "waiting for grammar"
     position = state.waiting.index(request_id) + 1 if request_id in state.waiting else 0
     where = f" #{position}" if position else ""
     if req.status == "PREEMPTED":

@@ -16,7 +16,17 @@ replaced the first rejected draft (the recovered token), or, when every
 draft was accepted, the bonus token after them -- then the drafts the
 proposer made for the next step. The "chose" line is then the sampler's
 pick at the bonus position, kept only when every draft is accepted.
-Sessions: 05 (sampling), 06 (speculative decoding).
+
+Structured outputs (``vllm/v1/structured_output/__init__.py`` and
+``apply_grammar_bitmask`` in ``vllm/v1/structured_output/utils.py``): before
+the sampler runs, a constrained request's logits are masked with the
+bitmask row its grammar allows (every other token gets -inf), so the stages
+below start from the masked logits. A grammar line says how many tokens the
+mask allowed; a ``full`` trace adds the mask's effect on the model's own
+favourites: its top token before and after the mask, and which of its 5
+best candidates were masked away. While the grammar compiles the request
+waits in ``skipped_waiting`` and nothing is sampled for it.
+Sessions: 05 (sampling), 06 (speculative decoding, structured outputs).
 """
 
 from __future__ import annotations
@@ -26,8 +36,21 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from engine.tracing import SamplerSampled, SamplingParamsSummary, SpecDecodeRow
-from tui.timelines import FINISHED, NOT_ARRIVED, PREEMPTED, STALLED, WAITING, visible_whitespace
+from engine.tracing import (
+    SamplerSampled,
+    SamplingParamsSummary,
+    SpecDecodeRow,
+    StructuredOutputRow,
+)
+from tui.timelines import (
+    FINISHED,
+    GRAMMAR,
+    NOT_ARRIVED,
+    PREEMPTED,
+    STALLED,
+    WAITING,
+    visible_whitespace,
+)
 from tui.widgets.common import DIM, Panel, StepContext
 
 STAGE_LABELS = {
@@ -41,6 +64,7 @@ TOKEN_COLUMN = 12
 MIN_SHOWN_PROB = 5e-5
 ACCEPTED = Style(color="#2ca02c", bold=True)
 REJECTED = Style(color="#d62728", bold=True)
+GRAMMAR_STYLE = Style(color="#17becf", bold=True)
 
 
 class SamplerPanel(Panel):
@@ -75,6 +99,8 @@ def why_not_sampled(ctx: StepContext) -> str:
         )
     if phase == NOT_ARRIVED:
         return f"{rid} has not arrived yet (queued at step {tl.queued_step})."
+    if phase == GRAMMAR:
+        return f"{rid} {_grammar_wait_text(ctx)}"
     if phase == FINISHED:
         return f"{rid} finished at step {tl.finished_step}; nothing more is sampled."
     if phase == WAITING:
@@ -86,6 +112,96 @@ def why_not_sampled(ctx: StepContext) -> str:
     if not ctx.view.sampler:
         return "The trace holds no sampler events for this step."
     return f"No sample for {rid} at this step."
+
+
+def followed_grammar(ctx: StepContext) -> StructuredOutputRow | None:
+    """The followed request's structured-output row at this step (None: it
+    is not constrained, or the run has no structured outputs)."""
+    so = ctx.view.structured_output
+    return so.requests.get(ctx.follow) if so is not None and ctx.follow else None
+
+
+def _grammar_wait_text(ctx: StepContext) -> str:
+    """Why a request waiting for its grammar is not sampled, and how its compile went."""
+    row = followed_grammar(ctx)
+    kind = f"{row.grammar_kind} " if row is not None else ""
+    text = (
+        f"is waiting for its {kind}grammar to compile: it is queued in skipped_waiting "
+        "(WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), not in this step's batch."
+    )
+    if row is not None and row.compile_s is not None:
+        if row.compile_error:
+            text += f" The compile failed: {row.compile_error}."
+        else:
+            hit = "a cache hit" if row.cache_hit else "not cached"
+            text += (
+                f" It compiled in {row.compile_s * 1e3:.1f} ms ({hit}) at step "
+                f"{row.compiled_step}; the next schedule() finds it ready."
+            )
+    return text
+
+
+def _candidate(ctx: StepContext, token_id: int) -> str:
+    """A token with its id: ``'text' #id``, or ``#id`` without token texts."""
+    text = ctx.session.token_text(token_id)
+    if text is None:
+        return f"#{token_id}"
+    return f"{_token(ctx, token_id)} #{token_id}"
+
+
+def grammar_lines(ctx: StepContext) -> list[RenderableType]:
+    """Structured outputs: what the followed request's grammar mask did this
+    step -- tokens allowed and, at ``full``, the model's favourites it
+    removed; [] when the step masked nothing for it."""
+    row = followed_grammar(ctx)
+    if row is None or not row.masked:
+        return []
+    assert row.num_allowed is not None
+    head = Text()
+    head.append(f"grammar {row.grammar_kind}: ", style=GRAMMAR_STYLE)
+    head.append(f"{row.num_allowed:,}", style=Style(bold=True))
+    if row.vocab_size:
+        share = row.num_allowed / row.vocab_size
+        head.append(f" of {row.vocab_size:,} tokens allowed", style=DIM)
+        if row.num_allowed < row.vocab_size:
+            head.append(f" ({share:.2%})" if share >= 0.0001 else " (<0.01%)", style=DIM)
+        else:
+            head.append(" (none masked)", style=DIM)
+    else:
+        head.append(" tokens allowed", style=DIM)
+    if row.num_rows > 1:
+        head.append(f" · {row.num_rows} rows: one per draft and the bonus", style=DIM)
+    lines: list[RenderableType] = [head]
+    mask = row.mask
+    if mask is None:
+        lines.append(
+            Text("What the mask removed needs a full trace (--trace-level full).", style=DIM)
+        )
+    else:
+        top = Text()
+        top.append("model's top ", style=DIM)
+        top.append(_candidate(ctx, mask.top_token_id_before), style=Style(bold=True))
+        if mask.changed_top:
+            top.append(" ✗ masked", style=REJECTED)
+            top.append(" → top allowed ", style=DIM)
+            top.append(_candidate(ctx, mask.top_token_id_after), style=Style(bold=True))
+        else:
+            top.append(" ✓ allowed: the mask kept it on top", style=DIM)
+        lines.append(top)
+        if mask.masked_top_token_ids:
+            removed = Text()
+            removed.append("masked away of its top 5: ", style=DIM)
+            for i, t in enumerate(mask.masked_top_token_ids):
+                if i:
+                    removed.append(", ", style=DIM)
+                removed.append(_candidate(ctx, t), style=REJECTED)
+            lines.append(removed)
+        lines.append(
+            Text("the logprob and the stages below come from the masked logits", style=DIM)
+        )
+    if row.terminated:
+        lines.append(Text("the grammar is complete after this step's token", style=DIM))
+    return lines
 
 
 def stage_table(ctx: StepContext, sample: SamplerSampled, width: int) -> Table:
@@ -157,8 +273,10 @@ def render_sampler(ctx: StepContext, width: int) -> RenderableType:
     parts: list[RenderableType] = []
     sample = followed_sample(ctx)
     verdict = draft_verdict(ctx, width)
+    grammar = grammar_lines(ctx)
     if sample is None:
         parts.append(Text(why_not_sampled(ctx), style=DIM))
+        parts.extend(grammar)
         parts.extend(verdict)
     else:
         head = Text()
@@ -171,6 +289,7 @@ def render_sampler(ctx: StepContext, width: int) -> RenderableType:
             head.append(f" · rank {sample.rank}", style=DIM)
         parts.append(head)
         parts.append(Text(_params_text(tl.sampling_params, sample), style=DIM))
+        parts.extend(grammar)
         if verdict:
             parts.extend(verdict)
             parts.append(

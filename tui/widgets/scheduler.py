@@ -17,7 +17,11 @@ With speculative decoding a decode also verifies the drafts proposed after
 the previous step: they are scheduled after the request's last known token
 and count in its tokens (``tok 9-12 (3 drafts)``); the rejected ones are rolled back
 after the step (the sampler and KV panels show which).
-Sessions: 01 (engine loop), 02 (scheduler), 06 (speculative decoding).
+
+With structured outputs a request waits for its grammar to compile in a
+second queue, ``skipped_waiting``, shown under the waiting queue while it
+holds any; FCFS admits from it first once a grammar is ready.
+Sessions: 01 (engine loop), 02 (scheduler), 06 (speculative decoding, structured outputs).
 """
 
 from __future__ import annotations
@@ -141,6 +145,15 @@ def render_scheduler(ctx: StepContext, width: int) -> RenderableType:
     queues.add_column()
     queues.add_row(f"running {len(state.running)}", id_list(ctx, state.running))
     queues.add_row(f"waiting {len(state.waiting)}", id_list(ctx, state.waiting))
+    if state.skipped_waiting:
+        # Structured outputs: the second queue, of requests whose grammar compiles.
+        skipped = id_list(ctx, state.skipped_waiting)
+        blocked = sum(state.requests[r].waiting_for_grammar for r in state.skipped_waiting)
+        why = "compiling their grammar" if blocked else "grammar ready, admitted first"
+        if 0 < blocked < len(state.skipped_waiting):
+            why = f"{blocked} compiling their grammar"
+        skipped.append(f"  skipped_waiting: {why}", style=DIM)
+        queues.add_row(f"skipped {len(state.skipped_waiting)}", skipped)
     parts.append(queues)
     changes = Table.grid(padding=(0, 1))
     changes.add_column(no_wrap=True, style=DIM)

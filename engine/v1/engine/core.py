@@ -34,9 +34,17 @@ refused, the ones in flight run for ``shutdown_timeout`` seconds
 (``_handle_shutdown``; 0 aborts them at once, as in vLLM), the rest are
 aborted, and the loop ends once the scheduler is empty.
 
-Simpler than vLLM: no structured-output grammar bitmask (so no deferred
-sampling in the batch queue, and no ``update_draft_token_ids_in_output`` for
-drafts kept in the worker under async scheduling), no data parallelism, no separate aborts queue
+Structured outputs (session 06): the core owns the
+``StructuredOutputManager``; ``add_request`` starts the grammar's compile,
+and each step asks the scheduler for the bitmask (``get_grammar_bitmask``)
+while the forward runs, then passes it to ``sample_tokens``. In the batch
+queue a step whose constrained request still has a token in flight
+(``pending_structured_output_tokens``) is *deferred*: its sampling waits
+until the previous step's output has advanced the grammar.
+
+Simpler than vLLM: no ``update_draft_token_ids_in_output`` (structured
+outputs with drafts kept in the worker under async scheduling are refused by
+the input processor), no data parallelism, no separate aborts queue
 (aborts are read between steps), no pipeline parallelism. ``log_error_detail``
 logs a summary of the step instead of vLLM's full dump of the config and the
 scheduler output.
@@ -70,7 +78,7 @@ import zmq
 
 from engine.config import GlassboxConfig
 from engine.tracing import Tracer, part_path
-from engine.tracing.core_trace import SchedulerTrace
+from engine.tracing.core_trace import SchedulerTrace, StructuredOutputTrace
 from engine.tracing.engine_trace import EngineCoreTrace
 from engine.utils.hashing import get_hash_fn_by_name
 from engine.v1.core.kv_cache_utils import (
@@ -103,6 +111,7 @@ from engine.v1.kv_cache_interface import KVCacheConfig
 from engine.v1.outputs import ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
 from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from engine.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +136,15 @@ class EngineCore:
         try:
             kv_cache_config = self._initialize_kv_caches(glassbox_config)
             self.kv_cache_config = kv_cache_config
-            # No structured outputs yet (no manager); one engine per front
-            # end, so no per-client finished sets.
+            self.structured_output_manager = StructuredOutputManager(
+                glassbox_config, trace=StructuredOutputTrace.create(tracer)
+            )
+            # One engine per front end, so no per-client finished sets.
             scheduler_cls = glassbox_config.scheduler_config.get_scheduler_cls()
             self.scheduler: Scheduler = scheduler_cls(  # type: ignore[assignment]
                 glassbox_config=glassbox_config,
                 kv_cache_config=kv_cache_config,
-                structured_output_manager=None,
+                structured_output_manager=self.structured_output_manager,
                 include_finished_set=False,
                 log_stats=log_stats,
                 block_size=glassbox_config.cache_config.block_size,
@@ -190,6 +201,9 @@ class EngineCore:
     def add_request(self, request: Request | EngineCoreRequest) -> None:
         if isinstance(request, EngineCoreRequest):
             request = self.preprocess_add_request(request)
+        if request.use_structured_output:
+            # Compiles on the manager's threads; the scheduler waits for it.
+            self.structured_output_manager.grammar_init(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -220,11 +234,13 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         future = self.model_executor.execute_model(scheduler_output, non_block=True)
         self.trace.step_launched(scheduler_output.step, num_in_flight=1)
+        # While the forward runs: the bitmask rows of the constrained requests.
+        grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         self.trace.waiting_for_output()
         with self.log_error_detail(scheduler_output):
             model_output = future.result()
             if model_output is None:
-                model_output = self.model_executor.sample_tokens(None)
+                model_output = self.model_executor.sample_tokens(grammar_output)
         self.trace.output_ready(scheduler_output.step)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.trace.step_done(self.scheduler, engine_core_outputs)
@@ -255,6 +271,7 @@ class EngineCore:
         batch_queue = self.batch_queue
         assert batch_queue is not None and len(batch_queue) < self.batch_queue_size
         model_executed = False
+        deferred_scheduler_output: SchedulerOutput | None = None
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
             with self.log_error_detail(scheduler_output):
@@ -262,18 +279,24 @@ class EngineCore:
                 if exec_future.done():
                     exec_future.result()  # a forward that failed raises here, not in sampling
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
-            if model_executed:
-                future = self.model_executor.sample_tokens(None, non_block=True)
-            else:
+            if not model_executed:
                 future = exec_future  # nothing to sample: its (empty) output
-            batch_queue.appendleft((future, scheduler_output))
-            self.trace.step_launched(scheduler_output.step, len(batch_queue))
-            if (
-                model_executed
-                and len(batch_queue) < self.batch_queue_size
-                and not batch_queue[-1][0].done()
-            ):
-                return None, True
+            elif scheduler_output.pending_structured_output_tokens:
+                # A grammar still lacks the token in flight: sample below,
+                # once the previous step's output has advanced it.
+                deferred_scheduler_output = scheduler_output
+            else:
+                grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+                future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+            if deferred_scheduler_output is None:
+                batch_queue.appendleft((future, scheduler_output))
+                self.trace.step_launched(scheduler_output.step, len(batch_queue))
+                if (
+                    model_executed
+                    and len(batch_queue) < self.batch_queue_size
+                    and not batch_queue[-1][0].done()
+                ):
+                    return None, True
         elif not batch_queue:
             return None, False
 
@@ -284,6 +307,12 @@ class EngineCore:
             model_output = future.result()
         self.trace.output_ready(scheduler_output.step)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if deferred_scheduler_output is not None:
+            # The grammars have their tokens now: mask and sample the deferred step.
+            grammar_output = self.scheduler.get_grammar_bitmask(deferred_scheduler_output)
+            future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+            batch_queue.appendleft((future, deferred_scheduler_output))
+            self.trace.step_launched(deferred_scheduler_output.step, len(batch_queue))
         self.trace.step_done(self.scheduler, engine_core_outputs, batch_queue)
         return engine_core_outputs, model_executed
 
@@ -297,6 +326,7 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.clear_backend()
         self.model_executor.shutdown()
         self.scheduler.shutdown()
 

@@ -13,7 +13,9 @@ request or of an ``n > 1`` child (``"{index}_{internal id}"``).
 Sessions: 01 (engine loop).
 
 Simpler than vLLM: text and token-id prompts only (no multimodal data,
-embeddings or encoder-decoder prompts), no LoRA.
+embeddings or encoder-decoder prompts), no LoRA. Structured outputs are
+refused with speculative decoding under async scheduling (vLLM supports the
+pair: Glassbox's async drafts never reach the host, where the grammar is).
 
 Differs from vLLM on purpose: ``process_inputs`` returns the prompt text with
 the request (vLLM returns the request and reads the text off the prompt in
@@ -115,6 +117,19 @@ class InputProcessor:
                     f"prompt token id {bad[0]} is out of vocabulary (vocab_size={vocab_size})"
                 )
 
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        config = self.glassbox_config
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer, but skip_tokenizer_init=True")
+        if config.speculative_config is not None and config.scheduler_config.async_scheduling:
+            # vLLM supports this (drafts copied to the host, sampling deferred);
+            # Glassbox's async drafts stay on the device, so not yet.
+            raise ValueError(
+                "structured_outputs with speculative decoding needs async scheduling off in "
+                "Glassbox (async_scheduling=False / --no-async-scheduling)"
+            )
+        params._validate_structured_outputs(config.structured_outputs_config)
+
     def process_inputs(
         self,
         request_id: str,
@@ -163,6 +178,8 @@ class InputProcessor:
                 f"{len(token_ids)}-token prompt in max_model_len={max_model_len}"
             )
         validate_logits_processors_parameters(self.model_config.logits_processors, params)
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
         params.update_from_generation_config(self.generation_config, self.get_eos_token_id())
         if self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)

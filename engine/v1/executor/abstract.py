@@ -31,7 +31,7 @@ from engine.tracing import NULL_TRACER, Tracer
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
-    from engine.v1.core.sched.output import SchedulerOutput
+    from engine.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
@@ -83,10 +83,10 @@ class Executor(ABC):
         None, in which case ``sample_tokens`` finishes the step."""
 
     def sample_tokens(
-        self, grammar_output: None = None, non_block: bool = False
+        self, grammar_output: GrammarOutput | None = None, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Sample the step ``execute_model`` ran (``grammar_output``: vLLM's
-        structured-output bitmask; always None here)."""
+        """Sample the step ``execute_model`` ran, masking the constrained
+        rows with ``grammar_output`` (structured outputs) first."""
         raise NotImplementedError(f"{type(self).__name__} samples inside execute_model")
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

@@ -68,9 +68,9 @@ class UniProcExecutor(Executor):
 
     def sample_tokens(self, grammar_output=None, non_block=False):
         if not non_block:
-            output = self._worker().sample_tokens()
+            output = self._worker().sample_tokens(grammar_output)
             return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
-        future = done_future(self._worker().sample_tokens)
+        future = done_future(self._worker().sample_tokens, grammar_output)
         if future.exception() is None and isinstance(future.result(), AsyncModelRunnerOutput):
             return AsyncOutputFuture(future.result())
         return future

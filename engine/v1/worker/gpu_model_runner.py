@@ -21,6 +21,9 @@ Read it for one step of the worker:
      scheduled token and turn it into logits;
   4. ``sample_tokens`` -- the sampler picks one token per request; requests
      still in the middle of their prompt (a chunked prefill) throw theirs away.
+     Structured outputs (session 06): first ``apply_grammar_bitmask`` sets the
+     logits of every token a request's grammar forbids to -inf, in the
+     runner and not in a logits processor, as in vLLM.
 Sessions: 04 (worker).
 
 Async scheduling (vLLM's default): ``sample_tokens`` does not wait for the
@@ -93,7 +96,7 @@ from engine.tracing.worker_trace import RunnerTrace
 from engine.utils.torch_utils import resolve_dtype
 from engine.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from engine.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
-from engine.v1.core.sched.output import SchedulerOutput
+from engine.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.v1.cudagraph_dispatcher import BatchDescriptor, CudagraphDispatcher
 from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from engine.v1.outputs import (
@@ -117,6 +120,7 @@ from engine.v1.spec_decode.llm_base_proposer import (
 )
 from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 from engine.v1.spec_decode.ngram_proposer import NgramProposer
+from engine.v1.structured_output.utils import apply_grammar_bitmask
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -911,11 +915,14 @@ class GPUModelRunner:
     # 4. Sample
     # ------------------------------------------------------------------
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
         """Sample one token per row. Synchronous: wait for the ids and return
         the ``ModelRunnerOutput``. Async scheduling: return at once with an
         ``AsyncGPUModelRunnerOutput``; the ids stay on the device for the next
-        step and each row that sampled gets a -1 placeholder."""
+        step and each row that sampled gets a -1 placeholder. Structured
+        outputs: ``grammar_output``'s bitmask masks the constrained rows first."""
         state = self.execute_model_state
         if state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
@@ -926,6 +933,13 @@ class GPUModelRunner:
             batch.update_async_output_token_ids()
             self._update_async_spec_token_ids()
         self.trace.sampling(state.req_ids, state.discard_rows)
+        if grammar_output is not None:
+            num_drafts = {
+                r: len(t) for r, t in state.scheduler_output.scheduled_spec_decode_tokens.items()
+            }
+            self.trace.grammar_mask_started(state.logits, state.req_ids, grammar_output, num_drafts)
+            apply_grammar_bitmask(grammar_output, state.req_ids, num_drafts, state.logits)
+            self.trace.grammar_masked(state.logits)
         # A thrown-away sample must not advance its row's seeded generator
         # (vLLM rewinds it): a seed gives the same tokens however the prompt
         # was chunked, and with async scheduling on or off.

@@ -130,9 +130,9 @@ class Worker(WorkerBase):
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self):
+    def sample_tokens(self, grammar_output=None):
         assert self.model_runner is not None
-        return self.model_runner.sample_tokens()
+        return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
         assert self.model_runner is not None

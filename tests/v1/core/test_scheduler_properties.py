@@ -49,7 +49,12 @@ from engine.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from engine.v1.engine import FinishReason
 from engine.v1.request import Request, RequestStatus
 from engine.v1.utils import cdiv
-from tests.helpers.core import make_model_runner_output, make_request, make_scheduler
+from tests.helpers.core import (
+    AnyTokenGrammar,
+    make_model_runner_output,
+    make_request,
+    make_scheduler,
+)
 
 BLOCK_SIZE = 16
 EOS = 2
@@ -67,7 +72,7 @@ class FakeGrammarRequest:
     """Stands in for vLLM's StructuredOutputRequest: ``grammar`` is None
     until compiled."""
 
-    grammar: object | None = None
+    grammar: AnyTokenGrammar | None = None
 
 
 MAX_DRAIN_STEPS = 3000
@@ -216,7 +221,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _compile_grammars(self, req_ids) -> None:
         for req_id in req_ids:
-            self.live[req_id].structured_output_request.grammar = object()
+            self.live[req_id].structured_output_request.grammar = AnyTokenGrammar()
 
     def _uncompiled(self) -> list[str]:
         return sorted(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from engine.v1.request import Request, RequestStatus
-from tests.helpers.core import make_request, make_scheduler, run_step
+from tests.helpers.core import AnyTokenGrammar, make_request, make_scheduler, run_step
 
 GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
@@ -79,7 +79,7 @@ def test_parked_request_is_promoted_when_its_grammar_is_ready():
     run_step(sched)  # still compiling: g stays parked
     assert ids(sched.skipped_waiting) == ["g"]
 
-    g.structured_output_request.grammar = object()  # compiled
+    g.structured_output_request.grammar = AnyTokenGrammar()  # compiled
     step = run_step(sched)
     assert [r.req_id for r in step.scheduler_output.scheduled_new_reqs] == ["g"]
     assert step.scheduler_output.num_scheduled_tokens["g"] == 10
@@ -96,7 +96,7 @@ def test_promoted_request_that_does_not_fit_waits_at_the_head_as_waiting():
     sched.add_request(make_request("a", prompt(10, 2000), max_tokens=2))
     run_step(sched)  # a's prompt
     g = grammar_request("g", 1000, num_tokens=12)
-    g.structured_output_request.grammar = object()  # ready
+    g.structured_output_request.grammar = AnyTokenGrammar()  # ready
     sched.add_request(g)
     sched.add_request(make_request("b", prompt(10, 3000)))
 
@@ -121,7 +121,7 @@ def test_several_parked_requests_keep_their_order():
     assert ids(sched.skipped_waiting) == ["g0", "g1", "g2"]
 
     # Only the middle one becomes ready: it runs, the others keep their order.
-    parked[1].structured_output_request.grammar = object()
+    parked[1].structured_output_request.grammar = AnyTokenGrammar()
     step = run_step(sched)
     assert [r.req_id for r in step.scheduler_output.scheduled_new_reqs] == ["g1"]
     assert ids(sched.skipped_waiting) == ["g0", "g2"]
@@ -174,7 +174,7 @@ def test_priority_picks_the_better_head_of_the_two_queues():
     # One running slot at a time, so each step admits exactly one request.
     sched = make_scheduler(policy="priority", max_num_seqs=1)
     g = grammar_request("g", 1000, priority=1, arrival_time=1.0, max_tokens=1)
-    g.structured_output_request.grammar = object()  # ready at once
+    g.structured_output_request.grammar = AnyTokenGrammar()  # ready at once
     sched.add_request(g)
     sched.add_request(
         make_request("w0", prompt(10, 2000), priority=0, arrival_time=2.0, max_tokens=1)
@@ -205,7 +205,7 @@ def test_fcfs_takes_skipped_waiting_first():
     sched = make_scheduler(max_num_seqs=1)
     sched.add_request(make_request("w", prompt(10, 2000), arrival_time=1.0, max_tokens=1))
     g = grammar_request("g", 1000, arrival_time=2.0, max_tokens=1)
-    g.structured_output_request.grammar = object()
+    g.structured_output_request.grammar = AnyTokenGrammar()
     sched.add_request(g)
     # FCFS looks at skipped_waiting first (its requests were passed over
     # before), so g, ready now, goes before w although it arrived later.

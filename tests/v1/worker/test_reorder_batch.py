@@ -269,8 +269,8 @@ def mixed_run(model_dir, monkeypatch, reorder: bool, async_scheduling: bool = Tr
         user_ids = [r.rsplit("-", 1)[0] for r in out.req_ids]
         steps.append((user_ids, [list(t) for t in out.sampled_token_ids]))
 
-    def recording_sample_tokens(runner):
-        out = sample_tokens(runner)
+    def recording_sample_tokens(runner, grammar_output=None):
+        out = sample_tokens(runner, grammar_output)
         if not isinstance(out, AsyncModelRunnerOutput):
             record(out)
             return out

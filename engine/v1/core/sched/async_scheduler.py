@@ -38,7 +38,10 @@ copies the real drafts in on the device. When step N's output arrives,
 placeholders; the runner, which scheduled N+1 from the optimistic cursor,
 corrects its own copy once it sees step N's verdict.
 
-Simpler than vLLM: no structured outputs (no ``pending_structured_output_tokens``).
+Structured outputs: a constrained request scheduled while its previous
+token is still in flight sets ``pending_structured_output_tokens``; the
+engine core then samples that step only after the previous step's output has
+advanced the grammar (vLLM's deferred sampling).
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class AsyncScheduler(Scheduler):
             request = self.requests[req_id]
             if request.is_prefill_chunk:
                 continue  # a mid-prompt chunk samples nothing
+            # Its grammar has not seen the token in flight yet.
+            scheduler_output.pending_structured_output_tokens |= (
+                request.use_structured_output and request.num_output_placeholders > 0
+            )
             # This step samples one token, plus one per draft if all are accepted.
             request.num_output_placeholders += 1 + len(spec_decode_tokens.get(req_id, ()))
             # Drafts for the next step: proposed on the device after this one.

@@ -1,7 +1,7 @@
 """The scheduler's decision for one step, handed to the worker.
 
 vLLM twin: ``vllm/v1/core/sched/output.py`` (``SchedulerOutput``,
-``NewRequestData``, ``CachedRequestData``).
+``NewRequestData``, ``CachedRequestData``, ``GrammarOutput``).
 Read it for the diff-based protocol between scheduler and worker: a request's
 full data (prompt, sampling params, block ids) is sent once, in
 ``NewRequestData``, the step it is first scheduled; after that only what
@@ -9,8 +9,11 @@ changed travels in ``CachedRequestData`` -- new block ids and the cursor. The
 worker keeps the rest in its persistent input batch.
 Sessions: 02 (scheduler), 04 (worker).
 
-Simpler than vLLM: no encoder inputs, structured-output bitmasks, invalid
-spec-token counts or KV-connector metadata.
+``GrammarOutput`` travels separately, with ``sample_tokens``: the bitmask
+rows of the step's constrained requests (session 06).
+
+Simpler than vLLM: no encoder inputs, invalid spec-token counts or
+KV-connector metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engine.sampling_params import SamplingParams
     from engine.v1.request import Request
 
@@ -93,6 +98,11 @@ class SchedulerOutput:
     # req_id -> the draft tokens verified this step, scheduled after the
     # request's known tokens (absent: no drafts). Speculative decoding only.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Some scheduled request samples under a grammar this step.
+    has_structured_output_requests: bool = False
+    # Async scheduling: a constrained request's previous token is still in
+    # flight, so its bitmask (and the step's sampling) must wait for it.
+    pending_structured_output_tokens: bool = False
     # Step counter, for traces and the TUI (not in vLLM's struct).
     step: int = 0
 
@@ -106,3 +116,11 @@ class SchedulerOutput:
             num_common_prefix_blocks=[],
             finished_req_ids=set(),
         )
+
+
+@dataclass
+class GrammarOutput:
+    # The constrained requests that sample this step, in bitmask order.
+    structured_output_request_ids: list[str]
+    # int32 [rows, ceil(vocab / 32)]: one row per request, 1 + d with d drafts.
+    grammar_bitmask: np.ndarray

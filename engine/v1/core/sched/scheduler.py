@@ -55,13 +55,19 @@ Speculative decoding: a running request's drafts (``spec_token_ids``, set by
 tokens (``scheduled_spec_decode_tokens``); ``update_from_output`` steps
 ``num_computed_tokens`` back over the drafts the runner rejected.
 
+Structured outputs (session 06): a constrained request waits in
+``skipped_waiting`` (``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``) until its
+grammar has compiled; ``get_grammar_bitmask`` asks the
+``StructuredOutputManager`` for the step's bitmask rows (the engine core
+calls it between ``execute_model`` and ``sample_tokens``);
+``update_from_output`` advances each request's matcher over the tokens it
+kept, and ``update_draft_token_ids`` cuts drafts at the first token the
+grammar forbids.
+
 Simpler than vLLM: no encoder inputs, LoRA limits, KV connectors, streaming
-input, pause states, or grammar-checked drafts. Nothing in
-Glassbox parks a request yet: ``structured_output_manager`` is None until
-structured outputs arrive, so only a test sets a ``WAITING_FOR_*`` status
-(with a ``structured_output_request`` whose ``grammar`` says when it is
-ready). Requests waiting for remote KV or streamed input are never promoted,
-as no KV connector or streaming session exists to release them.
+input or pause states. Requests waiting for remote KV or streamed input are
+never promoted, as no KV connector or streaming session exists to release
+them.
 
 Tracing (Glassbox's own): the scheduler receives a ``SchedulerTrace``
 (``engine/tracing/core_trace.py``) and calls it at each decision; its
@@ -70,6 +76,7 @@ Tracing (Glassbox's own): the scheduler receives a ``SchedulerTrace``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -78,7 +85,12 @@ from engine.config import GlassboxConfig
 from engine.tracing.core_trace import SchedulerTrace
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.v1.core.sched.interface import SchedulerInterface
-from engine.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.v1.core.sched.output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from engine.v1.core.sched.request_queue import (
     RequestQueue,
     SchedulingPolicy,
@@ -91,6 +103,8 @@ from engine.v1.metrics.stats import SchedulerStats
 from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
 from engine.v1.spec_decode.metrics import SpecDecodingStats
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler(SchedulerInterface):
@@ -435,6 +449,9 @@ class Scheduler(SchedulerInterface):
             request.is_prefill_chunk = request.num_computed_tokens < (
                 request.num_tokens + request.num_output_placeholders
             )
+            scheduler_output.has_structured_output_requests |= (
+                request.use_structured_output and not request.is_prefill_chunk
+            )
         # The worker hears about these finished ids exactly once.
         self.finished_req_ids = set()
 
@@ -493,6 +510,7 @@ class Scheduler(SchedulerInterface):
             if not (structured_output_req and structured_output_req.grammar):
                 return False
             request.status = RequestStatus.WAITING
+            self.trace.structured_output.grammar_ready(request)
             return True
         if request.status in (
             RequestStatus.WAITING_FOR_REMOTE_KVS,
@@ -509,6 +527,28 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------
     # update_from_output()
     # ------------------------------------------------------------------
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask rows of the step's constrained requests that sample
+        (not those in the middle of their prompt), in scheduling order."""
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        assert self.structured_output_manager is not None
+        structured_output_request_ids = [
+            req_id
+            for req_id in scheduler_output.num_scheduled_tokens
+            if (req := self.requests.get(req_id))
+            and req.use_structured_output
+            and not req.is_prefill_chunk
+        ]
+        if not structured_output_request_ids:
+            return None
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            self.requests,
+            structured_output_request_ids,
+            scheduler_output.scheduled_spec_decode_tokens,
+        )
+        return GrammarOutput(structured_output_request_ids, bitmask)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
@@ -565,6 +605,15 @@ class Scheduler(SchedulerInterface):
             stopped = False
             if generated:
                 new_token_ids, stopped = self._update_request_with_output(request, generated)
+            if new_token_ids and request.use_structured_output:
+                grammar = request.structured_output_request.grammar
+                if not grammar.accept_tokens(req_id, new_token_ids):
+                    # Cannot happen under the mask (a grammar already
+                    # complete, with ignore_eos): end the request, as vLLM.
+                    logger.error("grammar refused tokens %s of %s", new_token_ids, req_id)
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    stopped = True
+                self.trace.structured_output.advanced(request, new_token_ids)
 
             finish_reason = None
             if stopped:
@@ -637,6 +686,11 @@ class Scheduler(SchedulerInterface):
                 # Mid-prompt: nothing was sampled, so drafts cannot follow yet.
                 request.spec_token_ids = []
                 continue
+            if request.use_structured_output:
+                # Only drafts the grammar allows may be verified.
+                spec_token_ids = request.structured_output_request.grammar.validate_tokens(
+                    spec_token_ids
+                )
             request.spec_token_ids = spec_token_ids
 
     def _update_request_with_output(
