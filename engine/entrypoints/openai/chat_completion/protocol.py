@@ -5,10 +5,13 @@ Read it for the chat format: ``messages`` in, ``choices[i].message`` out, and
 for streaming ``chat.completion.chunk`` objects whose ``delta`` carries the
 role first and then pieces of content; ``logprobs.content[j]`` has the token,
 its logprob, its UTF-8 bytes and the ``top_logprobs`` alternatives.
-Sessions: 01.
+``response_format`` and ``structured_outputs`` (session 06) come from
+``SamplingFields``, shared with completions, as in vLLM.
+Sessions: 01, 06.
 
 Simpler than vLLM: text content only (a string or a list of
-``{"type": "text"}`` parts), no tools, reasoning or response formats.
+``{"type": "text"}`` parts), no tools or reasoning; ``response_format`` is
+text, ``json_object`` or ``json_schema`` (no structural tags).
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

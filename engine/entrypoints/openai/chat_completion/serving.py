@@ -6,10 +6,15 @@ template renders ``messages`` to text (``tokenize=False``) and the text is
 tokenized without adding special tokens again, the same way ``LLM.chat`` does
 -- and for the streaming shape: per choice a first chunk carrying only
 ``role``, then content deltas, then the chunk with ``finish_reason``.
-Sessions: 01.
+``response_format`` / ``structured_outputs`` (session 06) ride in the
+``SamplingParams`` (``SamplingFields.sampling_kwargs``); the input processor
+checks the constraint compiles while the prompt is rendered, so a bad schema is
+a 400 before the request reaches the engine, streaming or not.
+Sessions: 01, 06.
 
-Simpler than vLLM: no tool calls, reasoning parsers, harmony format, echo or
-response_format (setting one is a 400 naming the field).
+Simpler than vLLM: no tool calls, reasoning parsers, harmony format or echo
+(setting one is a 400 naming the field); no structural tags in
+``response_format``.
 """
 
 from __future__ import annotations
@@ -60,11 +65,6 @@ class OpenAIServingChat(OpenAIServing):
             raise self.engine_client.dead_error
         if request.tools:
             raise GlassboxValidationError("tools are not supported by Glassbox", "tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise GlassboxValidationError(
-                "response_format other than {'type': 'text'} is not supported by Glassbox",
-                "response_format",
-            )
         if request.echo:
             raise GlassboxValidationError("echo is not supported by Glassbox", "echo")
         if request.top_logprobs is not None and not request.logprobs:
@@ -88,9 +88,16 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.render_chat_async(
             request, getattr(request, max_tokens_field) or 0, max_tokens_field
         )
-        rendered = await self.render_prompt(
-            request_id, prompt, params, request, "messages", max_tokens_field
-        )
+        try:
+            rendered = await self.render_prompt(
+                request_id, prompt, params, request, "messages", max_tokens_field
+            )
+        except GlassboxValidationError as e:
+            # A bad schema sent as response_format is reported under that name.
+            message, param = request.name_structured_outputs_error(str(e), e.parameter)
+            if param == e.parameter:
+                raise
+            raise GlassboxValidationError(message, param) from e
         self.check_capacity(request.n)
         result_generator = merge_async_iterators(
             self.engine_client.generate(rendered, params, request_id, priority=request.priority)

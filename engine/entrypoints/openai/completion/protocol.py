@@ -3,7 +3,12 @@
 vLLM twin: ``vllm/entrypoints/openai/completion/protocol.py``.
 Read it for OpenAI's legacy completion format (``choices[i].text``,
 ``logprobs.tokens / token_logprobs / top_logprobs / text_offset``) plus vLLM's
-sampling extras inherited from ``SamplingFields``. Sessions: 01.
+sampling extras inherited from ``SamplingFields`` -- among them, as in vLLM,
+``response_format`` and ``structured_outputs`` (session 06), which legacy
+OpenAI completions do not have. Sessions: 01, 06.
+
+Simpler than vLLM: no structural tags (``response_format`` type
+``"structural_tag"`` is a 400).
 """
 
 from __future__ import annotations

@@ -7,10 +7,14 @@ streaming, FINAL_ONLY otherwise), call ``AsyncLLM.generate`` once per prompt
 and merge the streams. Choice ``index`` is ``prompt_index * n + sample_index``.
 Streaming writes one SSE ``data:`` line per chunk, an optional usage-only
 chunk, then ``data: [DONE]``.
-Sessions: 01.
+``response_format`` / ``structured_outputs`` (session 06) ride in the
+``SamplingParams``; rendering each prompt runs the input processor's check that
+the constraint compiles, so a bad one is a 400 before anything is generated.
+Sessions: 01, 06.
 
 Simpler than vLLM: no echo, suffix, best_of, beam search or prompt logprobs
-(each is a 400 naming the field when set).
+(each is a 400 naming the field when set); no structural tags in
+``response_format``.
 """
 
 from __future__ import annotations
@@ -63,12 +67,20 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self._base_request_id(request, raw_request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = self.build_sampling_params(request, request.max_tokens, request.logprobs, kind)
-        rendered = [
-            await self.render_prompt(
-                f"{request_id}-{i}", prompt, params, request, "prompt", "max_tokens"
-            )
-            for i, prompt in enumerate(prompts)
-        ]
+        rendered = []
+        for i, prompt in enumerate(prompts):
+            try:
+                rendered.append(
+                    await self.render_prompt(
+                        f"{request_id}-{i}", prompt, params, request, "prompt", "max_tokens"
+                    )
+                )
+            except GlassboxValidationError as e:
+                # A bad schema sent as response_format is reported under that name.
+                message, param = request.name_structured_outputs_error(str(e), e.parameter)
+                if param == e.parameter:
+                    raise
+                raise GlassboxValidationError(message, param) from e
         self.check_capacity(len(prompts) * request.n)
         generators = [
             self.engine_client.generate(
