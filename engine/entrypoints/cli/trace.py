@@ -41,7 +41,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tracing import RequestAdded, RunnerInputs, SamplerSampled, SchedUpdate, load_trace
+from engine.tracing import (
+    GrammarMasked,
+    RequestAdded,
+    RunnerInputs,
+    SamplerSampled,
+    SchedUpdate,
+    load_trace,
+)
 from engine.tracing.engine_trace import CliTrace
 
 HELP = "Run a prompt (plus background requests) with tracing on, then follow it in the TUI."
@@ -138,6 +145,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of every request's sampler (the run is reproducible)",
     )
     parser.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        help="constrain your prompt's output, as JSON: '{\"json\": {...schema...}}', "
+        '\'{"regex": "..."}\', \'{"choice": ["yes", "no"]}\' or \'{"grammar": "..."}\' '
+        "(default: free)",
+    )
+    parser.add_argument(
         "--raw-prompt",
         action="store_true",
         help="send PROMPT as is instead of through the model's chat template",
@@ -231,6 +246,11 @@ def plan_requests(args: argparse.Namespace) -> list[PlannedRequest]:
         max_tokens = min(max_tokens, args.max_tokens)
         planned.append(PlannedRequest(f"bg-{i + 1}", text, max_tokens, dict(sampling), arrival))
     first_late = next((k for k, r in enumerate(planned) if r.arrival_step > 0), len(planned))
+    if args.structured_outputs is not None:
+        from engine.sampling_params import StructuredOutputsParams
+
+        # Only the followed prompt is constrained: the rest run free beside it.
+        yours = {**yours, "structured_outputs": StructuredOutputsParams(**args.structured_outputs)}
     planned.insert(
         first_late, PlannedRequest(FOLLOWED_REQUEST_ID, args.prompt, args.max_tokens, yours, 0)
     )
@@ -375,6 +395,9 @@ def _token_texts(trace_path: str, tokenizer: Any) -> dict[str, str]:
             summary = e.input_ids
             for values in (summary.values, summary.head, summary.tail):
                 ids.update(values or [])
+        elif isinstance(e, GrammarMasked):
+            ids.update(e.masked_top_token_ids)
+            ids.update((e.top_token_id_before, e.top_token_id_after))
     # -1: a placeholder (async scheduling: the id was still on the device).
     return {str(t): tokenizer.decode([t]) for t in sorted(ids) if t >= 0}
 
