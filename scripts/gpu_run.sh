@@ -2,7 +2,7 @@
 # The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
 #
 # Usage, on a CUDA machine, from the repo root:
-#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec]   (`make test-gpu` = `all`)
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so]  (`make test-gpu` = `all`)
 #     tests    every test marked `gpu` (tests/gpu, tests/v1/{attention,worker,sample}); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
@@ -14,6 +14,10 @@
 #              "not ngram": the model drafters on both backends, serial and async, and
 #              tests/v1/sample), then the cost of a verification step
 #              (benchmarks/spec_verify_cost.py -> spec_verify_cost_<gpu>.json)
+#     so       structured outputs: their gpu tests, then the cost of a masked decode step
+#              (benchmarks/structured_output_cost.py -> structured_output_cost_<gpu>.json;
+#              SO_TOKENIZER: a tokenizer folder, default .gpu_carry/smollm2_tokenizer, the
+#              default model's tokenizer files copied there before the call)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
@@ -50,8 +54,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing | async | spec) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing|async|spec]" >&2; exit 2 ;;
+  all | tests | bench | tracing | async | spec | so) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so]" >&2; exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
@@ -118,6 +122,13 @@ if [ "$WHAT" = spec ]; then
   GLASSBOX_ATTENTION_BACKEND=${SPEC_BACKEND:-TRITON_ATTN} "$PYTHON" benchmarks/spec_verify_cost.py \
     --device cuda --batch-sizes "${SPEC_BATCHES:-1,8,32}" --steps "${SPEC_STEPS:-20}" \
     --out "$OUT/" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+fi
+if [ "$WHAT" = so ]; then
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu \
+    tests/gpu/test_gpu_structured_outputs.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  "$PYTHON" benchmarks/structured_output_cost.py --device cuda \
+    --tokenizer "${SO_TOKENIZER:-.gpu_carry/smollm2_tokenizer}" \
+    --batch-sizes "${SO_BATCHES:-1,16,64}" --out "$OUT/" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
 # The logs and results as one archive (kernel caches stay beside it).
