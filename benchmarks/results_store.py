@@ -32,6 +32,8 @@ Series names (``current_name``):
 * ``spec_decode_<machine>`` (``spec_decode_cpu``, ``spec_decode_h200``: the default model;
   another model adds ``_<model>``).
 * ``spec_verify_cost_<machine>`` (a verification step against a decode step).
+* ``structured_output_cost_<machine>`` (a decode step with every row masked by a
+  JSON-schema grammar against a free one; grammar compile times).
 
 A benchmark stores its run with ``--record`` (CPU scripts) or, for results
 written elsewhere (the GPU machine's ``$OUT``), with
@@ -123,6 +125,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
     if benchmark == "spec_verify_cost":
         return f"spec_verify_cost_{machine}"
+    if benchmark == "structured_output_cost":
+        return f"structured_output_cost_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):
         model = model_slug(result)
         if machine == "cpu":

@@ -50,6 +50,7 @@ DOCS = (
     "docs/trace_format.md",
     "docs/reliability.md",
     "docs/spec_decode.md",
+    "docs/structured_outputs.md",
 )
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
@@ -82,8 +83,10 @@ def _day(date: str | None) -> str:
 
 
 def _short(commit: str | None) -> str:
-    """``"7330f34+uncommitted (a long note)"`` -> ``"7330f34+uncommitted"``."""
-    return (commit or "unknown").split(" ")[0]
+    """``"7330f34+uncommitted (a long note)"`` -> ``"7330f34+uncommitted"``; a full
+    40-digit hash is cut to 7 digits (``GLASSBOX_COMMIT=$(git rev-parse HEAD)+x``)."""
+    head = (commit or "unknown").split(" ")[0]
+    return re.sub(r"^([0-9a-f]{7})[0-9a-f]{33}", r"\1", head)
 
 
 # --- the data ------------------------------------------------------------------
@@ -621,6 +624,19 @@ def status_table(res: Results) -> str:
                 "| CPU, default model, prompts that repeat their own text, batch 1: n-gram "
                 f"speculation against none | {figures} | — | {source('spec_decode_cpu.json')} |"
             )
+    if "structured_output_cost_h200.json" in res.current:
+        rows = {
+            (x["mode"], x["batch"]): x
+            for x in res.current["structured_output_cost_h200.json"]["results"]
+        }
+        b = max(batch for _, batch in rows)
+        if ("json_async", b) in rows and ("free_async", b) in rows:
+            lines.append(
+                f"| H200, Qwen3-0.6B shapes, batch {b}: decode step with every row JSON-masked "
+                f"(free), async scheduling | {rows['json_async', b]['ms_per_step']:.2f} ms "
+                f"({rows['free_async', b]['ms_per_step']:.2f} ms) | — | "
+                f"{source('structured_output_cost_h200.json')} |"
+            )
     cpu = cpu_summary(res.current["cpu_vs_transformers_cpu.json"])
     lines.append(
         f"| CPU, {cpu['threads']} thread, 32 chat prompts (default model, fp32): against "
@@ -689,6 +705,12 @@ def _file_says(res: Results, name: str) -> str:
         return spec_decode_says(r)
     if benchmark == "spec_verify_cost":
         return spec_verify_says(r)
+    if benchmark == "structured_output_cost":
+        worst = max(r["results"], key=lambda x: x["ratio_to_free"])
+        return (
+            f"a decode step with every row JSON-masked against a free one; dearest: "
+            f"{worst['mode']} at batch {worst['batch']}, {worst['ratio_to_free']:.2f}x"
+        )
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
     return ""
@@ -771,6 +793,42 @@ def spec_verify_says(r: dict[str, Any]) -> str:
         f"one step verifying k drafts against a plain decode step; dearest: "
         f"{worst['mode']} at batch {worst['batch']}, {worst['ratio_to_decode_graphs']:.2f}x"
     )
+
+
+def structured_output_cost_table(res: Results) -> str:
+    """docs/structured_outputs.md: ms per step, free and JSON-masked, per loop and
+    batch; then the grammar compile times."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("structured_output_cost_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        where = r.get("gpu") or "CPU"
+        batches = sorted({x["batch"] for x in r["results"]})
+        modes = list(dict.fromkeys(x["mode"] for x in r["results"]))
+        cell = {(x["mode"], x["batch"]): x for x in r["results"]}
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {where}; {r['model']}; "
+            f"prompt {r['prompt_len']} tokens; ms per decode step, and × the free mode "
+            "of the same loop):"
+        )
+        parts.append("")
+        parts.append("| mode | " + " | ".join(f"batch {b}" for b in batches) + " |")
+        parts.append("| --- |" + " --- |" * len(batches))
+        for mode in modes:
+            cells = [
+                f"{cell[mode, b]['ms_per_step']:.2f} ({cell[mode, b]['ratio_to_free']:.2f}x)"
+                for b in batches
+                if (mode, b) in cell
+            ]
+            parts.append(f"| {mode} | " + " | ".join(cells) + " |")
+        parts.append("")
+        compiles = ", ".join(
+            f"{schema}: cold {c['cold_s'] * 1e3:.1f} ms, cached {c['cached_s'] * 1e3:.3f} ms"
+            for schema, c in r["compile"].items()
+        )
+        parts.append(f"Grammar compile ({where}): {compiles}.")
+        parts.append("")
+    return "\n".join(parts) if parts else "(no run recorded yet)\n"
 
 
 def spec_verify_table(res: Results) -> str:
@@ -928,6 +986,7 @@ BLOCKS = (
     Block("cpu-threads", "docs/reliability.md", cpu_threads_table),
     Block("spec-decode", "docs/spec_decode.md", spec_decode_table),
     Block("spec-verify", "docs/spec_decode.md", spec_verify_table),
+    Block("structured-output-cost", "docs/structured_outputs.md", structured_output_cost_table),
 )
 
 

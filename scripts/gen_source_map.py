@@ -764,8 +764,13 @@ STALE: list[dict] = [
         now=[
             ("vllm/v1/structured_output/backend_types.py", "StructuredOutputGrammar"),
             ("vllm/v1/structured_output/__init__.py", "StructuredOutputManager"),
+            ("vllm/v1/structured_output/utils.py", "apply_grammar_bitmask"),
         ],
-        note="",
+        note=(
+            "The bitmask is applied by the model runner (`GPUModelRunner.sample_tokens` calls "
+            "`apply_grammar_bitmask`) before the sampler runs, not by the sampler or a logits "
+            "processor as the plan says."
+        ),
     ),
     dict(
         seed="001 · 7",
