@@ -795,6 +795,25 @@ def spec_verify_says(r: dict[str, Any]) -> str:
     )
 
 
+def _mode_batch_rows(r: dict[str, Any], value: str, ratio: str) -> list[str]:
+    """A markdown table of ``r["results"]``: a row per mode, a column per batch
+    size, each cell ``value`` in ms and ``ratio`` as a multiple."""
+    batches = sorted({x["batch"] for x in r["results"]})
+    cell = {(x["mode"], x["batch"]): x for x in r["results"]}
+    lines = [
+        "| mode | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "| --- |" + " --- |" * len(batches),
+    ]
+    for mode in dict.fromkeys(x["mode"] for x in r["results"]):
+        cells = [
+            f"{cell[mode, b][value]:.2f} ({cell[mode, b][ratio]:.2f}x)"
+            for b in batches
+            if (mode, b) in cell
+        ]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def structured_output_cost_table(res: Results) -> str:
     """docs/structured_outputs.md: ms per step, free and JSON-masked, per loop and
     batch; then the grammar compile times."""
@@ -803,24 +822,13 @@ def structured_output_cost_table(res: Results) -> str:
         r = res.current[name]
         line = res.line_of(name)
         where = r.get("gpu") or "CPU"
-        batches = sorted({x["batch"] for x in r["results"]})
-        modes = list(dict.fromkeys(x["mode"] for x in r["results"]))
-        cell = {(x["mode"], x["batch"]): x for x in r["results"]}
         parts.append(
             f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {where}; {r['model']}; "
             f"prompt {r['prompt_len']} tokens; ms per decode step, and × the free mode "
             "of the same loop):"
         )
         parts.append("")
-        parts.append("| mode | " + " | ".join(f"batch {b}" for b in batches) + " |")
-        parts.append("| --- |" + " --- |" * len(batches))
-        for mode in modes:
-            cells = [
-                f"{cell[mode, b]['ms_per_step']:.2f} ({cell[mode, b]['ratio_to_free']:.2f}x)"
-                for b in batches
-                if (mode, b) in cell
-            ]
-            parts.append(f"| {mode} | " + " | ".join(cells) + " |")
+        parts.extend(_mode_batch_rows(r, "ms_per_step", "ratio_to_free"))
         parts.append("")
         compiles = ", ".join(
             f"{schema}: cold {c['cold_s'] * 1e3:.1f} ms, cached {c['cached_s'] * 1e3:.3f} ms"
@@ -838,23 +846,12 @@ def spec_verify_table(res: Results) -> str:
         r = res.current[name]
         line = res.line_of(name)
         where = r.get("gpu") or "CPU"
-        batches = sorted({x["batch"] for x in r["results"]})
-        modes = list(dict.fromkeys(x["mode"] for x in r["results"]))
-        cell = {(x["mode"], x["batch"]): x for x in r["results"]}
         parts.append(
             f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {where}; {r['model']}; "
             f"context {r['context']}; median step ms, and × graphed decode):"
         )
         parts.append("")
-        parts.append("| mode | " + " | ".join(f"batch {b}" for b in batches) + " |")
-        parts.append("| --- |" + " --- |" * len(batches))
-        for mode in modes:
-            cells = [
-                f"{cell[mode, b]['median_ms']:.2f} ({cell[mode, b]['ratio_to_decode_graphs']:.2f}x)"
-                for b in batches
-                if (mode, b) in cell
-            ]
-            parts.append(f"| {mode} | " + " | ".join(cells) + " |")
+        parts.extend(_mode_batch_rows(r, "median_ms", "ratio_to_decode_graphs"))
         parts.append("")
     return "\n".join(parts).strip() or "No result stored yet."
 

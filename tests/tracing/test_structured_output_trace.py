@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from engine.engine.arg_utils import EngineArgs
+from engine.entrypoints.cli import trace as trace_cli
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.tracing import (
     WAITING_FOR_GRAMMAR,
@@ -178,26 +179,9 @@ def _record(folder: Path) -> StructuredOutputRun:
         model=model,
         ids=internal_ids(events),
         outputs=outputs,
-        token_texts=_token_texts(events, tokenizer),
+        token_texts=trace_cli._token_texts(str(path), tokenizer),  # as glassbox trace
         live_checks=checks,
     )
-
-
-def _token_texts(events: list[TraceEvent], tokenizer: Any) -> dict[str, str]:
-    """As ``glassbox trace`` writes them (``trace.token_texts``), the mask's
-    candidates included."""
-    ids: set[int] = set()
-    for e in events:
-        if isinstance(e, SchedUpdate):
-            for tokens in e.new_token_ids.values():
-                ids.update(tokens)
-        elif isinstance(e, SamplerSampled):
-            ids.add(e.token_id)
-            for stage in e.stages or ():
-                ids.update(stage.token_ids)
-        elif isinstance(e, GrammarMasked):
-            ids.update([*e.masked_top_token_ids, e.top_token_id_before, e.top_token_id_after])
-    return {str(t): tokenizer.decode([t]) for t in sorted(ids) if t >= 0}
 
 
 @pytest.fixture(scope="module")
