@@ -737,6 +737,13 @@ class SamplerSampled(TraceEvent, kw_only=True, tag="sampler.sampled"):
     logprob: Annotated[float, doc("its log-probability under the raw model output")]
     greedy: Annotated[bool, doc("the row takes the argmax (temperature 0)")] = False
     rank: Annotated[int | None, doc("`full`: 1 + tokens at least as likely (raw)")] = None
+    rank_before_mask: Annotated[
+        int | None,
+        doc(
+            "`full`, structured outputs without drafts: the same rank in the logits before the "
+            "grammar mask (`rank` is after it: the mask is applied before the sampler)"
+        ),
+    ] = None
     stages: Annotated[
         list[SamplerStage] | None, doc("`full`: per stage that ran, the 5 most likely tokens")
     ] = None

@@ -55,6 +55,8 @@ class _PendingSampled:
     # (+ greedy flags [R] when ``greedy`` is None)
     values: HostListsCopy
     stage_names: list[str]
+    # full, structured outputs: ranks before the grammar mask [R] follow the stages
+    has_rank_before_mask: bool = False
 
 
 class SamplerTrace(SubsystemTrace):
@@ -77,6 +79,9 @@ class SamplerTrace(SubsystemTrace):
         # per step parity, reused every other step, so the copy of the step
         # still in flight is never overwritten.
         self._staging: tuple[dict[torch.dtype, torch.Tensor], ...] = ({}, {})
+        # Structured outputs at full: batch row -> its row in the logits as they
+        # were before the grammar mask (set by RunnerTrace.grammar_masked).
+        self._before_mask: tuple[dict[int, int], torch.Tensor] | None = None
 
     @property
     def reads_filtered_logits(self) -> bool:
@@ -88,6 +93,7 @@ class SamplerTrace(SubsystemTrace):
         """The request id of each row of the next call (None: not traced)."""
         self._req_ids = req_ids
         self._rows = [i for i, rid in enumerate(req_ids) if rid is not None]
+        self._before_mask = None  # RunnerTrace.grammar_masked sets it for this call
 
     def raw(self, logits: torch.Tensor, raw_logprobs: torch.Tensor | None) -> None:
         """The model's distribution: logits [N, V] (float32), the sampler's raw
@@ -152,6 +158,9 @@ class SamplerTrace(SubsystemTrace):
             # Two tensors [stages, R, C] instead of two per stage: fewer pieces to copy.
             values.append(torch.stack([probs for _, probs, _ in self._stages]))
             values.append(torch.stack([ids for _, _, ids in self._stages]))
+        before_mask = self._rank_before_mask(rows, tokens) if self.full else None
+        if before_mask is not None:
+            values.append(before_mask)
         md = sampling_metadata
         greedy: list[bool] | None = None
         if md.temperature_cpu is not None:
@@ -169,7 +178,24 @@ class SamplerTrace(SubsystemTrace):
             greedy=greedy,
             values=HostListsCopy(*values, staging=self._staging[(step or 0) % 2]),
             stage_names=stage_names,
+            has_rank_before_mask=before_mask is not None,
         )
+
+    def _rank_before_mask(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor | None:
+        """1 + tokens at least as likely as the chosen one before the grammar
+        mask, per traced row (-1: the row was not masked)."""
+        where_raw, self._before_mask = self._before_mask, None
+        if where_raw is None:
+            return None
+        where, raw = where_raw
+        pos = [where.get(r, -1) for r in rows]
+        sel = [i for i, p in enumerate(pos) if p >= 0]
+        ranks = torch.full((len(rows),), -1, dtype=torch.long, device=tokens.device)
+        if sel:
+            pre = raw[[pos[i] for i in sel]]
+            chosen = pre.gather(1, tokens[sel].unsqueeze(-1))
+            ranks[sel] = (pre >= chosen).sum(dim=-1)
+        return ranks
 
     def emit(self, step: int | None = None, sampled_token_ids: Sequence[int] | None = None) -> None:
         """Record the ``sampler.sampled`` events of ``step``'s call (one
@@ -202,6 +228,8 @@ class SamplerTrace(SubsystemTrace):
                 ]
                 for j in range(len(pending.rows))
             ]
+            if pending.has_rank_before_mask:
+                columns["rank_before_mask"] = [None if x < 0 else x for x in host[4]]
         self.tracer.record_rows(SamplerSampled, columns)
 
     def _select(self, t: torch.Tensor) -> torch.Tensor:
@@ -434,7 +462,11 @@ class RunnerTrace(SubsystemTrace):
         if self._grammar_rows:
             index = torch.tensor([r for _, r in self._grammar_rows], device=logits.device)
             k = min(5, logits.shape[-1])
-            self._grammar_top = logits.index_select(0, index).float().topk(k, dim=-1).indices
+            raw = logits.index_select(0, index).float()  # a copy: the mask leaves it be
+            self._grammar_top = raw.topk(k, dim=-1).indices
+            if not num_drafts:  # one logits row per batch row: the sampler's rows
+                where = {r: i for i, (_, r) in enumerate(self._grammar_rows)}
+                self.sampler._before_mask = (where, raw)
 
     def grammar_masked(self, logits: torch.Tensor) -> None:
         """``so.masked`` per row noted by ``grammar_mask_started``: what is

@@ -320,6 +320,27 @@ def test_the_mask_keeps_what_the_grammar_allows(run, events):
             assert matcher.accept_token(new[0])
 
 
+def test_the_chosen_tokens_rank_before_and_after_the_mask(run, events):
+    """``sampler.sampled`` at full: ``rank`` is after the mask (it runs before
+    the sampler), ``rank_before_mask`` in the model's own logits; the mask
+    only removes tokens, so the rank can only improve, and the model's own
+    top token has rank 1 before it."""
+    for sent_id in (PERSON, AGAIN):
+        rid = run.ids[sent_id]
+        masked = {e.step: e for e in _of(events, GrammarMasked, rid)}
+        # Not the step after the last (async: computed, then dropped unmasked,
+        # as the request had finished when its bitmask was due).
+        samples = [e for e in _of(events, SamplerSampled, rid) if e.step in masked]
+        assert len(samples) == len(masked)
+        for e in samples:
+            assert e.rank is not None and e.rank_before_mask is not None
+            assert 1 <= e.rank <= e.rank_before_mask
+            if e.token_id == masked[e.step].top_token_id_before:
+                assert e.rank_before_mask == 1
+        assert any(e.rank < e.rank_before_mask for e in samples), "the mask never mattered"
+    assert all(e.rank_before_mask is None for e in _of(events, SamplerSampled, run.ids[PLAIN]))
+
+
 def _allowed(row: torch.Tensor, vocab_size: int) -> set[int]:
     bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:vocab_size]
     return set(np.flatnonzero(bits).tolist())

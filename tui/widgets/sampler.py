@@ -287,6 +287,8 @@ def render_sampler(ctx: StepContext, width: int) -> RenderableType:
         head.append(f" · logprob {sample.logprob:.3f}", style=DIM)
         if sample.rank is not None:
             head.append(f" · rank {sample.rank}", style=DIM)
+        if sample.rank_before_mask is not None:
+            head.append(f" (rank {sample.rank_before_mask} before the grammar mask)", style=DIM)
         parts.append(head)
         parts.append(Text(_params_text(tl.sampling_params, sample), style=DIM))
         parts.extend(grammar)
