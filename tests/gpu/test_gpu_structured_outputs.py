@@ -111,3 +111,37 @@ def test_gpu_engine_mask_is_exact(word_model, backend, async_scheduling, monkeyp
         assert len(outs[8].outputs[0].token_ids) == 12
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_gpu_full_trace_records_the_mask_and_the_ranks(word_model, tmp_path) -> None:
+    """Trace level full on CUDA: so.masked per constrained step, and the
+    chosen token's rank before the mask beside its rank after it."""
+    from engine.tracing import GrammarMasked, SamplerSampled, load_trace
+
+    path = tmp_path / "so.jsonl"
+    llm = LLM(
+        str(word_model),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        trace_path=str(path),
+        trace_level="full",
+    )
+    try:
+        params = SamplingParams(
+            temperature=1.0,
+            seed=0,
+            max_tokens=10,
+            structured_outputs=StructuredOutputsParams(regex=REGEX),
+        )
+        free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outs = llm.generate([PROMPT, PROMPT], [params, free], use_tqdm=False)
+        assert re.fullmatch(REGEX, words(outs[0].outputs[0].token_ids))
+    finally:
+        llm.llm_engine.shutdown()
+    events = load_trace(str(path))
+    masked = {e.step for e in events if isinstance(e, GrammarMasked)}
+    assert len(masked) == 4  # w1, w2|w3, w5, EOS
+    samples = [e for e in events if isinstance(e, SamplerSampled) and e.step in masked]
+    ranks = [(e.rank, e.rank_before_mask) for e in samples if e.rank_before_mask is not None]
+    assert len(ranks) == 4 and all(1 <= after <= before for after, before in ranks)
