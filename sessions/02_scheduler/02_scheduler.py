@@ -136,8 +136,9 @@ display(Markdown(reading_table(SESSION_FILES)))
 #   in; in vLLM also a request over the `max_loras` limit). Parked there, it
 #   does not hold up the requests queued behind it, and the waiting loop
 #   checks it again every step (`_select_waiting_queue_for_scheduling`).
-#   Glassbox has the queue and the states, but none of the features that
-#   park a request yet, so in the runs below it stays empty.
+#   Glassbox has the queue and the states; structured outputs park a request
+#   there while its grammar compiles (session 06). The runs below have no
+#   constrained request, so it stays empty.
 # * **"If HBM is full: preempt" applies to running requests only.** A waiting
 #   request that does not fit ends admission for that step; nobody is preempted
 #   on its behalf. And a step that preempted anyone admits no waiting request.
