@@ -377,3 +377,21 @@ def test_async_speculation_is_refused(word_model: Path) -> None:
         assert_engine_idle(spec)
     finally:
         spec.llm_engine.shutdown()
+
+
+def test_chat_is_constrained_too(llm: LLM) -> None:
+    params = SamplingParams(
+        temperature=1.0, seed=4, structured_outputs=StructuredOutputsParams(choice=["w5", "w9"])
+    )
+    out = llm.chat([{"role": "user", "content": "w1 w2"}], params, use_tqdm=False)
+    assert out[0].outputs[0].text.strip() in ("w5", "w9")
+
+
+def test_no_tokenizer_no_grammar(word_model: Path) -> None:
+    bare = make_llm(word_model, skip_tokenizer_init=True, async_scheduling=False)
+    try:
+        with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
+            bare.generate([PROMPT], [regex_params(0)], use_tqdm=False)
+        assert_engine_idle(bare)
+    finally:
+        bare.llm_engine.shutdown()
