@@ -34,13 +34,11 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from engine.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
 from engine.v1.metrics.stats import PrefillStats
-from engine.v1.structured_output.request import (
-    StructuredOutputRequest as _StructuredOutputRequest,
-)
+from engine.v1.structured_output.request import StructuredOutputRequest
 from engine.v1.utils import ConstantList
 
 if TYPE_CHECKING:
@@ -86,15 +84,6 @@ _FINISHED_REASON_MAP = {
 }
 
 
-class StructuredOutputRequest(Protocol):
-    """What the scheduler reads of vLLM's ``StructuredOutputRequest``
-    (``vllm/v1/structured_output/request.py``): ``grammar`` is None until the
-    grammar has been compiled, then the request may be scheduled."""
-
-    @property
-    def grammar(self) -> object | None: ...
-
-
 class Request:
     def __init__(
         self,
@@ -122,7 +111,7 @@ class Request:
         self.lora_request = lora_request
         # A constrained request waits for its grammar before it may be scheduled.
         self.structured_output_request: StructuredOutputRequest | None = (
-            _StructuredOutputRequest.from_sampling_params(sampling_params)
+            StructuredOutputRequest.from_sampling_params(sampling_params)
         )
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
 

@@ -171,10 +171,10 @@ class StructuredOutputManager:
             advanced = 0
             valid = True  # a -1 (a draft not known here) ends the walk
             for token in itertools.chain(scheduled_spec_decode_tokens.get(req_id, ()), (-1,)):
-                if valid and not grammar.is_terminated():
-                    grammar.fill_bitmask(bitmask, row)
+                if valid:
+                    self._fill_bitmasks([grammar], row)
                 else:
-                    bitmask[row].fill_(-1)  # nothing to constrain: allow all
+                    bitmask[row].fill_(-1)  # past an unknown draft: nothing to constrain
                 if token == -1:
                     valid = False
                 if valid and not grammar.is_terminated():
