@@ -9,7 +9,10 @@ APT_LOCK_POLL_S="${APT_LOCK_POLL_S:-5}"
 
 apt_get() {
     local timeout="${GLASSBOX_APT_LOCK_TIMEOUT_S:-600}"
-    local start=$SECONDS err rc
+    local start_ms err rc
+    # Milliseconds, not bash's $SECONDS: that counter ticks on whole seconds,
+    # so a 1 s budget could run out a few ms after the first attempt.
+    start_ms=$(date +%s%3N)
     err="$(mktemp)"
     while true; do
         printf '+ apt-get %s\n' "$*"
@@ -26,7 +29,7 @@ apt_get() {
             rm -f "$err"
             return "$rc"
         fi
-        if [ $((SECONDS - start)) -ge "$timeout" ]; then
+        if [ $(($(date +%s%3N) - start_ms)) -ge $((timeout * 1000)) ]; then
             echo "error: apt-get still locked after ${timeout}s by another apt/dpkg" \
                 "($(grep -oE 'held by process [0-9]+ \([^)]*\)' "$err" | head -1 || true));" \
                 "wait for it to finish (or set GLASSBOX_APT_LOCK_TIMEOUT_S) and run make setup again" >&2
