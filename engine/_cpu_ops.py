@@ -104,8 +104,14 @@ def kernels_disabled() -> Iterator[None]:
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None (disabled or not buildable here)."""
-    return None if _disabled_depth else _load_once()
+    """The compiled module, or None (disabled, not buildable here, or while
+    torch.compile traces: Dynamo cannot see into a pybind extension, so the
+    callers' plain-torch path goes into the graph instead)."""
+    import torch  # only model code calls this; torch is loaded by then
+
+    if _disabled_depth or torch.compiler.is_compiling():
+        return None
+    return _load_once()
 
 
 @lru_cache(maxsize=1)

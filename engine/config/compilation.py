@@ -1,8 +1,16 @@
-"""CompilationConfig: which CUDA graphs to capture, at which batch sizes.
+"""CompilationConfig: how the model is compiled, which CUDA graphs to
+capture, at which batch sizes.
 
-vLLM twin: ``vllm/config/compilation.py`` (``CUDAGraphMode``,
-``CompilationConfig.cudagraph_mode`` / ``cudagraph_capture_sizes``).
-Read it for the five graph modes and what each captures:
+vLLM twin: ``vllm/config/compilation.py`` (``CompilationMode``,
+``CUDAGraphMode``, ``CompilationConfig``).
+Read it for the four compilation modes (see engine/compilation/decorators.py:
+NONE, STOCK_TORCH_COMPILE, DYNAMO_TRACE_ONCE, VLLM_COMPILE), the settings of
+the piecewise backend (``backend``, ``splitting_ops``: where the graph is
+cut, by default at attention; ``compile_sizes``: token counts that get code
+of their own; ``cache_dir``), ``custom_ops`` (which CustomOps run their own
+kernels: "all" / "none" plus "+name" / "-name"; with Inductor the default is
+"none", so the plain-torch versions get fused) and the five graph modes and
+what each captures:
 
   NONE                run every step eagerly (kernel launches from Python);
   PIECEWISE           graphs around everything except attention (vLLM needs
@@ -26,7 +34,21 @@ Sessions: 04 (worker), 06 (CUDA graphs).
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
+from typing import Any
+
+
+class CompilationMode(enum.IntEnum):
+    NONE = 0
+    STOCK_TORCH_COMPILE = 1
+    DYNAMO_TRACE_ONCE = 2
+    VLLM_COMPILE = 3
+
+
+# Where the graph is cut under VLLM_COMPILE (the attention custom op).
+ATTENTION_OPS = ["glassbox::unified_attention_with_output"]
+COMPILE_BACKENDS = ("inductor", "eager")
 
 
 class CUDAGraphMode(enum.Enum):
@@ -63,10 +85,24 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class CompilationConfig:
+    mode: CompilationMode = CompilationMode.NONE
+    backend: str = "inductor"
+    splitting_ops: list[str] | None = None
+    compile_sizes: list[int | str] | None = None
+    cache_dir: str = ""
+    custom_ops: list[str] = field(default_factory=list)
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_DECODE_ONLY
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    # Attention layer name -> layer, filled as the model is built; the forward
+    # context hands it to the attention custom op. Not part of the settings:
+    # not compared, shown or pickled.
+    static_forward_context: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "static_forward_context": {}}
 
     def __post_init__(self) -> None:
+        self._check_compilation_fields()
         if isinstance(self.cudagraph_mode, str):
             try:
                 self.cudagraph_mode = CUDAGraphMode[self.cudagraph_mode.upper()]
@@ -87,6 +123,66 @@ class CompilationConfig:
             )
         self.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
 
+    def _check_compilation_fields(self) -> None:
+        mode = self.mode
+        if isinstance(mode, str) and not mode.isdigit():
+            try:
+                mode = CompilationMode[mode.upper()]
+            except KeyError:
+                mode = None
+        try:
+            self.mode = CompilationMode(int(mode))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"compilation_config.mode must be one of 0-3 or "
+                f"{[m.name for m in CompilationMode]}, got {self.mode!r}"
+            ) from None
+        if self.backend not in COMPILE_BACKENDS:
+            raise ValueError(
+                f"compilation_config.backend must be one of {list(COMPILE_BACKENDS)}, "
+                f"got {self.backend!r}"
+            )
+        if self.splitting_ops is None:
+            self.splitting_ops = list(ATTENTION_OPS) if self.mode == 3 else []
+        for op in self.splitting_ops:
+            if not isinstance(op, str) or "::" not in op:
+                raise ValueError(
+                    "compilation_config.splitting_ops entries are 'namespace::op' names, "
+                    f"got {op!r}"
+                )
+        sizes: list[int | str] = []
+        for size in self.compile_sizes or []:
+            if size != "cudagraph_capture_sizes" and (not isinstance(size, int) or size < 1):
+                raise ValueError(
+                    "compilation_config.compile_sizes entries are positive integers or "
+                    f"'cudagraph_capture_sizes', got {size!r}"
+                )
+            sizes.append(size)
+        self.compile_sizes = sizes
+        for op in self.custom_ops:
+            if op not in ("all", "none") and op[:1] not in ("+", "-"):
+                raise ValueError(
+                    f"compilation_config.custom_ops entries are 'all', 'none', '+name' or "
+                    f"'-name', got {op!r}"
+                )
+        if not {"all", "none"} & set(self.custom_ops):
+            # Under Inductor the plain-torch versions fuse; hand-written kernels would not.
+            compiled = self.mode != CompilationMode.NONE and self.backend == "inductor"
+            self.custom_ops.append("none" if compiled else "all")
+
+    def is_custom_op_enabled(self, name: str) -> bool:
+        """Whether the CustomOp ``name`` runs its own kernels (else ``forward_native``)."""
+        if "all" in self.custom_ops:
+            return f"-{name}" not in self.custom_ops
+        return f"+{name}" in self.custom_ops
+
+    def resolved_cache_dir(self) -> str:
+        """``cache_dir``, else ``$GLASSBOX_CACHE/torch_compile_cache``."""
+        if self.cache_dir:
+            return os.path.expanduser(self.cache_dir)
+        root = os.environ.get("GLASSBOX_CACHE", "~/.cache/glassbox")
+        return os.path.join(os.path.expanduser(root), "torch_compile_cache")
+
     def finalize(
         self,
         max_num_seqs: int,
@@ -104,3 +200,14 @@ class CompilationConfig:
         if not self.cudagraph_capture_sizes:
             self.cudagraph_capture_sizes = default_capture_sizes(largest)
         self.cudagraph_capture_sizes = [s for s in self.cudagraph_capture_sizes if s <= largest]
+        if enforce_eager and self.mode != CompilationMode.NONE:
+            self.mode = CompilationMode.NONE
+            self.custom_ops = [op for op in self.custom_ops if op != "none"] or ["all"]
+        # compile_sizes may name the capture sizes (vLLM's "cudagraph_capture_sizes").
+        sizes: set[int] = set()
+        for size in self.compile_sizes or []:
+            if isinstance(size, str):
+                sizes.update(self.cudagraph_capture_sizes)
+            else:
+                sizes.add(size)
+        self.compile_sizes = sorted(sizes)

@@ -71,6 +71,9 @@ class CustomOp(nn.Module, ABC):
         super().__init__()
         # Until the first call, forward goes through _dispatch_and_call.
         self._forward_method: Callable[..., Any] = self._dispatch_and_call
+        # CompilationConfig.custom_ops, applied to a compiled model's layers
+        # (support_torch_compile): False runs forward_native, for Inductor to fuse.
+        self.enabled_by_config = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward_method(*args, **kwargs)
@@ -93,9 +96,14 @@ class CustomOp(nn.Module, ABC):
         disabled = _disabled_op_names()
         return "all" not in disabled and getattr(cls, "name", None) not in disabled
 
+    def set_enabled_by_config(self, enabled: bool) -> None:
+        """Apply ``CompilationConfig.custom_ops``; the next call chooses again."""
+        self.enabled_by_config = enabled
+        self._forward_method = self._dispatch_and_call
+
     def dispatch_forward(self, device: torch.device) -> Callable[..., Any]:
         """The bound method ``forward`` will call for inputs on ``device``."""
-        if not self.enabled():
+        if not (self.enabled() and self.enabled_by_config):
             return self.forward_native
         if device.type == "cuda":
             return self.forward_cuda

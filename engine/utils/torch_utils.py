@@ -8,7 +8,8 @@ without AMX) and bfloat16 on CUDA. Sessions: 04.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -44,3 +45,50 @@ def set_default_torch_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory that does not keep it allocated (vLLM's
+    ``weak_ref_tensors``). A captured CUDA graph's outputs live in the graph
+    pool; holding them weakly lets later captures reuse that memory, and a
+    replay writes the same addresses again. Valid only until the next replay."""
+    if tensor.device.type != "cuda":
+        return tensor
+    # A storage built from a raw pointer does not own (or free) its memory.
+    storage = torch._C._construct_storage_from_data_pointer(
+        tensor.untyped_storage().data_ptr(), tensor.device, tensor.untyped_storage().nbytes()
+    )
+    view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    view.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+    return view
+
+
+def weak_ref_tensors(value: Any) -> Any:
+    """``weak_ref_tensor`` over a tensor, or a tuple / list of them."""
+    if isinstance(value, torch.Tensor):
+        return weak_ref_tensor(value)
+    if isinstance(value, tuple | list):
+        return type(value)(weak_ref_tensors(v) for v in value)
+    return value
+
+
+# The library our custom ops live in: ``torch.ops.glassbox.<name>``.
+glassbox_lib = torch.library.Library("glassbox", "FRAGMENT")
+
+
+def direct_register_custom_op(
+    op_name: str,
+    op_func: Callable[..., None],
+    mutates_args: list[str],
+    fake_impl: Callable[..., None],
+) -> None:
+    """Register ``op_func`` as ``torch.ops.glassbox.<op_name>`` (vLLM's helper of
+    the same name). Dynamo records a call to it as one opaque node instead of
+    tracing into it, which is what lets the compiler split the graph there;
+    ``fake_impl`` tells the compiler the op's effect on shapes (none: it
+    writes its ``mutates_args`` in place and returns nothing)."""
+    schema = torch.library.infer_schema(op_func, mutates_args=mutates_args)
+    glassbox_lib.define(op_name + schema)
+    for dispatch_key in ("CPU", "CUDA"):
+        glassbox_lib.impl(op_name, op_func, dispatch_key)
+    glassbox_lib._register_fake(op_name, fake_impl)

@@ -1,7 +1,7 @@
 """Which CUDA graph (if any) runs a given batch.
 
-vLLM twin: ``vllm/v1/cudagraph_dispatcher.py`` (``CudagraphDispatcher``) and
-``BatchDescriptor`` in ``vllm/forward_context.py``.
+vLLM twin: ``vllm/v1/cudagraph_dispatcher.py`` (``CudagraphDispatcher``); the
+key, ``BatchDescriptor``, lives in the forward context as in vLLM.
 Read it for the runtime half of CUDA graphs: a graph replays fixed shapes, so
 each step the runner describes its batch (token count, whether it is a
 uniform decode), the dispatcher rounds the token count up to the next
@@ -21,18 +21,11 @@ Sessions: 04, 06 (CUDA graphs).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 from engine.config.compilation import CompilationConfig, CUDAGraphMode
+from engine.forward_context import BatchDescriptor
 
-
-@dataclass(frozen=True)
-class BatchDescriptor:
-    """The key a graph is captured and looked up under."""
-
-    num_tokens: int
-    num_reqs: int | None = None
-    uniform: bool = False
+__all__ = ["BatchDescriptor", "CudagraphDispatcher"]
 
 
 class CudagraphDispatcher:

@@ -392,21 +392,39 @@ def test_attention_forward_calls_impl_with_per_head_views(glassbox_config):
     attn.kv_cache = torch.zeros(2, 3, 8, 2, 8)
     q, k, v = torch.randn(5, 32), torch.randn(5, 16), torch.randn(5, 16)
     md = object()
-    with set_forward_context({"model.layers.0.self_attn.attn": md, "other": None}):
+    with set_forward_context({"model.layers.0.self_attn.attn": md, "other": None}, glassbox_config):
         out = attn(q, k, v)
     ((layer, q_shape, k_shape, v_shape, kv_cache, got_md, out_shape),) = attn.impl.calls
     assert layer is attn and got_md is md and kv_cache is attn.kv_cache
     assert (q_shape, k_shape, v_shape, out_shape) == ((5, 4, 8), (5, 2, 8), (5, 2, 8), (5, 4, 8))
     torch.testing.assert_close(out, q * 2)  # the impl wrote into the returned buffer
 
-    with set_forward_context(None):  # profiling run
+    with set_forward_context(None, glassbox_config):  # profiling run
         zeros = attn(q, k, v)
     assert zeros.shape == (5, 32) and not zeros.any() and len(attn.impl.calls) == 1
-    with set_forward_context({"model.layers.1.self_attn.attn": md}):
+    with set_forward_context({"model.layers.1.self_attn.attn": md}, glassbox_config):
         with pytest.raises(
             KeyError, match=r"no attention metadata for layer 'model\.layers\.0\.self_attn\.attn'"
         ):
             attn(q, k, v)
+
+
+def test_attention_op_needs_the_layer_in_the_forward_context(glassbox_config):
+    attn = Attention(
+        4,
+        8,
+        0.5,
+        2,
+        glassbox_config=glassbox_config,
+        prefix="m.attn",
+        attn_backend=RecordingBackend,
+    )
+    q, k, v = torch.randn(5, 32), torch.randn(5, 16), torch.randn(5, 16)
+    with set_forward_context({"m.attn": object()}):  # no config: no layers by name
+        with pytest.raises(KeyError, match=r"attention layer 'm\.attn' is not in the forward"):
+            attn(q, k, v)
+    with pytest.raises(ValueError, match=r"duplicate attention layer name 'm\.attn'"):
+        Attention(4, 8, 0.5, 2, glassbox_config=glassbox_config, prefix="m.attn")
 
 
 def test_attention_rejects_bad_head_counts(glassbox_config):

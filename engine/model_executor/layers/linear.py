@@ -141,7 +141,8 @@ def cpu_unquantized_gemm(
 ) -> torch.Tensor:
     """``x W^T + b``, through the prepacked weight when ``x`` has decode-sized rows."""
     packed = getattr(layer, "cpu_packed_weight", None)
-    if packed is not None and x.is_cpu:
+    # In a compiled graph the row count is symbolic and the GEMM is Inductor's choice.
+    if packed is not None and x.is_cpu and not torch.compiler.is_compiling():
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if CPU_PACKED_GEMM_MIN_ROWS <= rows <= CPU_PACKED_GEMM_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

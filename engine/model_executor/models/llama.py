@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.compilation.decorators import support_torch_compile
 from engine.model_executor.layers.activation import SiluAndMul
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.layernorm import RMSNorm
@@ -199,6 +200,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile
 class LlamaModel(nn.Module):
     # HF checkpoint tensor -> (fused parameter, shard id in it)
     stacked_params_mapping = [

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.compilation.decorators import support_torch_compile
 from engine.model_executor.layers.activation import SiluAndMul
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.layernorm import RMSNorm
@@ -175,6 +176,7 @@ class Qwen2DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile
 class Qwen2Model(nn.Module):
     stacked_params_mapping = [
         ("qkv_proj", "q_proj", "q"),

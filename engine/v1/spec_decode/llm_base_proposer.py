@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from engine.config import GlassboxConfig
+from engine.config.compilation import CompilationMode
 from engine.forward_context import set_forward_context
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
@@ -139,9 +140,17 @@ class SpecDecodeBaseProposer:
     # Set-up
     # ------------------------------------------------------------------
     def _create_draft_glassbox_config(self) -> GlassboxConfig:
-        """The target's config with the draft's ModelConfig and no speculation."""
+        """The target's config with the draft's ModelConfig, no speculation and
+        no compilation (drafts run eagerly). The copied compilation config
+        shares the target's table of attention layers by name."""
+        compilation_config = dataclasses.replace(
+            self.glassbox_config.compilation_config, mode=CompilationMode.NONE
+        )
         return dataclasses.replace(
-            self.glassbox_config, model_config=self.draft_model_config, speculative_config=None
+            self.glassbox_config,
+            model_config=self.draft_model_config,
+            speculative_config=None,
+            compilation_config=compilation_config,
         )
 
     def _get_model(self, dtype: torch.dtype) -> nn.Module:

@@ -88,7 +88,7 @@ import numpy as np
 import torch
 
 from engine.config import GlassboxConfig
-from engine.config.compilation import CUDAGraphMode
+from engine.config.compilation import CompilationMode, CUDAGraphMode
 from engine.forward_context import set_forward_context
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
@@ -892,7 +892,7 @@ class GPUModelRunner:
             with set_forward_context(
                 attn_metadata,
                 self.glassbox_config,
-                cudagraph_runtime_mode=inputs.cudagraph_mode.name,
+                cudagraph_runtime_mode=inputs.cudagraph_mode,
                 step=scheduler_output.step,
             ):
                 hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
@@ -1182,7 +1182,7 @@ class GPUModelRunner:
             metadata = self.attn_metadata_builder.build(common)
             attn_metadata = {name: metadata for name in self.attn_layers}
             with set_forward_context(
-                attn_metadata, self.glassbox_config, cudagraph_runtime_mode="FULL"
+                attn_metadata, self.glassbox_config, cudagraph_runtime_mode=CUDAGraphMode.FULL
             ):
                 self.model(self.input_ids[:n], self.positions[:n])  # warm-up
                 torch.cuda.synchronize(self.device)
@@ -1199,16 +1199,37 @@ class GPUModelRunner:
         return len(keys)
 
     # ------------------------------------------------------------------
-    # Profiling
+    # Profiling and warm-up
     # ------------------------------------------------------------------
+    def _dummy_run(self, num_tokens: int) -> torch.Tensor:
+        """The model on ``num_tokens`` dummy tokens with no attention metadata
+        (attention writes no KV and returns zeros)."""
+        assert self.model is not None
+        with set_forward_context(None, self.glassbox_config):
+            return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+
+    @torch.inference_mode()
+    def warm_up_model(self) -> None:
+        """Compile before the first request: a dummy batch of the largest size
+        (Dynamo traces there, with the token count symbolic; on CUDA the
+        profiling run already did), then each ``compile_sizes`` entry (each
+        gets code of its own). Nothing to do for an eager model."""
+        compilation_config = self.glassbox_config.compilation_config
+        if compilation_config.mode == CompilationMode.NONE:
+            return
+        start = time.perf_counter()
+        for n in [self.max_num_tokens, *(compilation_config.compile_sizes or [])]:
+            if n <= self.max_num_tokens:
+                self._dummy_run(n)
+        logger.info("model compiled and warmed up in %.1fs", time.perf_counter() - start)
+
     @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward over max_num_batched_tokens dummy tokens, no KV cache, to
         measure peak activation memory before sizing the KV cache."""
         assert self.model is not None
         n = self.max_num_tokens
-        with set_forward_context(None, self.glassbox_config):
-            hidden = self.model(self.input_ids[:n], self.positions[:n])
+        hidden = self._dummy_run(n)
         # With drafts a request scores 1 + k positions, not 1.
         num_logits = self.max_num_reqs * (1 + self.glassbox_config.num_speculative_tokens)
         self.model.compute_logits(hidden[: min(n, num_logits)])

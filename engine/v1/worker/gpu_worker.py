@@ -122,8 +122,10 @@ class Worker(WorkerBase):
         self.compile_or_warm_up_model()
 
     def compile_or_warm_up_model(self) -> None:
-        """Capture CUDA graphs (a no-op on the CPU or with enforce_eager)."""
+        """Compile the model (when compilation is on), then capture CUDA graphs
+        (a no-op on the CPU or with enforce_eager)."""
         assert self.model_runner is not None
+        self.model_runner.warm_up_model()
         self.model_runner.capture_model()
 
     def execute_model(self, scheduler_output):

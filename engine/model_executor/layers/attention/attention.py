@@ -10,15 +10,22 @@ Read it for the hand-off between model code and attention backends:
     (``[2, num_blocks, block_size, num_kv_heads, head_size]``);
   * ``get_kv_cache_spec`` tells the KV cache manager what one block of this
     layer costs;
-  * ``forward(q, k, v)`` looks up this step's metadata in the forward context
-    by ``layer_name`` and lets ``impl`` write the new K/V into the cache and
+  * ``forward(q, k, v)`` calls the custom op
+    ``torch.ops.glassbox.unified_attention_with_output(q, k, v, out, layer_name)``;
+    the op finds the layer and this step's metadata in the forward context by
+    ``layer_name`` and lets ``impl`` write the new K/V into the cache and
     attend. The model's ``forward(input_ids, positions)`` never sees a block
     table.
-Sessions: 05 (attention), 04 (worker binds the cache).
+Why a custom op: to torch.compile it is one opaque node that writes ``out``.
+Dynamo does not trace into the backend's Python (which changes with every
+step's metadata), and the compiler splits the model's graph at these nodes
+(``CompilationConfig.splitting_ops``): everything between two attentions
+becomes one piece that can be fused and captured in a piecewise CUDA graph.
+Sessions: 05 (attention), 04 (worker binds the cache), 06 (compilation).
 
 Simpler than vLLM: no KV-cache quantization scales, sliding windows, KV
-sharing or ``torch.ops`` wrapper (vLLM routes through a custom op so
-torch.compile can split the graph there); ``impl.forward`` is called directly.
+sharing, and the KV write is part of the attention op (vLLM splits it into
+``unified_kv_cache_update`` for some backends).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_forward_context
-from engine.utils.torch_utils import DTYPE_TO_STR
+from engine.utils.torch_utils import DTYPE_TO_STR, direct_register_custom_op
 from engine.v1.kv_cache_interface import FullAttentionSpec
 
 if TYPE_CHECKING:
@@ -76,6 +83,11 @@ class Attention(nn.Module):
         self.impl = attn_backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         # Bound by the model runner once the KV cache is allocated.
         self.kv_cache: torch.Tensor | None = None
+        # Where the custom op finds this layer (through the forward context).
+        layers = glassbox_config.compilation_config.static_forward_context
+        if prefix in layers:
+            raise ValueError(f"duplicate attention layer name {prefix!r}")
+        layers[prefix] = self
 
     def forward(
         self,
@@ -84,24 +96,15 @@ class Attention(nn.Module):
         value: torch.Tensor,  # [T, num_kv_heads * head_size]
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         num_tokens = query.shape[0]
-        attn_metadata = get_forward_context().attn_metadata
-        if attn_metadata is None:
-            # Profiling / dummy run: no KV cache exists yet, nothing to attend over.
-            return torch.zeros(
-                num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
-            )
-        layer_metadata = self._get_layer_metadata(attn_metadata)
         output = torch.empty(
             num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
         )
-        self.impl.forward(
-            self,
+        torch.ops.glassbox.unified_attention_with_output(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
-            self.kv_cache,
-            layer_metadata,
             output.view(num_tokens, self.num_heads, self.head_size),  # written in place
+            self.layer_name,
         )
         return output
 
@@ -136,3 +139,45 @@ class Attention(nn.Module):
             f"scale={self.scale:.4g}, "
             f"backend={self.impl.__class__.__name__}"
         )
+
+
+def unified_attention_with_output(
+    query: torch.Tensor,  # [T, num_heads, head_size]
+    key: torch.Tensor,  # [T, num_kv_heads, head_size]
+    value: torch.Tensor,  # [T, num_kv_heads, head_size]
+    output: torch.Tensor,  # [T, num_heads, head_size], written
+    layer_name: str,
+) -> None:
+    forward_context = get_forward_context()
+    try:
+        layer = forward_context.no_compile_layers[layer_name]
+    except KeyError:
+        raise KeyError(
+            f"attention layer {layer_name!r} is not in the forward context; pass the "
+            "GlassboxConfig the model was built with to set_forward_context"
+        ) from None
+    if forward_context.attn_metadata is None:
+        # Profiling / dummy run: no KV cache exists yet, nothing to attend over.
+        output.zero_()
+        return
+    metadata = layer._get_layer_metadata(forward_context.attn_metadata)
+    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+
+
+def unified_attention_with_output_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """What the compiler sees while tracing: the op changes no shape."""
+    return
+
+
+direct_register_custom_op(
+    "unified_attention_with_output",
+    unified_attention_with_output,
+    mutates_args=["output"],
+    fake_impl=unified_attention_with_output_fake,
+)
