@@ -68,6 +68,28 @@ class CUDAGraphMode(enum.Enum):
     def mixed_mode(self) -> CUDAGraphMode:
         return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
 
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        """Whether this setting ever runs the runtime mode ``mode`` (NONE, PIECEWISE, FULL)."""
+        if self.separate_routine():
+            return mode.value in self.value
+        return self == mode
+
+    def requires_piecewise_compilation(self) -> bool:
+        return self.has_mode(CUDAGraphMode.PIECEWISE)
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return self.requires_piecewise_compilation()
+
+    def max_cudagraph_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(max(self.value)) if self.separate_routine() else self
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.max_cudagraph_mode() == CUDAGraphMode.FULL
+
+    def is_valid_runtime_mode(self) -> bool:
+        """NONE, PIECEWISE and FULL are what one step runs; the pairs are settings."""
+        return not self.separate_routine()
+
 
 # Modes this engine can actually run (the others are listed for the reader).
 IMPLEMENTED_CUDAGRAPH_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)

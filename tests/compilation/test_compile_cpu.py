@@ -152,3 +152,57 @@ def test_custom_ops_default_follows_the_compiler() -> None:
     assert config.is_custom_op_enabled("rms_norm") and not config.is_custom_op_enabled("silu")
     config = CompilationConfig(custom_ops=["all", "-rms_norm"])
     assert not config.is_custom_op_enabled("rms_norm") and config.is_custom_op_enabled("silu")
+
+
+def test_cudagraph_mode_queries() -> None:
+    from engine.config.compilation import CUDAGraphMode as M
+
+    assert [m.name for m in M if m.has_piecewise_cudagraphs()] == [
+        "PIECEWISE",
+        "FULL_AND_PIECEWISE",
+    ]
+    assert [m.name for m in M if m.has_full_cudagraphs()] == [
+        "FULL",
+        "FULL_DECODE_ONLY",
+        "FULL_AND_PIECEWISE",
+    ]
+    assert [m.name for m in M if m.is_valid_runtime_mode()] == ["NONE", "PIECEWISE", "FULL"]
+    assert M.FULL_DECODE_ONLY.has_mode(M.NONE) and not M.FULL_DECODE_ONLY.has_mode(M.PIECEWISE)
+    assert M.FULL_AND_PIECEWISE.max_cudagraph_mode() == M.FULL
+    assert M.PIECEWISE.max_cudagraph_mode() == M.PIECEWISE
+
+
+@pytest.mark.parametrize(
+    "device_type,mode,wrapped",
+    [
+        ("cuda", "PIECEWISE", True),
+        ("cuda", "FULL_AND_PIECEWISE", True),
+        ("cuda", "FULL_DECODE_ONLY", False),
+        ("cpu", "PIECEWISE", False),
+    ],
+)
+def test_pieces_get_a_piecewise_graph_wrapper_only_on_cuda(
+    device_type: str, mode: str, wrapped: bool, tmp_path: Path
+) -> None:
+    """The backend's wrapping decision, made without a GPU (the wrapper only
+    touches CUDA when a PIECEWISE step calls it)."""
+    import torch
+    from torch import fx
+
+    from engine.compilation.backends import GlassboxBackend
+    from engine.compilation.cuda_graph import CUDAGraphWrapper
+    from engine.compilation.piecewise_backend import PiecewiseBackend
+    from engine.config.compilation import CUDAGraphMode
+
+    config = CompilationConfig(mode=3, backend="eager", cache_dir=str(tmp_path))
+    config.cudagraph_mode = CUDAGraphMode[mode]
+    backend = GlassboxBackend(config, "key", device_type)
+    piece = backend.compile_piece(fx.symbolic_trace(torch.nn.ReLU()), [torch.ones(2)], 0, [])
+    if wrapped:
+        assert isinstance(piece, CUDAGraphWrapper)
+        assert piece.runtime_mode == CUDAGraphMode.PIECEWISE
+        assert isinstance(piece.unwrap(), PiecewiseBackend)
+    else:
+        assert isinstance(piece, PiecewiseBackend)
+    # Outside a forward context (or in an eager step) the wrapper calls through.
+    assert torch.equal(piece(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
