@@ -98,8 +98,9 @@ class EngineArgs:
     """Write the event trace (JSONL) to this file; a path alone means trace_level
     lifecycle."""
     compilation_config: dict[str, Any] | None = None
-    """CUDA graphs, as a JSON object: {"cudagraph_mode": "FULL_DECODE_ONLY" or
-    "NONE", "cudagraph_capture_sizes": [1, 2, 4, ...]}."""
+    """Compilation and CUDA graphs, as a JSON object: {"mode": 0-3 (3: compile,
+    split at attention), "backend": "inductor" or "eager", "compile_sizes": [...],
+    "cudagraph_mode": "FULL_DECODE_ONLY" or "NONE", "cudagraph_capture_sizes": [1, 2, 4, ...]}."""
     trace_level: str = "off"
     """How much the trace records: off, lifecycle (requests, scheduler, KV
     cache), or full (plus the sampler's candidates)."""
