@@ -31,6 +31,7 @@ from engine.tracing import (
     EngineConfig,
     KVInit,
     ReplayError,
+    RunnerCompiled,
     RunnerInit,
     SamplerSampled,
     StepView,
@@ -91,6 +92,16 @@ class RunInfo:
     policy: str
     followed_request_id: str | None  # internal id
     trace_level: str  # "full" when sampler stages / runner inputs are present
+    # How the model was compiled, e.g. "VLLM_COMPILE: 31 pieces" (None: eager).
+    compilation: str | None = None
+
+
+def _compilation_label(event: RunnerCompiled | None) -> str | None:
+    if event is None:
+        return None
+    if not event.num_pieces:
+        return f"{event.mode} ({event.backend})"
+    return f"{event.mode}: {event.num_pieces} {event.backend} pieces"
 
 
 class TraceSession:
@@ -121,6 +132,7 @@ class TraceSession:
         self.token_texts: dict[int, str] = {}
         cli: TraceCli | None = None
         runner_init: RunnerInit | None = None
+        compiled: RunnerCompiled | None = None
         config: EngineConfig | None = None
         kv_init: KVInit | None = None
         has_stages = False
@@ -131,6 +143,8 @@ class TraceSession:
                 cli = e
             elif isinstance(e, RunnerInit):
                 runner_init = e
+            elif isinstance(e, RunnerCompiled):
+                compiled = e
             elif isinstance(e, SamplerSampled) and e.stages is not None:
                 has_stages = True
             elif isinstance(e, EngineConfig) and config is None:
@@ -158,6 +172,7 @@ class TraceSession:
             policy=config.policy if config else "fcfs",
             followed_request_id=followed,
             trace_level="full" if has_stages else "lifecycle",
+            compilation=_compilation_label(compiled),
         )
 
     # -- ids ---------------------------------------------------------------------

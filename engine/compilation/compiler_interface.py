@@ -31,6 +31,9 @@ from engine.compilation.counter import compilation_counter
 
 class CompilerInterface(ABC):
     name: str
+    # This compiler's share of compilation_counter (one model, one start-up).
+    num_compiles = 0
+    num_cache_hits = 0
 
     def initialize_cache(self, cache_dir: str) -> None:
         """Where compiled artefacts go (nothing for compilers without a cache)."""
@@ -76,8 +79,10 @@ class InductorAdaptor(CompilerInterface):
         compilation_counter.num_backend_compilations += 1
         if counters["inductor"]["fxgraph_cache_hit"] > hits_before:
             compilation_counter.num_cache_hits += 1
+            self.num_cache_hits += 1
         else:
             compilation_counter.num_inductor_compiles += 1
+            self.num_compiles += 1
         return compiled
 
 

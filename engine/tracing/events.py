@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.7"
+TRACE_FORMAT_VERSION = "1.8"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.7"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.8"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -196,6 +196,24 @@ class RunnerCudagraphs(TraceEvent, kw_only=True, tag="runner.cudagraphs"):
     mode: Annotated[str, doc("the dispatcher's mode, e.g. `FULL_DECODE_ONLY`")]
     sizes: Annotated[list[int], doc("the captured batch sizes (tokens; one request per token)")]
     seconds: Annotated[float, doc("time the capture took, s")]
+
+
+class RunnerCompiled(TraceEvent, kw_only=True, tag="runner.compiled"):
+    """Written by ``GPUModelRunner.warm_up_model`` once a compiled model ran its
+    warm-up batches (compilation on; absent before 1.8)."""
+
+    mode: Annotated[str, doc("`CompilationMode`, e.g. `VLLM_COMPILE`")]
+    backend: Annotated[str, doc("`inductor` or `eager`")]
+    num_pieces: Annotated[
+        int, doc("compiled pieces after the split at attention (L + 1 for L layers; 0 unsplit)")
+    ] = 0
+    num_splits: Annotated[int, doc("attention calls between the pieces, run eagerly")] = 0
+    compile_sizes: Annotated[list[int], doc("token counts compiled on their own")] = []
+    inductor_compiles: Annotated[int, doc("pieces Inductor generated code for")] = 0
+    cache_hits: Annotated[int, doc("pieces found in the on-disk cache instead")] = 0
+    backend_seconds: Annotated[float, doc("time in the split-and-compile backend, s")] = 0.0
+    seconds: Annotated[float, doc("whole warm-up (trace, compile, dummy runs), s")]
+    cache_dir: Annotated[str, doc("this model's compile cache folder")] = ""
 
 
 # ---------------------------------------------------------------------------
@@ -870,7 +888,7 @@ class GrammarMasked(TraceEvent, kw_only=True, tag="so.masked"):
 # Every kind, grouped by the section of docs/trace_format.md that lists it.
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
     "The file": (TraceHeader, TraceEnd),
-    "Engine set-up": (EngineConfig, KVInit, RunnerInit, RunnerCudagraphs),
+    "Engine set-up": (EngineConfig, KVInit, RunnerInit, RunnerCompiled, RunnerCudagraphs),
     "Engine loop (engine core)": (EngineStepLaunched, EngineOutputReady),
     "Requests (front end)": (RequestAdded, RequestOutputEvent, RequestFinished),
     "Process hops": (

@@ -26,6 +26,7 @@ import torch
 from engine.tracing.events import (
     GrammarMasked,
     RunnerBatch,
+    RunnerCompiled,
     RunnerCudagraphs,
     RunnerForward,
     RunnerInit,
@@ -313,6 +314,30 @@ class RunnerTrace(SubsystemTrace):
                 num_blocks=kv_cache_config.num_blocks,
                 block_size=runner.block_size,
                 kv_cache_shape=list(runner.kv_caches[0].shape) if runner.kv_caches else [],
+            )
+        )
+
+    def model_compiled(self, model: Any, compilation_config: Any, seconds: float) -> None:
+        """``runner.compiled``: the split-and-compile backend's figures, read
+        from the compiled module (``support_torch_compile`` sets ``compile_backend``)."""
+        backend = next(
+            (b for m in model.modules() if (b := getattr(m, "compile_backend", None)) is not None),
+            None,
+        )
+        pieces = getattr(backend, "piecewise_graphs", [])
+        compiler = getattr(backend, "compiler", None)
+        self.tracer.record(
+            RunnerCompiled(
+                mode=compilation_config.mode.name,
+                backend=compilation_config.backend,
+                num_pieces=sum(not p.is_splitting_graph for p in pieces),
+                num_splits=sum(p.is_splitting_graph for p in pieces),
+                compile_sizes=list(compilation_config.compile_sizes or []),
+                inductor_compiles=getattr(compiler, "num_compiles", 0),
+                cache_hits=getattr(compiler, "num_cache_hits", 0),
+                backend_seconds=getattr(backend, "compile_seconds", 0.0),
+                seconds=seconds,
+                cache_dir=getattr(backend, "cache_dir", ""),
             )
         )
 

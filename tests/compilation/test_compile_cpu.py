@@ -206,3 +206,25 @@ def test_pieces_get_a_piecewise_graph_wrapper_only_on_cuda(
         assert isinstance(piece, PiecewiseBackend)
     # Outside a forward context (or in an eager step) the wrapper calls through.
     assert torch.equal(piece(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
+
+
+def test_compilation_is_traced_and_shown(tmp_path: Path) -> None:
+    from engine.tracing import RunnerCompiled, load_trace
+    from tui.session import open_session
+
+    model = tmp_path / "llama"
+    save_tiny_checkpoint("llama", model, seed=0)
+    trace = tmp_path / "trace.jsonl"
+    compilation = {"mode": 3, "backend": "eager", "compile_sizes": [4], "cache_dir": str(tmp_path)}
+    llm = LLM(str(model), compilation_config=compilation, trace_path=str(trace), **ENGINE_ARGS)
+    llm.generate(PROMPTS[:2], GREEDY)
+    llm.shutdown()
+    (event,) = [e for e in load_trace(str(trace)) if isinstance(e, RunnerCompiled)]
+    layers = TINY_CONFIG["num_hidden_layers"]
+    assert (event.mode, event.backend) == ("VLLM_COMPILE", "eager")
+    assert (event.num_pieces, event.num_splits) == (layers + 1, layers)
+    assert event.compile_sizes == [4]
+    assert event.inductor_compiles == event.cache_hits == 0  # eager: no code generated
+    assert 0 < event.backend_seconds <= event.seconds
+    assert event.cache_dir.startswith(str(tmp_path))
+    assert open_session(str(trace)).info.compilation == f"VLLM_COMPILE: {layers + 1} eager pieces"

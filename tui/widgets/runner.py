@@ -67,6 +67,8 @@ def render_batch(ctx: StepContext, width: int) -> RenderableType:
     backend = (rb.attn_backend if rb is not None else None) or ctx.session.info.attn_backend
     if backend:
         head.append(f" · {backend}", style=DIM)
+    if ctx.session.info.compilation:
+        head.append(f" · compiled {ctx.session.info.compilation}", style=DIM)
     graph = Text()
     if mode and mode != "NONE":
         graph.append(f"CUDA graph {mode}: {num_tokens} tokens padded to {padded}")

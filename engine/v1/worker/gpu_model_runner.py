@@ -1221,7 +1221,9 @@ class GPUModelRunner:
         for n in [self.max_num_tokens, *(compilation_config.compile_sizes or [])]:
             if n <= self.max_num_tokens:
                 self._dummy_run(n)
-        logger.info("model compiled and warmed up in %.1fs", time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        logger.info("model compiled and warmed up in %.1fs", seconds)
+        self.trace.model_compiled(self.model, compilation_config, seconds)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
