@@ -11,8 +11,8 @@ L + 1 pieces of ordinary tensor maths (embedding + first q/k/v; o-proj,
 MLP, norms and the next q/k/v; ...; the last MLP and the final norm) and L
 attention calls between them. ``PiecewiseCompileInterpreter`` runs the split
 graph once on fake tensors so each piece sees example inputs of the right
-shapes, compiles it (Inductor, or eager) and, when the CUDA-graph mode has
-piecewise graphs, wraps it in a PIECEWISE ``CUDAGraphWrapper``. Attention
+shapes, compiles it (Inductor, or eager) and, on CUDA with graphs on, wraps
+it in a PIECEWISE ``CUDAGraphWrapper``. Attention
 stays outside every piece: it reads the step's metadata and may launch
 shape-dependent kernels, which a graph could not replay for a mixed batch.
 Sessions: 06 (compilation).
@@ -170,8 +170,11 @@ class GlassboxBackend:
             general,
             self.compiler,
         )
+        # Wrapped whenever graphs are on: the runner settles the mode (FULL may
+        # become FULL_AND_PIECEWISE) after the model is compiled; a wrapper
+        # calls straight through in any step that is not PIECEWISE.
         mode = self.compilation_config.cudagraph_mode
-        if self.device_type == "cuda" and mode is not None and mode.has_piecewise_cudagraphs():
+        if self.device_type == "cuda" and mode != CUDAGraphMode.NONE:
             piece = CUDAGraphWrapper(piece, CUDAGraphMode.PIECEWISE, self.graph_pool)
         return piece
 

@@ -13,30 +13,35 @@ kernels: "all" / "none" plus "+name" / "-name"; with Inductor the default is
 what each captures:
 
   NONE                run every step eagerly (kernel launches from Python);
-  PIECEWISE           graphs around everything except attention (vLLM needs
-                      torch.compile to split the model; not implemented here);
-  FULL                one graph for the whole forward, attention included;
-  FULL_DECODE_ONLY    FULL for pure-decode batches, eager for anything with a
-                      prefill -- the mode Glassbox implements on CUDA;
-  FULL_AND_PIECEWISE  FULL for decodes, PIECEWISE for the rest (vLLM's
-                      default on recent GPUs; not implemented here).
+  PIECEWISE           graphs around everything except attention: the pieces
+                      the compiler split the model into (needs compilation
+                      mode VLLM_COMPILE; otherwise NONE, as vLLM does);
+  FULL                one graph for the whole forward, attention included
+                      (for mixed batches too: no backend of ours allows that,
+                      so it becomes FULL_AND_PIECEWISE or FULL_DECODE_ONLY
+                      with vLLM's warning);
+  FULL_DECODE_ONLY    FULL for uniform decode batches, eager for the rest;
+  FULL_AND_PIECEWISE  FULL for uniform decodes, PIECEWISE for the rest
+                      (vLLM's default).
 
-Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to the
-largest batch. A batch of 13 decodes is padded to 16 and replayed with the
+Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to 256 and
+every 16 beyond. A batch of 13 decodes is padded to 16 and replayed with the
 16-graph. The largest is ``max_num_seqs`` tokens, times 1 + k with k drafts
-per request (a verification batch of max_num_seqs requests), and never more
-than ``max_num_batched_tokens``; vLLM doubles that bound (up to 512) because
-its piecewise graphs also serve mixed batches, which FULL_DECODE_ONLY runs
-eagerly.
+per request (a verification batch of max_num_seqs requests), doubled (at
+most 512) when piecewise graphs also serve mixed batches, and never more than
+``max_num_batched_tokens``; ``max_cudagraph_capture_size`` sets it instead.
 Sessions: 04 (worker), 06 (CUDA graphs).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class CompilationMode(enum.IntEnum):
@@ -91,17 +96,14 @@ class CUDAGraphMode(enum.Enum):
         return not self.separate_routine()
 
 
-# Modes this engine can actually run (the others are listed for the reader).
-IMPLEMENTED_CUDAGRAPH_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)
-
-
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+def default_capture_sizes(largest: int) -> list[int]:
+    if not isinstance(largest, int) or largest < 1:
         return []  # SchedulerConfig reports the bad value
-    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
-    sizes += list(range(8, max_num_seqs + 1, 8))
-    if max_num_seqs > 8 and max_num_seqs % 8:
-        sizes.append(max_num_seqs)
+    sizes = [s for s in (1, 2, 4) if s <= largest]
+    sizes += list(range(8, min(largest, 256) + 1, 8))
+    sizes += list(range(272, largest + 1, 16))
+    if largest > 8:
+        sizes.append(largest)
     return sorted(set(sizes))
 
 
@@ -115,6 +117,7 @@ class CompilationConfig:
     custom_ops: list[str] = field(default_factory=list)
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_DECODE_ONLY
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    max_cudagraph_capture_size: int | None = None
     # Attention layer name -> layer, filled as the model is built; the forward
     # context hands it to the attention custom op. Not part of the settings:
     # not compared, shown or pickled.
@@ -133,11 +136,6 @@ class CompilationConfig:
                     f"cudagraph_mode must be one of {[m.name for m in CUDAGraphMode]}, "
                     f"got {self.cudagraph_mode!r}"
                 ) from e
-        if self.cudagraph_mode not in IMPLEMENTED_CUDAGRAPH_MODES:
-            raise ValueError(
-                f"cudagraph_mode={self.cudagraph_mode.name} is not implemented in Glassbox; "
-                f"use one of {[m.name for m in IMPLEMENTED_CUDAGRAPH_MODES]}"
-            )
         if any(not isinstance(s, int) or s < 1 for s in self.cudagraph_capture_sizes):
             raise ValueError(
                 "cudagraph_capture_sizes must be positive integers, "
@@ -198,6 +196,48 @@ class CompilationConfig:
             return f"-{name}" not in self.custom_ops
         return f"+{name}" in self.custom_ops
 
+    def splitting_ops_contain_attention(self) -> bool:
+        return any(op in (self.splitting_ops or []) for op in ATTENTION_OPS)
+
+    def resolve_cudagraph_mode(self, min_cg_support: Any, backend_name: str) -> CUDAGraphMode:
+        """Fit the graph mode to what the attention backend's metadata allows
+        under a graph (``min_cg_support``, an ``AttentionCGSupport``), with
+        vLLM's downgrades and messages (``resolve_cudagraph_mode_and_sizes``)."""
+        mode = self.cudagraph_mode
+        support = min_cg_support.name
+        where = f"with the {backend_name} backend (support: {support})"
+        if mode.mixed_mode() == CUDAGraphMode.FULL and support != "ALWAYS":
+            if support == "NEVER":
+                raise ValueError(
+                    f"cudagraph_mode {mode.name} is not supported {where}; use PIECEWISE "
+                    "with compilation mode VLLM_COMPILE"
+                )
+            mode = (
+                CUDAGraphMode.FULL_AND_PIECEWISE
+                if self.splitting_ops_contain_attention()
+                else CUDAGraphMode.FULL_DECODE_ONLY
+            )
+            logger.warning(
+                "cudagraph_mode %s is not supported %s; setting cudagraph_mode=%s",
+                self.cudagraph_mode.name,
+                where,
+                mode.name,
+            )
+        if mode.decode_mode() == CUDAGraphMode.FULL and support == "NEVER":
+            piecewise = (
+                self.mode == CompilationMode.VLLM_COMPILE and self.splitting_ops_contain_attention()
+            )
+            downgraded = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
+            logger.warning(
+                "cudagraph_mode %s is not supported %s; setting cudagraph_mode=%s",
+                mode.name,
+                where,
+                downgraded.name,
+            )
+            mode = downgraded
+        self.cudagraph_mode = mode
+        return mode
+
     def resolved_cache_dir(self) -> str:
         """``cache_dir``, else ``$GLASSBOX_CACHE/torch_compile_cache``."""
         if self.cache_dir:
@@ -216,7 +256,22 @@ class CompilationConfig:
         (``uniform_decode_query_len``: 1 + k with k drafts per request)."""
         if enforce_eager:
             self.cudagraph_mode = CUDAGraphMode.NONE
+        if (
+            self.cudagraph_mode.requires_piecewise_compilation()
+            and self.mode != CompilationMode.VLLM_COMPILE
+        ):
+            logger.warning(
+                "cudagraph_mode %s needs compilation mode VLLM_COMPILE (3) to split the "
+                "model into pieces; compilation mode is %s: setting cudagraph_mode NONE",
+                self.cudagraph_mode.name,
+                self.mode.name,
+            )
+            self.cudagraph_mode = CUDAGraphMode.NONE
         largest = max_num_seqs * uniform_decode_query_len
+        if self.cudagraph_mode.has_piecewise_cudagraphs():
+            largest = min(2 * largest, 512)  # mixed batches replay graphs too
+        if self.max_cudagraph_capture_size is not None:
+            largest = self.max_cudagraph_capture_size
         if isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0:
             largest = min(largest, max_num_batched_tokens)
         if not self.cudagraph_capture_sizes:

@@ -638,7 +638,10 @@ class RunnerBatch(TraceEvent, kw_only=True, tag="runner.batch"):
         int, doc("after padding to a captured CUDA graph's size (`num_tokens` when eager)")
     ]
     attn_backend: Annotated[str, doc("e.g. `CPU_ATTN`")]
-    cudagraph_mode: Annotated[str, doc("`NONE` (eager) or `FULL` (a captured graph replayed)")]
+    cudagraph_mode: Annotated[
+        str,
+        doc("`NONE` (eager), `FULL` (the model's graph) or `PIECEWISE` (the pieces' graphs)"),
+    ]
     req_ids: Annotated[list[str], doc("request of each row")]
     query_lens: Annotated[list[int], doc("tokens per row this step")]
     num_computed_tokens: Annotated[

@@ -421,7 +421,7 @@ class RunnerTrace(SubsystemTrace):
                 step=scheduler_output.step,
                 num_reqs=len(req_ids),
                 num_tokens=inputs.num_tokens,
-                num_tokens_padded=common.num_actual_tokens,
+                num_tokens_padded=inputs.batch_descriptor.num_tokens,
                 attn_backend=runner.attn_backend.get_name(),
                 cudagraph_mode=inputs.cudagraph_mode.name,
                 req_ids=req_ids,

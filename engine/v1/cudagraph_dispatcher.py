@@ -5,9 +5,11 @@ key, ``BatchDescriptor``, lives in the forward context as in vLLM.
 Read it for the runtime half of CUDA graphs: a graph replays fixed shapes, so
 each step the runner describes its batch (token count, whether it is a
 uniform decode), the dispatcher rounds the token count up to the next
-captured size and answers FULL (replay that graph, padding the inputs) or
-NONE (run eagerly). Padding rows compute garbage that nobody reads: their
-slot mapping points at the null block.
+captured size and answers FULL (replay the whole model's graph, padding the
+inputs), PIECEWISE (replay the compiled pieces' graphs, attention eager
+between them; any batch, padded in tokens only) or NONE (run eagerly).
+Padding rows compute garbage that nobody reads: their slot mapping is -1
+(nothing written).
 
 Speculative decoding (``uniform_decode_query_len`` = 1 + k, vLLM's name): a
 verification batch where every request runs its last token and k drafts is
@@ -43,8 +45,11 @@ class CudagraphDispatcher:
         sizes = list(compilation_config.cudagraph_capture_sizes)
         self.spec_capture_sizes = self._spec_sizes(sizes)
         # One-token decodes: a batch never holds more than max_num_reqs of them
-        # (the larger sizes are there for verification batches).
+        # (the larger sizes are there for verification and mixed batches).
         self.capture_sizes = [s for s in sizes if max_num_reqs is None or s <= max_num_reqs]
+        # Piecewise graphs serve any batch (prefills too) up to the largest size.
+        limit = max_num_tokens or float("inf")
+        self.piecewise_capture_sizes = [s for s in sizes if s <= limit]
         # Keys captured so far (filled by the runner's capture_model()).
         self.captured: set[BatchDescriptor] = set()
 
@@ -82,20 +87,34 @@ class CudagraphDispatcher:
             for s in self.spec_capture_sizes
         ]
 
+    def piecewise_keys(self) -> list[BatchDescriptor]:
+        """What capture_model() captures for the piecewise graphs (PIECEWISE,
+        FULL_AND_PIECEWISE): one key per token count, whatever the requests."""
+        if not self.mode.has_piecewise_cudagraphs():
+            return []
+        return [BatchDescriptor(num_tokens=s) for s in self.piecewise_capture_sizes]
+
     def dispatch(
         self, num_tokens: int, uniform_decode: bool, query_len: int = 1
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """(runtime mode, padded batch descriptor) for this step's batch;
-        ``uniform_decode``: every request runs ``query_len`` tokens."""
-        eager = BatchDescriptor(num_tokens=num_tokens)
-        if not uniform_decode or self.mode.decode_mode() != CUDAGraphMode.FULL:
-            return CUDAGraphMode.NONE, eager
-        if query_len not in (1, self.uniform_decode_query_len):
-            return CUDAGraphMode.NONE, eager
-        padded = self.padded_size(num_tokens, query_len)
-        if padded is None:
-            return CUDAGraphMode.NONE, eager
-        key = BatchDescriptor(num_tokens=padded, num_reqs=padded // query_len, uniform=True)
-        if key not in self.captured:
-            return CUDAGraphMode.NONE, eager
-        return CUDAGraphMode.FULL, key
+        ``uniform_decode``: every request runs ``query_len`` tokens. A uniform
+        batch replays a FULL graph when the mode has them and one fits; any
+        batch may then replay piecewise graphs; else it runs eagerly."""
+        if (
+            uniform_decode
+            and self.mode.decode_mode() == CUDAGraphMode.FULL
+            and query_len in (1, self.uniform_decode_query_len)
+        ):
+            padded = self.padded_size(num_tokens, query_len)
+            if padded is not None:
+                key = BatchDescriptor(num_tokens=padded, num_reqs=padded // query_len, uniform=True)
+                if key in self.captured:
+                    return CUDAGraphMode.FULL, key
+        if self.mode.has_piecewise_cudagraphs():
+            i = bisect.bisect_left(self.piecewise_capture_sizes, num_tokens)
+            if i < len(self.piecewise_capture_sizes):
+                key = BatchDescriptor(num_tokens=self.piecewise_capture_sizes[i])
+                if key in self.captured:
+                    return CUDAGraphMode.PIECEWISE, key
+        return CUDAGraphMode.NONE, BatchDescriptor(num_tokens=num_tokens)

@@ -87,6 +87,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.compilation.cuda_graph import get_global_graph_pool
 from engine.config import GlassboxConfig
 from engine.config.compilation import CompilationMode, CUDAGraphMode
 from engine.forward_context import set_forward_context
@@ -471,6 +472,11 @@ class GPUModelRunner:
         if self.device.type != "cuda" or not backend.supports_cudagraph:
             # Graphs need CUDA and a backend that never syncs with the host.
             self.cudagraph_dispatcher.mode = CUDAGraphMode.NONE
+        else:
+            compilation_config = self.glassbox_config.compilation_config
+            self.cudagraph_dispatcher.mode = compilation_config.resolve_cudagraph_mode(
+                support, backend.get_name()
+            )
         if hasattr(self.attn_metadata_builder, "bind_layers"):
             # FlashInfer plans once per step for all layers: it needs their
             # shapes, and one fixed-size wrapper per decode size graphs replay.
@@ -664,13 +670,17 @@ class GPUModelRunner:
         cudagraph_mode, batch_desc = self.cudagraph_dispatcher.dispatch(
             total, uniform_decode=(total == num_reqs * max_query_len), query_len=max_query_len
         )
-        padded, num_rows = total, num_reqs
+        padded, num_rows = batch_desc.num_tokens, num_reqs
         if cudagraph_mode == CUDAGraphMode.FULL:
             assert batch_desc.num_reqs is not None
-            padded, num_rows = batch_desc.num_tokens, batch_desc.num_reqs
+            num_rows = batch_desc.num_reqs
+        # The tokens attention reads: a FULL graph replays attention over its
+        # padding rows too; between piecewise graphs attention runs eagerly on
+        # the real tokens only.
+        num_attn_tokens = padded if cudagraph_mode == CUDAGraphMode.FULL else total
         if padded > total:
             # Padding tokens: id 0 at position 0, written nowhere (slot -1);
-            # padding requests: zero query tokens, zero context.
+            # FULL graphs add padding requests: zero query tokens, zero context.
             pad, pad_rows = padded - total, num_rows - num_reqs
             input_ids_np = np.concatenate([input_ids_np, np.zeros(pad, dtype=input_ids_np.dtype)])
             positions_np = np.concatenate([positions_np, np.zeros(pad, dtype=positions_np.dtype)])
@@ -696,11 +706,11 @@ class GPUModelRunner:
             seq_lens=self.seq_lens[:num_rows],
             _seq_lens_cpu=torch.from_numpy(seq_lens_np[:num_reqs]),
             num_reqs=num_rows,
-            num_actual_tokens=padded,
+            num_actual_tokens=num_attn_tokens,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens_np.max()),
             block_table_tensor=batch.block_table.block_table[:num_rows],
-            slot_mapping=self.slot_mapping[:padded],
+            slot_mapping=self.slot_mapping[:num_attn_tokens],
         )
         spec_decode_metadata = None
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -889,13 +899,16 @@ class GPUModelRunner:
         else:
             # Every layer reads the same metadata (one KV cache group).
             attn_metadata = {name: metadata for name in self.attn_layers}
+            # PIECEWISE: the pieces' graphs replay on the padded token count.
+            n = inputs.batch_descriptor.num_tokens
             with set_forward_context(
                 attn_metadata,
                 self.glassbox_config,
                 cudagraph_runtime_mode=inputs.cudagraph_mode,
+                batch_descriptor=inputs.batch_descriptor,
                 step=scheduler_output.step,
             ):
-                hidden_states = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+                hidden_states = self.model(self.input_ids[:n], self.positions[:n])[:num_tokens]
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         self.trace.forward_done(scheduler_output.step, num_tokens, logits)
         # After the launch: on a GPU the host describes the batch while the device runs it.
@@ -1141,22 +1154,27 @@ class GPUModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def capture_model(self) -> int:
-        """Capture one FULL graph per key of the dispatcher (largest first, so
-        smaller graphs reuse its memory pool). Returns how many were captured.
+        """Capture the dispatcher's graphs, largest first (smaller graphs reuse
+        the memory of larger ones in the shared pool). Returns how many keys
+        were captured.
 
-        Each capture runs the model on a dummy uniform batch: every row is a
+        FULL keys: the model runs on a dummy uniform batch: every row is a
         request of q query tokens (1, or 1 + k with drafts) at positions
         0 .. q-1 whose slots are -1 (nothing written) and whose q-token
         context is the null block, block 0. A warm-up eager run first makes
         any lazily allocated workspace exist, so the graph records no
         allocation.
+        PIECEWISE keys: the compiled model runs n dummy tokens with the
+        runtime mode PIECEWISE; each piece's CUDAGraphWrapper captures its
+        graph, and attention (no metadata: it writes zeros) runs between them.
         """
         keys = self.cudagraph_dispatcher.decode_keys()
-        if not keys or self.device.type != "cuda" or self.model is None:
+        piecewise = self.cudagraph_dispatcher.piecewise_keys()
+        if not (keys or piecewise) or self.device.type != "cuda" or self.model is None:
             return 0
         assert self.attn_metadata_builder is not None
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = get_global_graph_pool()
         self.input_batch.block_table.block_table.zero_()
         for key in sorted(keys, key=lambda k: (-k.num_tokens, -(k.num_reqs or 0))):
             n, r = key.num_tokens, key.num_reqs or key.num_tokens
@@ -1191,12 +1209,27 @@ class GPUModelRunner:
                     hidden = self.model(self.input_ids[:n], self.positions[:n])
             self.cudagraphs[key] = (graph, hidden)
             self.cudagraph_dispatcher.captured.add(key)
+        self.input_ids.zero_()
+        self.positions.zero_()
+        for key in sorted(piecewise, key=lambda k: -k.num_tokens):
+            n = key.num_tokens
+            self._dummy_run(n)  # warm-up, eager
+            torch.cuda.synchronize(self.device)
+            with set_forward_context(
+                None,
+                self.glassbox_config,
+                cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+                batch_descriptor=key,
+            ):
+                self.model(self.input_ids[:n], self.positions[:n])
+            self.cudagraph_dispatcher.captured.add(key)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        sizes = [k.num_tokens for k in keys]  # tokens; verification graphs hold 1 + k per request
-        logger.info("captured %d CUDA graphs (sizes %s) in %.1fs", len(keys), sizes, seconds)
+        # Tokens per key; verification graphs hold 1 + k per request.
+        sizes = [k.num_tokens for k in keys + piecewise]
+        logger.info("captured %d CUDA graphs (sizes %s) in %.1fs", len(sizes), sizes, seconds)
         self.trace.cudagraphs_captured(self.cudagraph_dispatcher.mode.name, sizes, seconds)
-        return len(keys)
+        return len(sizes)
 
     # ------------------------------------------------------------------
     # Profiling and warm-up

@@ -161,7 +161,10 @@ def unified_attention_with_output(
         output.zero_()
         return
     metadata = layer._get_layer_metadata(forward_context.attn_metadata)
-    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+    # Under piecewise graphs the tensors carry padding rows past the batch's
+    # tokens; attention reads and writes only the real ones.
+    n = getattr(metadata, "num_actual_tokens", query.shape[0])
+    layer.impl.forward(layer, query[:n], key[:n], value[:n], layer.kv_cache, metadata, output[:n])
 
 
 def unified_attention_with_output_fake(
