@@ -22,7 +22,11 @@ process, and writes one JSON with everything the docs table needs:
   run (``engine/benchmarks/roofline.py``, ../shared/reference/perf.md
   section 6), and the fraction of it reached;
 * decode latency per step at batch 1, 16, 64, 256 with context 512, CUDA
-  graphs on and off, against the weight + KV-read floor.
+  graphs on and off, against the weight + KV-read floor;
+* ``--parts modes`` (not in the default set): the compiled model under
+  FULL_AND_PIECEWISE, PIECEWISE and FULL_DECODE_ONLY on the same workload
+  (``throughput_compiled``), and the batch-1 decode step compiled
+  (``decode_latency_compiled``).
 
 Usage: python3 benchmarks/gpu_throughput.py --out DIR [--parts throughput,eager,hf,latency]
        [--hf-num-prompts N] [--hf-timeout-s S] [--record [RESULTS_DIR]]
@@ -87,7 +91,10 @@ TARGETS = {
     "ratio_to_transformers": 20,
     "decode_step_batch1_ms": 1.0,
 }
-ALL_PARTS = ("throughput", "eager", "hf", "latency")
+ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes")
+# The ``modes`` part: the compiled model (CompilationMode.VLLM_COMPILE) under
+# each CUDA-graph mode, on the same workload, and its batch-1 decode step.
+COMPILED_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY")
 
 
 def model_dir(config: dict | None = None) -> str:
@@ -143,7 +150,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out", help="the directory to write the JSON into")
     ap.add_argument(
-        "--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}"
+        "--parts",
+        default=",".join(p for p in ALL_PARTS if p != "modes"),
+        help=f"comma-separated subset of {ALL_PARTS}",
     )
     ap.add_argument(
         "--hf-num-prompts",
@@ -278,6 +287,36 @@ def main() -> int:
                     entry["ms_per_step"] = entry["mean_ms"]  # the name the first results file used
                 save()
         torch.cuda.empty_cache()
+
+    if "modes" in parts:
+        compiled: dict = result.setdefault("throughput_compiled", {})
+        for mode in COMPILED_MODES:
+            compilation = {"mode": 3, "cudagraph_mode": mode}
+            r = attempt(
+                f"throughput_compiled_{mode}",
+                lambda c=compilation: run_glassbox(
+                    requests, engine_args(path, False, compilation_config=c)
+                ),
+            )
+            if r is not None:
+                r["fraction_of_roofline"] = r["output_tokens_per_second"] / bound_tps
+                compiled[mode] = result.pop(f"throughput_compiled_{mode}")
+                save()
+        attempt(
+            "decode_latency_compiled",
+            lambda: run_decode_latency(
+                engine_args(
+                    path,
+                    False,
+                    enable_prefix_caching=False,
+                    compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+                ),
+                [1, 64],
+                input_len=512,
+                num_iters=32,
+                num_iters_warmup=4,
+            ),
+        )
 
     save()
     if args.record:

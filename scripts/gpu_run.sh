@@ -2,7 +2,7 @@
 # The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
 #
 # Usage, on a CUDA machine, from the repo root:
-#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so]  (`make test-gpu` = `all`)
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so|compile]  (`make test-gpu` = `all`)
 #     tests    every test marked `gpu` (tests/gpu, tests/v1/{attention,worker,sample}); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
@@ -18,6 +18,9 @@
 #              (benchmarks/structured_output_cost.py -> structured_output_cost_<gpu>.json;
 #              SO_TOKENIZER: a tokenizer folder, default .gpu_carry/smollm2_tokenizer, the
 #              default model's tokenizer files copied there before the call)
+#     compile  torch.compile: its gpu tests (tests/gpu/test_gpu_compile.py), then throughput
+#              of the compiled model under each CUDA-graph mode against the default
+#              engine (benchmarks/gpu_throughput.py --parts throughput,modes)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
@@ -54,8 +57,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing | async | spec | so) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so]" >&2; exit 2 ;;
+  all | tests | bench | tracing | async | spec | so | compile) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile]" >&2; exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
@@ -82,7 +85,14 @@ gpu_tests() {  # pytest arguments beyond the gpu marker and the test folders
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   gpu_tests || rc=$?
-  [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
+  if [ "$WHAT" = compile ]; then
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu \
+    tests/gpu/test_gpu_compile.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  # Compiled pieces land in $GLASSBOX_CACHE/torch_compile_cache (here under /tmp).
+  "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${COMPILE_PARTS:-throughput,modes}" \
+    2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+fi
+[ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
 if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = async ]; } \
   && [ -n "${GPU_TESTS_K:-}" ]; then
