@@ -625,8 +625,10 @@ for n, uniform in [(1, True), (3, True), (5, True), (8, True), (13, True), (17, 
 # shape — how many prefill tokens, in how many rows — varies too much to
 # capture. vLLM's default `FULL_AND_PIECEWISE` covers it with *piecewise*
 # graphs: everything except attention is captured per token count, and
-# attention runs eagerly between the pieces (that needs vLLM's torch.compile
-# backend to split the model, which Glassbox does not have).
+# attention runs eagerly between the pieces. That needs the model compiled and
+# split at its attention ops (`engine/compilation/`, session 06); Glassbox
+# offers it behind `compilation_config={"mode": 3, "cudagraph_mode":
+# "FULL_AND_PIECEWISE"}` and keeps `FULL_DECODE_ONLY` as its default for now.
 #
 # ### 4a. What graphs buy: the committed H200 numbers
 #
