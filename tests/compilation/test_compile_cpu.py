@@ -229,3 +229,17 @@ def test_compilation_is_traced_and_shown(tmp_path: Path) -> None:
     assert 0 < event.backend_seconds <= event.seconds
     assert event.cache_dir.startswith(str(tmp_path))
     assert open_session(str(trace)).info.compilation == f"VLLM_COMPILE: {layers + 1} eager pieces"
+
+
+@pytest.mark.parametrize("mode", [1, 2])  # STOCK_TORCH_COMPILE, DYNAMO_TRACE_ONCE
+def test_whole_graph_modes_equal_eager(mode: int, tmp_path: Path) -> None:
+    """Dynamo traces the whole model (attention an opaque op inside it) and
+    hands it to the backend unsplit: no GlassboxBackend runs."""
+    model = tmp_path / "llama"
+    save_tiny_checkpoint("llama", model, seed=0)
+    eager = _run(str(model), PROMPTS)
+    before = compilation_counter.clone()
+    compiled = _run(str(model), PROMPTS, mode=mode, backend="eager")
+    _assert_same(eager, compiled)
+    assert compilation_counter.num_models_seen - before.num_models_seen == 1
+    assert compilation_counter.num_graphs_seen == before.num_graphs_seen
