@@ -196,6 +196,9 @@ class RunnerCudagraphs(TraceEvent, kw_only=True, tag="runner.cudagraphs"):
     mode: Annotated[str, doc("the dispatcher's mode, e.g. `FULL_DECODE_ONLY`")]
     sizes: Annotated[list[int], doc("the captured batch sizes (tokens; one request per token)")]
     seconds: Annotated[float, doc("time the capture took, s")]
+    memory_bytes: Annotated[
+        int, doc("device memory the graphs took (free memory before minus after; 0 before 1.8)")
+    ] = 0
 
 
 class RunnerCompiled(TraceEvent, kw_only=True, tag="runner.compiled"):

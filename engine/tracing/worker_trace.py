@@ -341,8 +341,12 @@ class RunnerTrace(SubsystemTrace):
             )
         )
 
-    def cudagraphs_captured(self, mode: str, sizes: list[int], seconds: float) -> None:
-        self.tracer.record(RunnerCudagraphs(mode=mode, sizes=sizes, seconds=seconds))
+    def cudagraphs_captured(
+        self, mode: str, sizes: list[int], seconds: float, memory_bytes: int
+    ) -> None:
+        self.tracer.record(
+            RunnerCudagraphs(mode=mode, sizes=sizes, seconds=seconds, memory_bytes=memory_bytes)
+        )
 
     def step_started(self, step: int) -> None:
         """Worker and sampler events belong to the scheduler's step (needed

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from engine.compilation.counter import compilation_counter
-from engine.tracing import RunnerBatch, load_trace
+from engine.tracing import RunnerBatch, RunnerCudagraphs, load_trace
 from tests.gpu.test_flashinfer import _generate, assert_same_greedy, tiny_llama_head64
 
 pytestmark = pytest.mark.gpu
@@ -54,8 +54,12 @@ def test_compiled_matches_eager(backend, cudagraph_mode, tiny_llama_head64, tmp_
         == 3
     )  # 2 layers + 1
     assert_same_greedy(eager, compiled)
+    events = load_trace(str(trace))
+    (captured,) = [e for e in events if isinstance(e, RunnerCudagraphs)]
+    assert captured.mode == cudagraph_mode and captured.seconds > 0
+    assert captured.memory_bytes > 0  # the graphs' pool
     modes = {}
-    for b in load_trace(str(trace)):
+    for b in events:
         if isinstance(b, RunnerBatch):
             mixed = b.num_tokens != b.num_reqs
             modes.setdefault(b.cudagraph_mode, set()).add("mixed" if mixed else "decode")

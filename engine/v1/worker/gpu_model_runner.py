@@ -86,6 +86,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from engine.compilation.cuda_graph import get_global_graph_pool
 from engine.config import GlassboxConfig
@@ -1174,8 +1175,12 @@ class GPUModelRunner:
             return 0
         assert self.attn_metadata_builder is not None
         start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = get_global_graph_pool()
         self.input_batch.block_table.block_table.zero_()
+        # One bar over both kinds of key, as vLLM shows its capture.
+        progress = tqdm(total=len(keys) + len(piecewise), desc="Capturing CUDA graphs")
         for key in sorted(keys, key=lambda k: (-k.num_tokens, -(k.num_reqs or 0))):
             n, r = key.num_tokens, key.num_reqs or key.num_tokens
             q = n // r  # query tokens per request
@@ -1209,6 +1214,7 @@ class GPUModelRunner:
                     hidden = self.model(self.input_ids[:n], self.positions[:n])
             self.cudagraphs[key] = (graph, hidden)
             self.cudagraph_dispatcher.captured.add(key)
+            progress.update()
         self.input_ids.zero_()
         self.positions.zero_()
         for key in sorted(piecewise, key=lambda k: -k.num_tokens):
@@ -1223,12 +1229,22 @@ class GPUModelRunner:
             ):
                 self.model(self.input_ids[:n], self.positions[:n])
             self.cudagraph_dispatcher.captured.add(key)
+            progress.update()
+        progress.close()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        memory = free_before - torch.cuda.mem_get_info(self.device)[0]
         # Tokens per key; verification graphs hold 1 + k per request.
         sizes = [k.num_tokens for k in keys + piecewise]
-        logger.info("captured %d CUDA graphs (sizes %s) in %.1fs", len(sizes), sizes, seconds)
-        self.trace.cudagraphs_captured(self.cudagraph_dispatcher.mode.name, sizes, seconds)
+        logger.info(
+            "captured %d CUDA graphs (sizes %s) in %.1fs, %.2f GiB",
+            len(sizes),
+            sizes,
+            seconds,
+            memory / 2**30,
+        )
+        mode = self.cudagraph_dispatcher.mode.name
+        self.trace.cudagraphs_captured(mode, sizes, seconds, memory)
         return len(sizes)
 
     # ------------------------------------------------------------------
