@@ -152,6 +152,8 @@ class GlassboxBackend:
         self.piecewise_graphs: list[SplitItem] = []
         self.compile_seconds = 0.0
         self.total_piecewise_compiles = 0
+        # Every piece's backend, in model order (their per-size compile times).
+        self.piecewise_backends: list[PiecewiseBackend] = []
 
     def compile_piece(
         self,
@@ -161,7 +163,7 @@ class GlassboxBackend:
         sym_shape_indices: list[int],
     ) -> Any:
         general = self.compiler.compile(submod, example_inputs, runtime_shape=None)
-        piece: Any = PiecewiseBackend(
+        backend = PiecewiseBackend(
             submod,
             list(self.compilation_config.compile_sizes or []),
             index,
@@ -170,6 +172,8 @@ class GlassboxBackend:
             general,
             self.compiler,
         )
+        self.piecewise_backends.append(backend)
+        piece: Any = backend
         # Wrapped whenever graphs are on: the runner settles the mode (FULL may
         # become FULL_AND_PIECEWISE) after the model is compiled; a wrapper
         # calls straight through in any step that is not PIECEWISE.

@@ -214,7 +214,12 @@ class RunnerCompiled(TraceEvent, kw_only=True, tag="runner.compiled"):
     compile_sizes: Annotated[list[int], doc("token counts compiled on their own")] = []
     inductor_compiles: Annotated[int, doc("pieces Inductor generated code for")] = 0
     cache_hits: Annotated[int, doc("pieces found in the on-disk cache instead")] = 0
-    backend_seconds: Annotated[float, doc("time in the split-and-compile backend, s")] = 0.0
+    backend_seconds: Annotated[
+        float, doc("time in the split-and-compile backend (any token count), s")
+    ] = 0.0
+    size_seconds: Annotated[
+        dict[str, float], doc("compile size -> time its own code took, all pieces, s")
+    ] = {}
     seconds: Annotated[float, doc("whole warm-up (trace, compile, dummy runs), s")]
     cache_dir: Annotated[str, doc("this model's compile cache folder")] = ""
 

@@ -326,6 +326,10 @@ class RunnerTrace(SubsystemTrace):
         )
         pieces = getattr(backend, "piecewise_graphs", [])
         compiler = getattr(backend, "compiler", None)
+        size_seconds: dict[str, float] = {}
+        for piece in getattr(backend, "piecewise_backends", []):
+            for size, seconds_ in piece.compile_seconds.items():
+                size_seconds[str(size)] = size_seconds.get(str(size), 0.0) + seconds_
         self.tracer.record(
             RunnerCompiled(
                 mode=compilation_config.mode.name,
@@ -336,6 +340,7 @@ class RunnerTrace(SubsystemTrace):
                 inductor_compiles=getattr(compiler, "num_compiles", 0),
                 cache_hits=getattr(compiler, "num_cache_hits", 0),
                 backend_seconds=getattr(backend, "compile_seconds", 0.0),
+                size_seconds=size_seconds,
                 seconds=seconds,
                 cache_dir=getattr(backend, "cache_dir", ""),
             )

@@ -224,7 +224,7 @@ def test_compilation_is_traced_and_shown(tmp_path: Path) -> None:
     layers = TINY_CONFIG["num_hidden_layers"]
     assert (event.mode, event.backend) == ("VLLM_COMPILE", "eager")
     assert (event.num_pieces, event.num_splits) == (layers + 1, layers)
-    assert event.compile_sizes == [4]
+    assert event.compile_sizes == [4] and list(event.size_seconds) == ["4"]
     assert event.inductor_compiles == event.cache_hits == 0  # eager: no code generated
     assert 0 < event.backend_seconds <= event.seconds
     assert event.cache_dir.startswith(str(tmp_path))
