@@ -96,6 +96,11 @@ class CustomOp(nn.Module, ABC):
         disabled = _disabled_op_names()
         return "all" not in disabled and getattr(cls, "name", None) not in disabled
 
+    def is_enabled(self) -> bool:
+        """Whether this layer runs its own kernels: the environment's switch
+        and the compilation config's (``set_enabled_by_config``) both allow it."""
+        return self.enabled() and self.enabled_by_config
+
     def set_enabled_by_config(self, enabled: bool) -> None:
         """Apply ``CompilationConfig.custom_ops``; the next call chooses again."""
         self.enabled_by_config = enabled
@@ -103,7 +108,7 @@ class CustomOp(nn.Module, ABC):
 
     def dispatch_forward(self, device: torch.device) -> Callable[..., Any]:
         """The bound method ``forward`` will call for inputs on ``device``."""
-        if not (self.enabled() and self.enabled_by_config):
+        if not self.is_enabled():
             return self.forward_native
         if device.type == "cuda":
             return self.forward_cuda

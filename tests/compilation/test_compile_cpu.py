@@ -243,3 +243,25 @@ def test_whole_graph_modes_equal_eager(mode: int, tmp_path: Path) -> None:
     _assert_same(eager, compiled)
     assert compilation_counter.num_models_seen - before.num_models_seen == 1
     assert compilation_counter.num_graphs_seen == before.num_graphs_seen
+
+
+def test_compiled_layers_run_plain_torch_for_inductor(tmp_path: Path) -> None:
+    """custom_ops "none" (Inductor's default) reaches every CustomOp and the
+    Qwen3 fused q/k-norm + RoPE switch; the eager model keeps its kernels."""
+    import torch
+
+    from engine.engine.arg_utils import EngineArgs
+    from engine.model_executor.custom_op import CustomOp
+    from engine.model_executor.model_loader import get_model
+
+    model = tmp_path / "qwen3"
+    save_tiny_checkpoint("qwen3", model, seed=0)
+    for mode, enabled in ((0, True), (3, False)):
+        config = EngineArgs(
+            model=str(model), skip_tokenizer_init=True, compilation_config={"mode": mode}
+        ).create_engine_config()
+        built = get_model(config, device=torch.device("cpu"), dtype=torch.float32)
+        ops = [m for m in built.modules() if isinstance(m, CustomOp)]
+        assert ops and all(op.is_enabled() == enabled for op in ops)
+        attention = built.model.layers[0].self_attn
+        assert attention.use_fused_qk_norm_rope == enabled

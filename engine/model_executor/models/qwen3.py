@@ -108,13 +108,17 @@ class Qwen3Attention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
-        # The fused kernel stands in for both custom ops, so it needs both enabled.
-        self.use_fused_qk_norm_rope = RMSNorm.enabled() and type(self.rotary_emb).enabled()
+
+    @property
+    def use_fused_qk_norm_rope(self) -> bool:
+        # The fused kernel stands in for both custom ops, so it needs both enabled
+        # (not under Inductor, whose default custom_ops "none" fuses the plain torch).
+        return self.q_norm.is_enabled() and self.rotary_emb.is_enabled()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + 2 * H_kv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views of qkv
-        if self.use_fused_qk_norm_rope and qkv.is_cuda and qkv.dtype == self.q_norm.weight.dtype:
+        if qkv.is_cuda and qkv.dtype == self.q_norm.weight.dtype and self.use_fused_qk_norm_rope:
             from engine import _custom_ops as ops
 
             # One launch: per-head RMSNorm of q and k, then RoPE, in place on
