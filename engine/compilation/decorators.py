@@ -126,6 +126,11 @@ def _compile(model: Any) -> TorchCompileWithNoGuardsWrapper:
         model.compile_backend = backend = GlassboxBackend(
             compilation_config, compute_cache_key(config), device_type, pool
         )
+    # Dynamo keeps compiled code per code object, at most 8 entries (its
+    # recompile limit), and each model's backend is a new one; an engine
+    # compiles one model per class, so what earlier engines of this process
+    # left on ``forward`` is dropped and the new model traces afresh.
+    torch._dynamo.eval_frame.remove_from_cache(type(model).forward.__code__)
     logger.info("compiling %s (mode %s)", type(model).__name__, mode.name)
     # nn.Module.__call__ would come back here: compile the plain forward.
     return TorchCompileWithNoGuardsWrapper(model.forward, mode, backend)

@@ -29,10 +29,13 @@ class TorchCompileWithNoGuardsWrapper:
         if mode != CompilationMode.STOCK_TORCH_COMPILE:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
         self.mode = mode
+        stock = mode == CompilationMode.STOCK_TORCH_COMPILE
         self._compiled_callable = torch.compile(
             forward,
-            fullgraph=mode != CompilationMode.STOCK_TORCH_COMPILE,
-            dynamic=False,  # only the dims marked dynamic are symbolic
+            fullgraph=not stock,
+            # Only the dims marked dynamic are symbolic; plain torch.compile
+            # (None) also turns a dim dynamic once a guard on its size fails.
+            dynamic=None if stock else False,
             backend=backend,
             options=options,
         )
