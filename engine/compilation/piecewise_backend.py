@@ -41,8 +41,6 @@ class PiecewiseBackend:
         self.graph = graph
         self.piecewise_compile_index = piecewise_compile_index
         self.total_piecewise_compiles = total_piecewise_compiles
-        self.is_first_graph = piecewise_compile_index == 0
-        self.is_last_graph = piecewise_compile_index == total_piecewise_compiles - 1
         self.sym_shape_indices = sym_shape_indices
         self.compiled_graph_for_general_shape = compiled_graph_for_general_shape
         self.compiler = compiler

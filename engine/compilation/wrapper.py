@@ -28,7 +28,6 @@ class TorchCompileWithNoGuardsWrapper:
         options: dict[str, Any] = {}
         if mode != CompilationMode.STOCK_TORCH_COMPILE:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
-        self.mode = mode
         stock = mode == CompilationMode.STOCK_TORCH_COMPILE
         self._compiled_callable = torch.compile(
             forward,

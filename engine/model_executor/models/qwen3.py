@@ -108,12 +108,18 @@ class Qwen3Attention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
+        self._use_fused_qk_norm_rope: bool | None = None  # decided on first use
 
     @property
     def use_fused_qk_norm_rope(self) -> bool:
         # The fused kernel stands in for both custom ops, so it needs both enabled
         # (not under Inductor, whose default custom_ops "none" fuses the plain torch).
-        return self.q_norm.is_enabled() and self.rotary_emb.is_enabled()
+        # Decided once, like a CustomOp's dispatch: after support_torch_compile has
+        # applied custom_ops, and not again on every forward.
+        if self._use_fused_qk_norm_rope is None:
+            enabled = self.q_norm.is_enabled() and self.rotary_emb.is_enabled()
+            self._use_fused_qk_norm_rope = enabled
+        return self._use_fused_qk_norm_rope
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)  # [T, (H + 2 * H_kv) * D]

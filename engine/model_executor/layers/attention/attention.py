@@ -164,7 +164,9 @@ def unified_attention_with_output(
     # Under piecewise graphs the tensors carry padding rows past the batch's
     # tokens; attention reads and writes only the real ones.
     n = getattr(metadata, "num_actual_tokens", query.shape[0])
-    layer.impl.forward(layer, query[:n], key[:n], value[:n], layer.kv_cache, metadata, output[:n])
+    if n < query.shape[0]:
+        query, key, value, output = query[:n], key[:n], value[:n], output[:n]
+    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
 
 
 def unified_attention_with_output_fake(
