@@ -85,14 +85,15 @@ gpu_tests() {  # pytest arguments beyond the gpu marker and the test folders
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   gpu_tests || rc=$?
-  if [ "$WHAT" = compile ]; then
+  [ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
+fi
+if [ "$WHAT" = compile ]; then
   "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu \
     tests/gpu/test_gpu_compile.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
   # Compiled pieces land in $GLASSBOX_CACHE/torch_compile_cache (here under /tmp).
   "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${COMPILE_PARTS:-throughput,modes}" \
     2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
-fi
-[ "${SAVE_CACHES:-1}" = 1 ] && save_caches  # now, so a later timeout still returns them
 fi
 if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = async ]; } \
   && [ -n "${GPU_TESTS_K:-}" ]; then
