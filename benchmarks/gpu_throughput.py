@@ -7,8 +7,9 @@ process, and writes one JSON with everything the docs table needs:
 * throughput: nano-vllm's bench.py workload exactly -- 256 sequences, seed 0,
   prompts of randint(100, 1024) tokens drawn from randint(0, 10000), outputs
   of randint(100, 1024) tokens, ignore_eos, temperature 0.6 -- on the
-  Qwen3-0.6B config with dummy weights, bf16; output tokens / wall time; with
-  CUDA graphs (FULL_DECODE_ONLY) and eager;
+  Qwen3-0.6B config with dummy weights, bf16; output tokens / wall time;
+  ``throughput_cudagraphs`` is the default engine (on CUDA optimization level
+  O2: compiled, FULL_AND_PIECEWISE graphs), ``throughput_eager`` is -O0;
 * HF transformers' continuous batching on the same prompts (token ids) and
   output lengths, EOS off, same temperature (``throughput.run_hf``), and our
   ratio to it. It is capped so the call fits the GPU machine's time limit:
@@ -21,12 +22,13 @@ process, and writes one JSON with everything the docs table needs:
   step, K/V read per decode token) over the copy bandwidth measured in this
   run (``engine/benchmarks/roofline.py``, ../shared/reference/perf.md
   section 6), and the fraction of it reached;
-* decode latency per step at batch 1, 16, 64, 256 with context 512, CUDA
-  graphs on and off, against the weight + KV-read floor;
-* ``--parts modes`` (not in the default set): the compiled model under
-  FULL_AND_PIECEWISE, PIECEWISE and FULL_DECODE_ONLY on the same workload
-  (``throughput_compiled``), and the batch-1 decode step compiled
-  (``decode_latency_compiled``).
+* decode latency per step at batch 1, 16, 64, 256 with context 512, the
+  default engine and -O0, against the weight + KV-read floor;
+* ``--parts modes`` (not in the default set): the same workload under each
+  level and graph mode (``throughput_compiled``: O1 = compiled + PIECEWISE,
+  compiled + FULL_DECODE_ONLY, and O0 + FULL_DECODE_ONLY, the engine before
+  compilation), and the batch-1 and batch-64 decode steps of the last
+  (``decode_latency_o0_full_decode_only``) beside the default's.
 
 Usage: python3 benchmarks/gpu_throughput.py --out DIR [--parts throughput,eager,hf,latency]
        [--hf-num-prompts N] [--hf-timeout-s S] [--record [RESULTS_DIR]]
@@ -94,7 +96,13 @@ TARGETS = {
 ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes")
 # The ``modes`` part: the compiled model (CompilationMode.VLLM_COMPILE) under
 # each CUDA-graph mode, on the same workload, and its batch-1 decode step.
-COMPILED_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY")
+# name -> (optimization level, compilation_config): the default O2 is
+# throughput_cudagraphs and -O0 (no graphs) throughput_eager.
+COMPILED_MODES = {
+    "O1 PIECEWISE": (1, {}),
+    "O2 FULL_DECODE_ONLY": (2, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
+    "O0 FULL_DECODE_ONLY": (0, {"cudagraph_mode": "FULL_DECODE_ONLY"}),
+}
 
 
 def model_dir(config: dict | None = None) -> str:
@@ -290,12 +298,12 @@ def main() -> int:
 
     if "modes" in parts:
         compiled: dict = result.setdefault("throughput_compiled", {})
-        for mode in COMPILED_MODES:
-            compilation = {"mode": 3, "cudagraph_mode": mode}
+        for mode, (level, compilation) in COMPILED_MODES.items():
             r = attempt(
                 f"throughput_compiled_{mode}",
-                lambda c=compilation: run_glassbox(
-                    requests, engine_args(path, False, compilation_config=c)
+                lambda o=level, c=compilation: run_glassbox(
+                    requests,
+                    engine_args(path, False, optimization_level=o, compilation_config=c),
                 ),
             )
             if r is not None:
@@ -303,13 +311,14 @@ def main() -> int:
                 compiled[mode] = result.pop(f"throughput_compiled_{mode}")
                 save()
         attempt(
-            "decode_latency_compiled",
+            "decode_latency_o0_full_decode_only",
             lambda: run_decode_latency(
                 engine_args(
                     path,
                     False,
                     enable_prefix_caching=False,
-                    compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+                    optimization_level=0,
+                    compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"},
                 ),
                 [1, 64],
                 input_len=512,

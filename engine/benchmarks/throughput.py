@@ -212,6 +212,8 @@ def describe_engine(engine_args: Any) -> dict[str, Any]:
         "device": device,
         "dtype": str(resolve_dtype(config.model_config.dtype, device)).removeprefix("torch."),
         "attention_backend": get_attn_backend(config).get_name(),
+        "optimization_level": int(config.optimization_level or 0),
+        "compilation_mode": config.compilation_config.mode.name,
         "cudagraph_mode": config.compilation_config.cudagraph_mode.name
         if device == "cuda"
         else "NONE",

@@ -24,6 +24,12 @@ what each captures:
   FULL_AND_PIECEWISE  FULL for uniform decodes, PIECEWISE for the rest
                       (vLLM's default).
 
+Left at None, ``mode`` and ``cudagraph_mode`` come from the optimization
+level (``GlassboxConfig.optimization_level``, vLLM's ``-O0`` ... ``-O3``):
+O0 neither compiles nor captures; O1 compiles and captures PIECEWISE; O2 and
+O3 compile and capture FULL_AND_PIECEWISE. What is set here wins over the
+level, as in vLLM.
+
 Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to 256 and
 every 16 beyond. A batch of 13 decodes is padded to 16 and replayed with the
 16-graph. The largest is ``max_num_seqs`` tokens, times 1 + k with k drafts
@@ -109,13 +115,13 @@ def default_capture_sizes(largest: int) -> list[int]:
 
 @dataclass
 class CompilationConfig:
-    mode: CompilationMode = CompilationMode.NONE
+    mode: CompilationMode | None = None
     backend: str = "inductor"
     splitting_ops: list[str] | None = None
     compile_sizes: list[int | str] | None = None
     cache_dir: str = ""
     custom_ops: list[str] = field(default_factory=list)
-    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_DECODE_ONLY
+    cudagraph_mode: CUDAGraphMode | None = None
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
     max_cudagraph_capture_size: int | None = None
     # Attention layer name -> layer, filled as the model is built; the forward
@@ -128,6 +134,8 @@ class CompilationConfig:
 
     def __post_init__(self) -> None:
         self._check_compilation_fields()
+        if self.mode is not None:
+            self._set_mode_defaults()
         if isinstance(self.cudagraph_mode, str):
             try:
                 self.cudagraph_mode = CUDAGraphMode[self.cudagraph_mode.upper()]
@@ -145,26 +153,25 @@ class CompilationConfig:
 
     def _check_compilation_fields(self) -> None:
         mode = self.mode
-        if isinstance(mode, str) and not mode.isdigit():
+        if mode is not None:
+            if isinstance(mode, str) and not mode.isdigit():
+                try:
+                    mode = CompilationMode[mode.upper()]
+                except KeyError:
+                    mode = "?"
             try:
-                mode = CompilationMode[mode.upper()]
-            except KeyError:
-                mode = None
-        try:
-            self.mode = CompilationMode(int(mode))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"compilation_config.mode must be one of 0-3 or "
-                f"{[m.name for m in CompilationMode]}, got {self.mode!r}"
-            ) from None
+                self.mode = CompilationMode(int(mode))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"compilation_config.mode must be one of 0-3 or "
+                    f"{[m.name for m in CompilationMode]}, got {self.mode!r}"
+                ) from None
         if self.backend not in COMPILE_BACKENDS:
             raise ValueError(
                 f"compilation_config.backend must be one of {list(COMPILE_BACKENDS)}, "
                 f"got {self.backend!r}"
             )
-        if self.splitting_ops is None:
-            self.splitting_ops = list(ATTENTION_OPS) if self.mode == 3 else []
-        for op in self.splitting_ops:
+        for op in self.splitting_ops or []:
             if not isinstance(op, str) or "::" not in op:
                 raise ValueError(
                     "compilation_config.splitting_ops entries are 'namespace::op' names, "
@@ -185,10 +192,24 @@ class CompilationConfig:
                     f"compilation_config.custom_ops entries are 'all', 'none', '+name' or "
                     f"'-name', got {op!r}"
                 )
+
+    def _set_mode_defaults(self) -> None:
+        """The settings that follow from the compilation mode, once it is known."""
+        if self.splitting_ops is None:
+            compiled = self.mode == CompilationMode.VLLM_COMPILE
+            self.splitting_ops = list(ATTENTION_OPS) if compiled else []
         if not {"all", "none"} & set(self.custom_ops):
             # Under Inductor the plain-torch versions fuse; hand-written kernels would not.
             compiled = self.mode != CompilationMode.NONE and self.backend == "inductor"
             self.custom_ops.append("none" if compiled else "all")
+
+    def apply_level_defaults(self, mode: CompilationMode, cudagraph_mode: CUDAGraphMode) -> None:
+        """Fill what the user left at None with an optimization level's choices."""
+        if self.mode is None:
+            self.mode = mode
+        if self.cudagraph_mode is None:
+            self.cudagraph_mode = cudagraph_mode
+        self._set_mode_defaults()
 
     def is_custom_op_enabled(self, name: str) -> bool:
         """Whether the CustomOp ``name`` runs its own kernels (else ``forward_native``)."""
@@ -253,9 +274,20 @@ class CompilationConfig:
         max_num_batched_tokens: int | None = None,
     ) -> None:
         """Settle the mode and sizes once the scheduler limits are known
-        (``uniform_decode_query_len``: 1 + k with k drafts per request)."""
+        (``uniform_decode_query_len``: 1 + k with k drafts per request).
+        Fields still None get O0's choices (GlassboxConfig applies the level
+        it was given first)."""
         if enforce_eager:
+            asked = (self.mode or CompilationMode.NONE, self.cudagraph_mode or CUDAGraphMode.NONE)
+            if asked != (CompilationMode.NONE, CUDAGraphMode.NONE):
+                logger.warning(
+                    "enforce_eager is set: no torch.compile and no CUDA graphs "
+                    "(the same as compilation mode 0 and cudagraph_mode NONE)"
+                )
+            self.mode = CompilationMode.NONE
             self.cudagraph_mode = CUDAGraphMode.NONE
+            self.custom_ops = [op for op in self.custom_ops if op != "none"]
+        self.apply_level_defaults(CompilationMode.NONE, CUDAGraphMode.NONE)
         if (
             self.cudagraph_mode.requires_piecewise_compilation()
             and self.mode != CompilationMode.VLLM_COMPILE
@@ -276,10 +308,9 @@ class CompilationConfig:
             largest = min(largest, max_num_batched_tokens)
         if not self.cudagraph_capture_sizes:
             self.cudagraph_capture_sizes = default_capture_sizes(largest)
+        if self.cudagraph_mode == CUDAGraphMode.NONE:
+            largest = 0  # nothing to capture (vLLM leaves the list empty too)
         self.cudagraph_capture_sizes = [s for s in self.cudagraph_capture_sizes if s <= largest]
-        if enforce_eager and self.mode != CompilationMode.NONE:
-            self.mode = CompilationMode.NONE
-            self.custom_ops = [op for op in self.custom_ops if op != "none"] or ["all"]
         # compile_sizes may name the capture sizes (vLLM's "cudagraph_capture_sizes").
         sizes: set[int] = set()
         for size in self.compile_sizes or []:

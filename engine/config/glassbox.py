@@ -10,16 +10,29 @@ aborts at once; ``glassbox serve`` defaults it to 30.
 does: left at None it turns on unless the executor class cannot overlap two
 steps (``Executor.supports_async_scheduling``); set to True with such an
 executor it is an error. The result is logged once per process.
+
+``optimization_level`` is vLLM's ``-O0`` ... ``-O3`` (``OptimizationLevel``):
+it picks the compilation mode and CUDA-graph mode that
+``compilation_config`` leaves at None (``OPTIMIZATION_LEVEL_TO_CONFIG``),
+then ``compilation_config.finalize`` settles sizes and downgrades.
+``enforce_eager=True`` is O0 whatever the level. vLLM's levels also switch
+Inductor fusion passes (``pass_config``) and FlashInfer autotuning; Glassbox
+has neither, so its levels differ only in those two modes, and O3 equals O2
+(as in vLLM today). Left at None the level is O2 (vLLM's default) on CUDA and
+O0 on the CPU: vLLM compiles on the CPU too, but a cold Inductor build of
+even the default model costs about a minute on a 2-core laptop, longer than
+the work a learner runs; pass ``optimization_level=2`` (``-O2``) for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from dataclasses import dataclass, field
 
 from engine.config.cache import CacheConfig
-from engine.config.compilation import CompilationConfig
+from engine.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from engine.config.device import DeviceConfig
 from engine.config.load import LoadConfig
 from engine.config.model import ModelConfig
@@ -32,6 +45,31 @@ from engine.config.structured_outputs import StructuredOutputsConfig
 logger = logging.getLogger(__name__)
 # The resolved async-scheduling setting, once logged (vLLM logs it once).
 _logged_async_scheduling: set[bool] = set()
+
+
+class OptimizationLevel(enum.IntEnum):
+    O0 = 0  # start at once: eager, no CUDA graphs
+    O1 = 1  # Dynamo + Inductor, piecewise CUDA graphs
+    O2 = 2  # O1, plus full CUDA graphs for uniform decode batches
+    O3 = 3  # the same as O2
+
+
+# What each level fills in where compilation_config leaves a field at None.
+OPTIMIZATION_LEVEL_TO_CONFIG: dict[OptimizationLevel, dict[str, object]] = {
+    OptimizationLevel.O0: {"mode": CompilationMode.NONE, "cudagraph_mode": CUDAGraphMode.NONE},
+    OptimizationLevel.O1: {
+        "mode": CompilationMode.VLLM_COMPILE,
+        "cudagraph_mode": CUDAGraphMode.PIECEWISE,
+    },
+    OptimizationLevel.O2: {
+        "mode": CompilationMode.VLLM_COMPILE,
+        "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
+    },
+    OptimizationLevel.O3: {
+        "mode": CompilationMode.VLLM_COMPILE,
+        "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
+    },
+}
 
 
 @dataclass
@@ -51,6 +89,8 @@ class GlassboxConfig:
     shutdown_timeout: int = 0
     """Seconds a stopping engine lets the requests in flight finish before it
     aborts them; 0 aborts them at once."""
+    optimization_level: OptimizationLevel | None = None
+    """0-3 (vLLM's -O0 ... -O3); None: O2 on CUDA, O0 on the CPU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
@@ -59,6 +99,27 @@ class GlassboxConfig:
             )
         self._check_speculative_config()
         self._resolve_async_scheduling()
+        self._apply_optimization_level()
+
+    def _apply_optimization_level(self) -> None:
+        level = self.optimization_level
+        if level is None:
+            cuda = self.device_config.resolve() == "cuda"
+            level = OptimizationLevel.O2 if cuda else OptimizationLevel.O0
+        try:
+            self.optimization_level = OptimizationLevel(level)
+        except ValueError:
+            raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {level!r}") from None
+        defaults = OPTIMIZATION_LEVEL_TO_CONFIG[self.optimization_level]
+        compilation = self.compilation_config
+        compilation.apply_level_defaults(**defaults)  # type: ignore[arg-type]
+        scheduler = self.scheduler_config
+        compilation.finalize(
+            scheduler.max_num_seqs,
+            enforce_eager=self.model_config.enforce_eager,
+            uniform_decode_query_len=1 + self.num_speculative_tokens,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        )
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -84,7 +84,7 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | None = None
     """JSON object whose keys replace those of the model's config.json."""
     enforce_eager: bool = False
-    """CUDA: run every step eagerly, without CUDA graphs."""
+    """Run every step eagerly: no torch.compile, no CUDA graphs (optimization level 0)."""
     tensor_parallel_size: int = 1
     """Number of tensor-parallel workers; Glassbox runs one (must be 1)."""
     distributed_executor_backend: str | type | None = None
@@ -100,7 +100,13 @@ class EngineArgs:
     compilation_config: dict[str, Any] | None = None
     """Compilation and CUDA graphs, as a JSON object: {"mode": 0-3 (3: compile,
     split at attention), "backend": "inductor" or "eager", "compile_sizes": [...],
-    "cudagraph_mode": "FULL_DECODE_ONLY" or "NONE", "cudagraph_capture_sizes": [1, 2, 4, ...]}."""
+    "cudagraph_mode": NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE,
+    "cudagraph_capture_sizes": [1, 2, 4, ...]}; what it leaves out comes from
+    optimization_level."""
+    optimization_level: int | None = None
+    """-O0 ... -O3: 0 eager, 1 compiled with piecewise CUDA graphs, 2 and 3 compiled
+    with full graphs for decodes and piecewise ones for the rest; None: 2 on CUDA,
+    0 on the CPU (compiling there costs a minute at start-up)."""
     trace_level: str = "off"
     """How much the trace records: off, lifecycle (requests, scheduler, KV
     cache), or full (plus the sampler's candidates)."""
@@ -179,19 +185,6 @@ class EngineArgs:
             compilation_config = self.compilation_config
         else:
             compilation_config = CompilationConfig(**(self.compilation_config or {}))
-        max_num_seqs = (
-            SchedulerConfig.DEFAULT_MAX_NUM_SEQS if self.max_num_seqs is None else self.max_num_seqs
-        )
-        # A verification batch runs 1 + k tokens per request (a bad k is
-        # reported by SpeculativeConfig).
-        spec = self.speculative_config
-        k = spec.get("num_speculative_tokens") if isinstance(spec, dict) else None
-        compilation_config.finalize(
-            max_num_seqs,
-            enforce_eager=self.enforce_eager,
-            uniform_decode_query_len=1 + k if isinstance(k, int) and k > 0 else 1,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
         return GlassboxConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -234,4 +227,5 @@ class EngineArgs:
                 else StructuredOutputsConfig.from_dict(self.structured_outputs_config or {})
             ),
             shutdown_timeout=self.shutdown_timeout,
+            optimization_level=self.optimization_level,  # type: ignore[arg-type]
         )

@@ -141,8 +141,9 @@ for item in gen_source_map.STALE:
 # to 256 and every 16 above that, up to `max_cudagraph_capture_size`, which
 # defaults to twice `max_num_seqs` (at most 512). Which graphs are captured
 # (`FULL_DECODE_ONLY`, `FULL_AND_PIECEWISE`, …) is `cudagraph_mode`.
-# Glassbox uses 1, 2, 4 and every 8 up to `max_num_seqs`, and implements
-# `FULL_DECODE_ONLY` (full graphs for pure-decode batches, eager otherwise).
+# Glassbox follows the same list and the same modes; its default on CUDA is
+# vLLM's `-O2` (`FULL_AND_PIECEWISE` over the compiled model), on the CPU
+# `-O0` (no compiler, no graphs).
 #
 # ## 2. The engine and a staged workload
 #
@@ -607,28 +608,48 @@ print("graph mode the trace recorded per step:", sorted({b.cudagraph_mode for b 
 from engine.config.compilation import CompilationConfig, CUDAGraphMode
 from engine.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-config = CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY")
-config.finalize(max_num_seqs=64, enforce_eager=False)
-dispatcher = CudagraphDispatcher(config)
-for key in dispatcher.decode_keys():
-    dispatcher.captured.add(key)
-print("capture sizes:", config.cudagraph_capture_sizes)
-print(" tokens  uniform decode?  ->  mode   padded to  padding rows")
-for n, uniform in [(1, True), (3, True), (5, True), (8, True), (13, True), (17, True), (33, True),
-                   (57, True), (64, True), (65, True), (13, False), (32, False)]:
-    mode, desc = dispatcher.dispatch(n, uniform_decode=uniform)
-    padded = desc.num_tokens if mode == CUDAGraphMode.FULL else n
-    print(f"{n:>7}  {str(uniform):<15}  ->  {mode.name:<5}  {padded:>9}  {padded - n:>12}")
+def captured_dispatcher(**settings):
+    """The dispatcher for max_num_seqs=64, every key capture_model() would capture marked done."""
+    config = CompilationConfig(**settings)
+    config.finalize(max_num_seqs=64, enforce_eager=False, max_num_batched_tokens=128)
+    dispatcher = CudagraphDispatcher(config, max_num_tokens=128, max_num_reqs=64)
+    dispatcher.captured.update(dispatcher.decode_keys() + dispatcher.piecewise_keys())
+    return config, dispatcher
+
+
+levels = {  # what -O0 (with decode graphs asked for), -O1 and -O2 set
+    "FULL_DECODE_ONLY": dict(mode=0, cudagraph_mode="FULL_DECODE_ONLY"),
+    "PIECEWISE": dict(mode=3, cudagraph_mode="PIECEWISE"),
+    "FULL_AND_PIECEWISE": dict(mode=3, cudagraph_mode="FULL_AND_PIECEWISE"),
+}
+dispatchers = {}
+for name, settings in levels.items():
+    config, dispatchers[name] = captured_dispatcher(**settings)
+    print(f"{name:>18}: capture sizes {config.cudagraph_capture_sizes[:6]} ... "
+          f"{config.cudagraph_capture_sizes[-2:]}")
+print()
+print(" tokens  uniform decode?  " + "  ".join(f"{name:>18}" for name in levels))
+for n, uniform in [(1, True), (3, True), (13, True), (57, True), (64, True),
+                   (13, False), (65, False), (100, False), (129, False)]:
+    cells = []
+    for name, dispatcher in dispatchers.items():
+        mode, desc = dispatcher.dispatch(n, uniform_decode=uniform)
+        padded = n if mode == CUDAGraphMode.NONE else desc.num_tokens
+        cells.append(f"{mode.name:>9} -> {padded:>4}")
+    print(f"{n:>7}  {str(uniform):<15}  " + "  ".join(f"{c:>18}" for c in cells))
 
 # %% [markdown]
-# A mixed batch (like step 3 above) is never padded in `FULL_DECODE_ONLY`: its
-# shape — how many prefill tokens, in how many rows — varies too much to
-# capture. vLLM's default `FULL_AND_PIECEWISE` covers it with *piecewise*
-# graphs: everything except attention is captured per token count, and
-# attention runs eagerly between the pieces. That needs the model compiled and
-# split at its attention ops (`engine/compilation/`, session 06); Glassbox
-# offers it behind `compilation_config={"mode": 3, "cudagraph_mode":
-# "FULL_AND_PIECEWISE"}` and keeps `FULL_DECODE_ONLY` as its default for now.
+# Each cell is the runtime mode and the token count the step is padded to. A
+# mixed batch (like step 3 above) never gets a FULL graph: its shape — how many
+# prefill tokens, in how many rows — varies too much to capture, so under
+# `FULL_DECODE_ONLY` it runs eagerly. The piecewise modes cover it: everything
+# except attention is captured per token count, attention runs eagerly
+# between the pieces, and padding adds tokens only, never requests. That needs
+# the model compiled and split at its attention ops (`engine/compilation/`,
+# session 06). `FULL_AND_PIECEWISE` (vLLM's default, `-O2`) gives pure decodes
+# the full graph and everything else the pieces; `PIECEWISE` (`-O1`) gives
+# everyone the pieces. Past the largest size (128 here: twice `max_num_seqs`,
+# capped by the token budget) every mode runs eagerly.
 #
 # ### 4a. What graphs buy: the committed H200 numbers
 #
@@ -921,11 +942,19 @@ for step, b in batches.items():
 print("async input path: the device filled in the previous step's samples where the host had -1: ok")
 
 # %%
-# The dispatcher pads a uniform decode to the smallest captured size that fits, and never a mixed batch.
-for n in range(1, 70):
-    mode, desc = dispatcher.dispatch(n, uniform_decode=True)
-    fits = [s for s in config.cudagraph_capture_sizes if s >= n]
-    assert (mode == CUDAGraphMode.FULL and desc.num_tokens == min(fits)) if fits else mode == CUDAGraphMode.NONE
-    assert dispatcher.dispatch(n, uniform_decode=False)[0] == CUDAGraphMode.NONE
-print("dispatcher: smallest captured size that fits: ok")
+# Every mode pads to the smallest captured size that fits; FULL_DECODE_ONLY never pads a mixed
+# batch, the piecewise modes pad it in tokens (and FULL_AND_PIECEWISE keeps FULL for decodes).
+full_only, piecewise, both = (dispatchers[m] for m in levels)
+for n in range(1, 140):
+    decode_fits = [s for s in full_only.capture_sizes if s >= n]
+    mixed_fits = [s for s in piecewise.piecewise_capture_sizes if s >= n]
+    mode, desc = full_only.dispatch(n, uniform_decode=True)
+    assert (mode == CUDAGraphMode.FULL and desc.num_tokens == min(decode_fits)) if decode_fits else mode == CUDAGraphMode.NONE
+    assert full_only.dispatch(n, uniform_decode=False)[0] == CUDAGraphMode.NONE
+    for d in (piecewise, both):
+        mode, desc = d.dispatch(n, uniform_decode=False)
+        assert (mode == CUDAGraphMode.PIECEWISE and desc.num_tokens == min(mixed_fits)) if mixed_fits else mode == CUDAGraphMode.NONE
+    if decode_fits:
+        assert both.dispatch(n, uniform_decode=True)[0] == CUDAGraphMode.FULL
+print("dispatcher: smallest captured size that fits, per mode: ok")
 llm.shutdown()

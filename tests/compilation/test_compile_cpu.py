@@ -147,7 +147,8 @@ def test_bad_settings_name_the_field(settings: dict, message: str) -> None:
 def test_custom_ops_default_follows_the_compiler() -> None:
     assert CompilationConfig(mode=3).custom_ops == ["none"]
     assert CompilationConfig(mode=3, backend="eager").custom_ops == ["all"]
-    assert CompilationConfig().custom_ops == ["all"]
+    assert CompilationConfig().custom_ops == []  # the level's mode decides
+    assert CompilationConfig(mode=0).custom_ops == ["all"]
     config = CompilationConfig(mode=3, custom_ops=["+rms_norm"])
     assert config.is_custom_op_enabled("rms_norm") and not config.is_custom_op_enabled("silu")
     config = CompilationConfig(custom_ops=["all", "-rms_norm"])

@@ -26,6 +26,7 @@ from engine.model_executor.layers.activation import SiluAndMul
 from engine.model_executor.layers.layernorm import RMSNorm
 from engine.model_executor.layers.rotary_embedding import RotaryEmbedding
 from tests.helpers.calls import record_calls
+from tests.helpers.gpu import decode_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -292,6 +293,7 @@ def _greedy(model, dtype, logprobs=None):
         max_model_len=512,
         num_gpu_blocks_override=128,
         max_num_seqs=8,
+        **decode_graphs(),
     )
     outs = llm.generate(
         prompts,

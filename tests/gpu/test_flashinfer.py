@@ -34,6 +34,7 @@ import torch
 
 from engine.v1.attention.backend import CommonAttentionMetadata
 from tests.helpers.attention_batches import cpu_attn_fp32, scatter_requests
+from tests.helpers.gpu import decode_graphs
 from tests.helpers.hf_checkpoints import random_prompts, save_random_llama
 
 pytestmark = pytest.mark.gpu
@@ -346,7 +347,7 @@ def _generate(model, backend, **kw):
             dtype="bfloat16",
             max_model_len=1024,
             num_gpu_blocks_override=256,
-            **kw,
+            **decode_graphs(**kw),
         )
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
         used = runner.attn_backend.get_name()
@@ -440,6 +441,7 @@ def test_engine_flashinfer_with_chunking_and_preemption(fi, tiny_llama_head64):
             max_model_len=512,
             num_gpu_blocks_override=40,
             max_num_batched_tokens=64,
+            **decode_graphs(),
         )
         outs = llm.generate(
             _prompts(),

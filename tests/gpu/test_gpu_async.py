@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.helpers.gpu import decode_graphs
 from tests.helpers.hf_checkpoints import random_prompts, save_random_llama
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +49,7 @@ def _run(model, async_scheduling, **kw):
         dtype="float32",
         max_model_len=512,
         async_scheduling=async_scheduling,
-        **kw,
+        **decode_graphs(**kw),
     )
     prompts = random_prompts([3, 17, 64, 150, 300, 5], 1)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers.gpu import decode_graphs
 from tests.helpers.hf_checkpoints import random_prompts, save_random_llama
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +35,7 @@ def _generate(model, device, dtype, **kw):
         dtype=dtype,
         max_model_len=512,
         num_gpu_blocks_override=256,
-        **kw,
+        **decode_graphs(**kw),
     )
     outs = llm.generate(
         _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
@@ -59,6 +60,7 @@ def test_cuda_fp32_greedy_equals_cpu_with_chunking_and_preemption(tiny_llama):
         max_model_len=512,
         num_gpu_blocks_override=40,
         max_num_batched_tokens=64,
+        **decode_graphs(),
     )
     outs = llm.generate(
         _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
@@ -83,6 +85,7 @@ def test_bf16_logprobs_close_to_transformers_bf16(tiny_llama):
         device="cuda",
         max_model_len=512,
         num_gpu_blocks_override=64,
+        **decode_graphs(),
     )
     out = llm.generate(
         [{"prompt_token_ids": prompt}],
@@ -107,6 +110,7 @@ def test_cuda_graphs_match_eager(tiny_llama):
         max_model_len=512,
         num_gpu_blocks_override=256,
         max_num_seqs=8,
+        **decode_graphs(),
     )
     outs = llm.generate(
         _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
@@ -130,6 +134,7 @@ def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
         max_model_len=512,
         num_gpu_blocks_override=64,
         max_num_seqs=4,
+        **decode_graphs(),
     )
     config = args.create_engine_config()
     core = EngineCore(config, Executor.get_class(config))

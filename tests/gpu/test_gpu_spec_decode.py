@@ -16,6 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.tracing import load_trace
+from tests.helpers.gpu import decode_graphs
 from tests.helpers.hf_checkpoints import TINY_CONFIG, save_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +60,7 @@ def _run(model, speculative_config, trace_path=None, **kw):
         speculative_config=speculative_config,
         trace_path=trace_path,
         trace_level="lifecycle" if trace_path else "off",
-        **kw,
+        **decode_graphs(**kw),
     )
     outs = llm.generate(PROMPTS, PARAMS + PARAMS, use_tqdm=False)
     llm.shutdown()

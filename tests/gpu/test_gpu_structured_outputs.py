@@ -22,6 +22,7 @@ from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.v1.core.sched.output import GrammarOutput
 from engine.v1.structured_output.utils import apply_grammar_bitmask
+from tests.helpers.gpu import decode_graphs
 from tests.helpers.hf_checkpoints import save_tiny_checkpoint
 from tests.helpers.tiny_model import make_tiny_model_dir
 from tests.v1.structured_output.test_structured_outputs import (
@@ -86,6 +87,7 @@ def test_gpu_engine_mask_is_exact(word_model, backend, async_scheduling, monkeyp
         dtype="bfloat16",
         max_model_len=256,
         async_scheduling=async_scheduling,
+        **decode_graphs(),
     )
     try:
         by_hand = [{W["w1"]}, {W["w2"], W["w3"]}, {W["w5"]}, {EOS}]
@@ -126,6 +128,7 @@ def test_gpu_full_trace_records_the_mask_and_the_ranks(word_model, tmp_path) -> 
         max_model_len=256,
         trace_path=str(path),
         trace_level="full",
+        **decode_graphs(),
     )
     try:
         params = SamplingParams(

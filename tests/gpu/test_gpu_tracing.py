@@ -22,6 +22,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from engine.tracing import load_trace
 from tests.helpers.engine_fixtures import ids
+from tests.helpers.gpu import decode_graphs
 from tests.helpers.tiny_model import make_tiny_model_dir
 from tests.tracing.scenario import (
     internal_ids,
@@ -31,7 +32,7 @@ from tests.tracing.scenario import (
 
 pytestmark = pytest.mark.gpu
 
-CUDA = dict(device="cuda", dtype="float32")
+CUDA = decode_graphs(device="cuda", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ from engine.tracing import (
     load_trace,
 )
 from engine.tracing.engine_trace import CliTrace
+from engine.utils.argparse_utils import optimization_level
 
 HELP = "Run a prompt (plus background requests) with tracing on, then follow it in the TUI."
 
@@ -203,6 +204,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3}\' (default: off)',
     )
+    engine.add_argument(
+        "-O",
+        "--optimization-level",
+        type=optimization_level,
+        default=None,
+        metavar="{0,1,2,3}",
+        help="0 eager; 1 compiled, piecewise CUDA graphs; 2, 3 compiled, full graphs for "
+        "decodes (default: 2 on CUDA, 0 on the CPU)",
+    )
 
 
 @dataclass
@@ -327,6 +337,7 @@ def record_trace(args: argparse.Namespace) -> str:
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
+        optimization_level=args.optimization_level,
         disable_log_stats=True,
         trace_path=trace_path,
         trace_level=args.trace_level,

@@ -34,6 +34,7 @@ from functools import cache
 from typing import Any
 
 from engine.engine.arg_utils import EngineArgs
+from engine.utils.argparse_utils import optimization_level
 
 API_KEY_ENV = "GLASSBOX_API_KEY"
 
@@ -128,6 +129,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"default": field.default, "help": docs.get(field.name)}
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif field.name == "optimization_level":
+            # vLLM's spellings: -O3, -O 3, -O=3, --optimization-level 3.
+            group.add_argument(flag, "-O", type=optimization_level, metavar="{0,1,2,3}", **kwargs)
         elif _is_list(hints[field.name]):
             # logits_processors: one or more "module:Class" names.
             group.add_argument(flag, nargs="+", **kwargs)

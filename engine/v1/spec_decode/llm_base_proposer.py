@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from engine.config import GlassboxConfig
-from engine.config.compilation import CompilationMode
+from engine.config.compilation import CompilationMode, CUDAGraphMode
 from engine.forward_context import set_forward_context
 from engine.model_executor.layers.attention.attention import Attention
 from engine.model_executor.model_loader import get_model
@@ -144,7 +144,9 @@ class SpecDecodeBaseProposer:
         no compilation (drafts run eagerly). The copied compilation config
         shares the target's table of attention layers by name."""
         compilation_config = dataclasses.replace(
-            self.glassbox_config.compilation_config, mode=CompilationMode.NONE
+            self.glassbox_config.compilation_config,
+            mode=CompilationMode.NONE,
+            cudagraph_mode=CUDAGraphMode.NONE,
         )
         return dataclasses.replace(
             self.glassbox_config,
