@@ -1,7 +1,7 @@
 """Helpers shared by the session notebooks (sessions/NN_*/NN_*.ipynb).
 
 Not part of the engine and with no vLLM twin: this is the notebooks' own
-plumbing, kept in one place so the four notebooks build their reading tables
+plumbing, kept in one place so the session notebooks build their reading tables
 and show their figures the same way.
 
   * ``reading_table(files)``: the Markdown table at the top of each session --
