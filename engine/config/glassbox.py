@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config.cache import CacheConfig
 from engine.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -91,6 +92,10 @@ class GlassboxConfig:
     aborts them; 0 aborts them at once."""
     optimization_level: OptimizationLevel | None = None
     """0-3 (vLLM's -O0 ... -O3); None: O2 on CUDA, O0 on the CPU."""
+    # The model's QuantizationConfig (None: unquantized), built from
+    # model_config.quantization; every linear layer and the vocabulary ask it
+    # for their quant method.
+    quant_config: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
@@ -100,6 +105,16 @@ class GlassboxConfig:
         self._check_speculative_config()
         self._resolve_async_scheduling()
         self._apply_optimization_level()
+        self.quant_config = self._get_quantization_config()
+
+    def _get_quantization_config(self) -> Any:
+        name = self.model_config.quantization
+        if name is None:
+            return None
+        from engine.model_executor.layers.quantization import get_quantization_config
+
+        checkpoint_config = self.model_config.hf_config.get("quantization_config") or {}
+        return get_quantization_config(name).from_config(checkpoint_config)
 
     def _apply_optimization_level(self) -> None:
         level = self.optimization_level

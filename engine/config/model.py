@@ -6,6 +6,12 @@ and which HF config fields the rest of the engine reads (layers, KV heads,
 head size, EOS).
 Sessions: 01, 04.
 
+``quantization`` names a scheme of layers/quantization/ (``"gguf"``). A
+``.gguf`` file as the model means GGUF: its weights are read from the file,
+its config.json from ``hf_config_path`` (vLLM's field; Glassbox does not
+rebuild the architecture from GGUF metadata) and its tokenizer from there too
+unless ``tokenizer`` says otherwise.
+
 Simpler than vLLM: the HF ``config.json`` is read as a plain dict (no
 transformers import on the scheduler path); only decoder-only text models.
 
@@ -124,6 +130,10 @@ class ModelConfig:
     served_model_name: str | None = None
     """The name the model goes by in the API and the metrics' model_name label;
     None: ``model`` as given (before it is resolved to a folder), as in vLLM."""
+    quantization: str | None = None
+    """How the weights are stored: None (as the checkpoint's dtype) or "gguf"."""
+    hf_config_path: str | None = None
+    """Folder whose config.json describes the model; None: the model folder."""
 
     def __post_init__(self) -> None:
         # A pathlib.Path works as a model or tokenizer; the rest of the engine
@@ -139,13 +149,17 @@ class ModelConfig:
             raise ValueError(
                 f"logprobs_mode must be one of {get_args(LogprobsMode)}, got {self.logprobs_mode!r}"
             )
+        self._check_quantization()
+        config_folder = self.hf_config_path or self.model
         if not self.hf_config:
-            self.model = resolve_model_path(self.model)
-            self.hf_config = load_hf_config_dict(self.model, self.hf_overrides)
+            config_folder = resolve_model_path(config_folder)
+            if not self.is_gguf:
+                self.model = config_folder
+            self.hf_config = load_hf_config_dict(config_folder, self.hf_overrides)
         elif self.hf_overrides:
             self.hf_config = {**self.hf_config, **self.hf_overrides}
         if self.tokenizer is None:
-            self.tokenizer = self.model
+            self.tokenizer = config_folder
         elif not self.skip_tokenizer_init:
             self.tokenizer = resolve_model_path(self.tokenizer, field="tokenizer")
         derived = self.get_derived_max_model_len()
@@ -159,6 +173,37 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is larger than the model's maximum "
                 f"context length {derived} (from its config.json)"
+            )
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    def _check_quantization(self) -> None:
+        from engine.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
+            )
+        if not self.is_gguf:
+            if self.quantization == "gguf":
+                raise ValueError(
+                    f"quantization='gguf' needs a .gguf file as the model, got {self.model!r}"
+                )
+            return
+        if not os.path.isfile(self.model):
+            raise ValueError(f"model={self.model!r}: no such GGUF file")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(
+                f"model={self.model!r} is a GGUF file: quantization must be 'gguf' or unset, "
+                f"got {self.quantization!r}"
+            )
+        self.quantization = "gguf"
+        if self.hf_config_path is None and not self.hf_config:
+            raise ValueError(
+                f"model={self.model!r}: a GGUF model needs hf_config_path, a folder with "
+                "its config.json (Glassbox does not read the architecture from GGUF metadata)"
             )
 
     # -- fields the rest of the engine reads -------------------------------

@@ -81,6 +81,12 @@ class EngineArgs:
     load_format: str = "auto"
     """How weights are loaded: auto or safetensors (from the checkpoint), dummy
     (random weights, for benchmarks)."""
+    quantization: str | None = None
+    """How the weights are stored: None (the checkpoint's dtype) or gguf (a .gguf
+    file as MODEL, its blocks dequantized inside each layer; MODEL=default with
+    quantization gguf runs the embedded SmolLM2 from its Q4_1 file)."""
+    hf_config_path: str | None = None
+    """Folder with the model's config.json when MODEL is not one (a .gguf file)."""
     hf_overrides: dict[str, Any] | None = None
     """JSON object whose keys replace those of the model's config.json."""
     enforce_eager: bool = False
@@ -151,17 +157,24 @@ class EngineArgs:
         served_model_name = self.served_model_name
         if isinstance(served_model_name, list | tuple):
             served_model_name = served_model_name[0] if served_model_name else None
+        tokenizer, hf_config_path = self.tokenizer, self.hf_config_path
         if model is None or model == "default":
             from engine.model_executor.model_loader.default_model import (
                 DEFAULT_MODEL_NAME,
+                find_default_model_gguf,
                 resolve_model,
             )
 
             model = resolve_model(model)
             served_model_name = served_model_name or DEFAULT_MODEL_NAME
+            if self.quantization == "gguf":
+                # The Q4_1 file itself; config and tokenizer from its converted folder.
+                hf_config_path = hf_config_path or model
+                tokenizer = tokenizer or model
+                model = str(find_default_model_gguf())
         model_config = ModelConfig(
             model=model,
-            tokenizer=self.tokenizer,
+            tokenizer=tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
             dtype=self.dtype,
             seed=self.seed,
@@ -171,6 +184,8 @@ class EngineArgs:
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
             logits_processors=self.logits_processors,
             served_model_name=served_model_name,
+            quantization=self.quantization,
+            hf_config_path=hf_config_path,
         )
         max_model_len = model_config.max_model_len
         assert max_model_len is not None

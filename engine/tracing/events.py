@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.8"
+TRACE_FORMAT_VERSION = "1.9"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -74,7 +74,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.8"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.9"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -187,6 +187,16 @@ class RunnerInit(TraceEvent, kw_only=True, tag="runner.init"):
         list[int],
         doc("one layer's KV tensor: `[2, num_blocks, block_size, num_kv_heads, head_size]`"),
     ] = []
+    quantization: Annotated[
+        str, doc("`quantization=` (e.g. `gguf`); empty: none (and before 1.9)")
+    ] = ""
+    quant_methods: Annotated[
+        dict[str, str],
+        doc("layer class -> its quant method, e.g. `QKVParallelLinear: GGUFLinearMethod` (1.9)"),
+    ] = {}
+    weight_bytes: Annotated[
+        int, doc("bytes of the model's parameters as stored (0 before 1.9)")
+    ] = 0
 
 
 class RunnerCudagraphs(TraceEvent, kw_only=True, tag="runner.cudagraphs"):

@@ -44,6 +44,19 @@ _SAMPLING_EPS = 1e-5
 _NUMPY_DTYPES = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
 
 
+def _quantization_fields(runner: Any) -> dict[str, Any]:
+    """``runner.init``'s quantization, quant method per layer class and weight bytes."""
+    methods: dict[str, str] = {}
+    for module in runner.model.modules():
+        if (method := getattr(module, "quant_method", None)) is not None:
+            methods.setdefault(type(module).__name__, type(method).__name__)
+    return {
+        "quantization": runner.model_config.quantization or "",
+        "quant_methods": methods,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+    }
+
+
 @dataclass
 class _PendingSampled:
     """``sampler.sampled`` values of one call, queued to the host."""
@@ -314,6 +327,7 @@ class RunnerTrace(SubsystemTrace):
                 num_blocks=kv_cache_config.num_blocks,
                 block_size=runner.block_size,
                 kv_cache_shape=list(runner.kv_caches[0].shape) if runner.kv_caches else [],
+                **_quantization_fields(runner),
             )
         )
 

@@ -21,24 +21,32 @@ vLLM): decode-sized batches (4 to 256 rows) multiply against it, other calls
 keep using ``F.linear``. Read it for why a CPU engine repacks weights once at
 load (a decode step is a few dozen rows against every weight of the model).
 
-Simpler than vLLM: one "quant method" (unquantized); tensor parallel size is
-always 1. ``tp_rank``/``tp_size`` are still used in the slicing arithmetic so
-the seams read like vLLM's, but every slice is the whole tensor and no
-all-reduce or all-gather runs. vLLM keeps the CPU GEMM dispatch in
-``layers/utils.py`` and drops the unpacked ``W``; ours lives here and keeps
-``W`` (prefill-sized calls and the weight loaders still read it), so the CPU
-holds the linear weights twice.
+``quant_config`` (a ``QuantizationConfig``, layers/quantization/) picks the
+layer's quant method: the one that creates its parameters and computes its
+output; without one it is ``UnquantizedLinearMethod``. The weight loaders
+hand a GGUF layer's tensors over whole (``_maybe_load_gguf``): its method
+stacks them once the file is read (session 06).
+
+Simpler than vLLM: tensor parallel size is always 1. ``tp_rank``/``tp_size``
+are still used in the slicing arithmetic so the seams read like vLLM's, but
+every slice is the whole tensor and no all-reduce or all-gather runs. vLLM
+keeps the CPU GEMM dispatch in ``layers/utils.py`` and drops the unpacked
+``W``; ours lives here and keeps ``W`` (prefill-sized calls and the weight
+loaders still read it), so the CPU holds the linear weights twice.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
+
+if TYPE_CHECKING:
+    from engine.model_executor.layers.quantization import QuantizationConfig
 
 
 def set_weight_attrs(weight: torch.Tensor, weight_attrs: dict[str, Any] | None) -> None:
@@ -78,6 +86,18 @@ def _copy_checked(prefix: str, what: str, param_data: torch.Tensor, loaded: torc
             f"the checkpoint tensor has shape {tuple(loaded.shape)}"
         )
     param_data.copy_(loaded)
+
+
+def _maybe_load_gguf(param: Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> bool:
+    """A GGUF layer's ``qweight`` / ``qweight_type`` keep each shard's tensor
+    as it comes (its row width depends on the format); True when handled."""
+    if getattr(param, "is_gguf_weight_type", False):
+        param.shard_weight_type[shard_id] = int(loaded_weight.item())
+        return True
+    if getattr(param, "is_gguf_weight", False):
+        param.data_container[shard_id] = loaded_weight
+        return True
+    return False
 
 
 def _check_fused_size(prefix: str, loaded: torch.Tensor, dim: int, output_sizes: list[int]) -> None:
@@ -198,6 +218,7 @@ class LinearBase(nn.Module):
         *,
         return_bias: bool = True,
         disable_tp: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -206,7 +227,9 @@ class LinearBase(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.prefix = prefix  # full module name, used in error messages
-        self.quant_method = UnquantizedLinearMethod()
+        self.quant_config = quant_config
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method = method or UnquantizedLinearMethod()
         self.return_bias = return_bias
         self.disable_tp = disable_tp
         # Glassbox runs one worker: rank 0 of a group of 1.
@@ -240,6 +263,7 @@ class ReplicatedLinear(LinearBase):
         *,
         return_bias: bool = True,
         disable_tp: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(
             input_size,
@@ -250,6 +274,7 @@ class ReplicatedLinear(LinearBase):
             prefix,
             return_bias=return_bias,
             disable_tp=disable_tp,
+            quant_config=quant_config,
         )
         self.output_partition_sizes = list(getattr(self, "output_sizes", [output_size]))
         self.quant_method.create_weights(
@@ -264,6 +289,8 @@ class ReplicatedLinear(LinearBase):
         self._make_bias(self.output_size, {"output_dim": 0, "weight_loader": self.weight_loader})
 
     def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        if _maybe_load_gguf(param, loaded_weight):
+            return
         _copy_checked(self.prefix, "parameter", param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor):
@@ -291,6 +318,7 @@ class ColumnParallelLinear(LinearBase):
         *,
         return_bias: bool = True,
         disable_tp: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(
             input_size,
@@ -301,6 +329,7 @@ class ColumnParallelLinear(LinearBase):
             prefix,
             return_bias=return_bias,
             disable_tp=disable_tp,
+            quant_config=quant_config,
         )
         self.gather_output = gather_output
         self.input_size_per_partition = input_size
@@ -323,6 +352,8 @@ class ColumnParallelLinear(LinearBase):
         )
 
     def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        if _maybe_load_gguf(param, loaded_weight):
+            return
         output_dim = getattr(param, "output_dim", None)
         if output_dim is not None:
             shard_size = param.data.shape[output_dim]
@@ -358,6 +389,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         return_bias: bool = True,
         disable_tp: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(
@@ -370,11 +402,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             prefix=prefix,
             return_bias=return_bias,
             disable_tp=disable_tp,
+            quant_config=quant_config,
         )
 
     def weight_loader(
         self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | None = None
     ) -> None:
+        if _maybe_load_gguf(param, loaded_weight, loaded_shard_id):
+            return
         output_dim = param.output_dim
         if loaded_shard_id is None:
             # The checkpoint already holds the fused tensor: load it shard by shard.
@@ -422,6 +457,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         *,
         return_bias: bool = True,
         disable_tp: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         self.hidden_size = hidden_size
         self.head_size = head_size
@@ -450,6 +486,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             prefix=prefix,
             return_bias=return_bias,
             disable_tp=disable_tp,
+            quant_config=quant_config,
         )
 
     def _get_shard_offset_mapping(self, loaded_shard_id: str) -> int:
@@ -469,6 +506,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str | None = None
     ) -> None:
+        if _maybe_load_gguf(param, loaded_weight, loaded_shard_id):
+            return
         output_dim = param.output_dim
         if loaded_shard_id is None:
             # A fused qkv tensor in the checkpoint: split it by the full sizes.
@@ -516,6 +555,7 @@ class RowParallelLinear(LinearBase):
         *,
         return_bias: bool = True,
         disable_tp: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(
             input_size,
@@ -526,6 +566,7 @@ class RowParallelLinear(LinearBase):
             prefix,
             return_bias=return_bias,
             disable_tp=disable_tp,
+            quant_config=quant_config,
         )
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
@@ -545,6 +586,8 @@ class RowParallelLinear(LinearBase):
         self._make_bias(output_size, {"weight_loader": self.weight_loader})
 
     def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        if _maybe_load_gguf(param, loaded_weight):
+            return
         input_dim = getattr(param, "input_dim", None)
         if input_dim is not None:
             shard_size = param.data.shape[input_dim]

@@ -13,11 +13,17 @@ Read it for three things:
     config.json says ``tie_word_embeddings``, so the checkpoint holds it once.
 Sessions: 04.
 
+With a ``quant_config`` the table may be quantized (GGUF: the rows stay in
+their block format and only the looked-up rows are dequantized); a tied LM
+head is then the embedding module itself, since its method does both jobs.
+
 Simpler than vLLM: tensor parallel size 1, so each rank's shard is the whole
 vocabulary and no masking / all-reduce is needed; no LoRA-added vocabulary.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +31,14 @@ from torch import nn
 from torch.nn import Parameter
 
 from engine.model_executor.layers.linear import (
+    _maybe_load_gguf,
     cpu_unquantized_gemm,
     dispatch_cpu_unquantized_gemm,
     set_weight_attrs,
 )
+
+if TYPE_CHECKING:
+    from engine.model_executor.layers.quantization import QuantizationConfig
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -44,13 +54,17 @@ class UnquantizedEmbeddingMethod:
     def create_weights(
         self,
         layer: nn.Module,
-        num_embeddings: int,
-        embedding_dim: int,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
+        # The linear methods' signature: the table is [vocab rows, embedding_dim].
         weight = Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=params_dtype), requires_grad=False
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
         )
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         layer.register_parameter("weight", weight)
@@ -84,6 +98,7 @@ class VocabParallelEmbedding(nn.Module):
         org_num_embeddings: int | None = None,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = 0, 1  # one worker
@@ -95,16 +110,22 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.prefix = prefix
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.quant_method = UnquantizedEmbeddingMethod()
+        self.quant_config = quant_config
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method = method or UnquantizedEmbeddingMethod()
         self.quant_method.create_weights(
             self,
-            self.num_embeddings_per_partition,
             embedding_dim,
+            [self.num_embeddings_per_partition],
+            embedding_dim,
+            self.num_embeddings_padded,
             self.params_dtype,
             weight_loader=self.weight_loader,
         )
 
     def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
+        if _maybe_load_gguf(param, loaded_weight):
+            return
         output_dim = getattr(param, "output_dim", None)
         if output_dim is None:  # e.g. a bias-like tensor shared by every rank
             if param.data.shape != loaded_weight.shape:
@@ -152,9 +173,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         org_num_embeddings: int | None = None,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(
-            num_embeddings, embedding_dim, params_dtype, org_num_embeddings, padding_size, prefix
+            num_embeddings,
+            embedding_dim,
+            params_dtype,
+            org_num_embeddings,
+            padding_size,
+            prefix,
+            quant_config=quant_config,
         )
         if bias:
             self.bias = Parameter(
@@ -165,8 +193,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.register_parameter("bias", None)
 
-    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
-        """Share ``embed_tokens.weight`` (one tensor, listed once in named_parameters)."""
+    def tie_weights(
+        self, embed_tokens: VocabParallelEmbedding
+    ) -> ParallelLMHead | VocabParallelEmbedding:
+        """Share ``embed_tokens.weight`` (one tensor, listed once in named_parameters).
+        A GGUF table has no ``weight``: the head becomes the embedding module,
+        whose method also computes logits (``apply``), as in vLLM."""
+        if self.quant_config is not None and self.quant_config.get_name() == "gguf":
+            return embed_tokens
         self.weight = embed_tokens.weight
         return self
 

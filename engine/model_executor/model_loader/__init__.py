@@ -3,8 +3,9 @@
 vLLM twin: ``vllm/model_executor/model_loader/__init__.py`` (``get_model``,
 ``get_model_loader``).
 Read it for the dispatch on ``load_config.load_format``: ``"auto"`` and
-``"safetensors"`` read a checkpoint (``DefaultModelLoader``), ``"dummy"``
-fills random weights (``DummyModelLoader``).
+``"safetensors"`` read a checkpoint (``DefaultModelLoader``), ``"gguf"``
+(also ``"auto"`` with a .gguf model) reads a llama.cpp file
+(``GGUFModelLoader``), ``"dummy"`` fills random weights (``DummyModelLoader``).
 Sessions: 04.
 
 Difference from vLLM: ``get_model`` takes the device and dtype explicitly
@@ -14,6 +15,7 @@ vLLM reads both from its configs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +24,7 @@ from torch import nn
 from engine.model_executor.model_loader.base_loader import BaseModelLoader
 from engine.model_executor.model_loader.default_loader import DefaultModelLoader
 from engine.model_executor.model_loader.dummy_loader import DummyModelLoader
+from engine.model_executor.model_loader.gguf_loader import GGUFModelLoader
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig, LoadConfig
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 _LOAD_FORMAT_TO_MODEL_LOADER: dict[str, type[BaseModelLoader]] = {
     "auto": DefaultModelLoader,
     "safetensors": DefaultModelLoader,
+    "gguf": GGUFModelLoader,
     "dummy": DummyModelLoader,
 }
 
@@ -51,7 +55,10 @@ def get_model(
 ) -> nn.Module:
     """Build the model of ``glassbox_config`` on ``device`` in ``dtype`` and load
     its weights; ``prefix`` starts every layer name (``"draft_model"`` for a draft)."""
-    loader = get_model_loader(glassbox_config.load_config)
+    load_config = glassbox_config.load_config
+    if glassbox_config.model_config.is_gguf and load_config.load_format == "auto":
+        load_config = dataclasses.replace(load_config, load_format="gguf")
+    loader = get_model_loader(load_config)
     return loader.load_model(glassbox_config, device=device, dtype=dtype, prefix=prefix)
 
 
@@ -59,6 +66,7 @@ __all__ = [
     "BaseModelLoader",
     "DefaultModelLoader",
     "DummyModelLoader",
+    "GGUFModelLoader",
     "get_model",
     "get_model_loader",
 ]

@@ -48,6 +48,18 @@ class BaseModelLoader(ABC):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Fill the parameters of an already-built ``model``."""
 
+    def track_weights_loading(
+        self, model: nn.Module, loaded_weights: set[str], source: str = ""
+    ) -> None:
+        """Every parameter must have been filled from the checkpoint."""
+        weights_to_load = {name for name, _ in model.named_parameters()}
+        weights_not_loaded = weights_to_load - set(loaded_weights)
+        if weights_not_loaded:
+            raise ValueError(
+                f"the checkpoint {source!r} is missing weights for these parameters: "
+                f"{sorted(weights_not_loaded)}"
+            )
+
     def load_model(
         self,
         glassbox_config: GlassboxConfig,

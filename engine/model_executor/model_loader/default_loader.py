@@ -82,18 +82,6 @@ class DefaultModelLoader(BaseModelLoader):
             raise
         self.track_weights_loading(model, loaded_weights, model_config.model)
 
-    def track_weights_loading(
-        self, model: nn.Module, loaded_weights: set[str], source: str = ""
-    ) -> None:
-        """Every parameter must have been filled from the checkpoint."""
-        weights_to_load = {name for name, _ in model.named_parameters()}
-        weights_not_loaded = weights_to_load - set(loaded_weights)
-        if weights_not_loaded:
-            raise ValueError(
-                f"the checkpoint {source!r} is missing weights for these parameters: "
-                f"{sorted(weights_not_loaded)}"
-            )
-
 
 class _NameTracker:
     """Wraps the weights iterator and remembers the last name handed out."""

@@ -14,8 +14,14 @@ Read it for the shape of every vLLM decoder model:
     separate call on the few rows that sample (one per request).
 Sessions: 04 (worker), 05 (attention).
 
-Simpler than vLLM: no pipeline parallelism, quantization, LoRA, Eagle
-hooks or encoder-only variant; the HF config is read as a plain dict.
+``glassbox_config.quant_config`` reaches every linear layer and the
+vocabulary (``quant_config=``), as in vLLM. A GGUF Llama keeps llama.cpp's
+q/k row order, whose rotary pairs are adjacent features (GPT-J style), so
+its RoPE runs with ``is_neox_style=False`` instead of the rows being
+permuted back (vLLM does the same).
+
+Simpler than vLLM: no pipeline parallelism, LoRA, Eagle hooks or
+encoder-only variant; the HF config is read as a plain dict.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from engine.model_executor.models.utils import (
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
+    from engine.model_executor.layers.quantization import QuantizationConfig
 
 
 class LlamaMLP(nn.Module):
@@ -59,6 +66,7 @@ class LlamaMLP(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         hidden_act: str,
+        quant_config: QuantizationConfig | None = None,
         bias: bool = False,
         prefix: str = "",
     ) -> None:
@@ -69,10 +77,18 @@ class LlamaMLP(nn.Module):
             )
         # W_gate and W_up stacked: [2 * intermediate, hidden].
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj"
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=bias,
+            prefix=f"{prefix}.gate_up_proj",
+            quant_config=quant_config,
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            prefix=f"{prefix}.down_proj",
+            quant_config=quant_config,
         )
         self.act_fn = SiluAndMul()
 
@@ -92,6 +108,7 @@ class LlamaAttention(nn.Module):
         num_kv_heads: int,
         *,
         glassbox_config: GlassboxConfig,
+        quant_config: QuantizationConfig | None = None,
         max_position_embeddings: int = 8192,
         bias: bool = False,
         bias_o_proj: bool = False,
@@ -116,17 +133,21 @@ class LlamaAttention(nn.Module):
             self.total_num_kv_heads,
             bias=bias,
             prefix=f"{prefix}.qkv_proj",
+            quant_config=quant_config,
         )
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim,
             hidden_size,
             bias=bias_o_proj,
             prefix=f"{prefix}.o_proj",
+            quant_config=quant_config,
         )
+        # llama.cpp's q/k rows pair adjacent features (see the module docstring).
+        is_gguf = quant_config is not None and quant_config.get_name() == "gguf"
         self.rotary_emb = get_rope(
             self.head_dim,
             max_position=max_position_embeddings,
-            is_neox_style=True,
+            is_neox_style=not (is_gguf and config.get("model_type", "llama") == "llama"),
             rope_parameters=get_rope_parameters(config),
         )
         self.attn = Attention(
@@ -168,6 +189,7 @@ class LlamaDecoderLayer(nn.Module):
             num_heads=config["num_attention_heads"],
             num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             glassbox_config=glassbox_config,
+            quant_config=glassbox_config.quant_config,
             max_position_embeddings=config.get("max_position_embeddings", 8192),
             bias=attention_bias,
             bias_o_proj=bias_o_proj,
@@ -177,6 +199,7 @@ class LlamaDecoderLayer(nn.Module):
             self.hidden_size,
             config["intermediate_size"],
             config.get("hidden_act", "silu"),
+            quant_config=glassbox_config.quant_config,
             bias=bool(config.get("mlp_bias", False)),
             prefix=f"{prefix}.mlp",
         )
@@ -224,7 +247,10 @@ class LlamaModel(nn.Module):
         self.prefix = prefix
         self.vocab_size = config["vocab_size"]
         self.embed_tokens = VocabParallelEmbedding(
-            self.vocab_size, config["hidden_size"], prefix=f"{prefix}.embed_tokens"
+            self.vocab_size,
+            config["hidden_size"],
+            prefix=f"{prefix}.embed_tokens",
+            quant_config=glassbox_config.quant_config,
         )
         self.layers = make_layers(
             config["num_hidden_layers"],
@@ -278,7 +304,10 @@ class LlamaForCausalLM(nn.Module):
             layer_type=layer_type,
         )
         self.lm_head = ParallelLMHead(
-            config["vocab_size"], config["hidden_size"], prefix=maybe_prefix(prefix, "lm_head")
+            config["vocab_size"],
+            config["hidden_size"],
+            prefix=maybe_prefix(prefix, "lm_head"),
+            quant_config=glassbox_config.quant_config,
         )
         if config.get("tie_word_embeddings", False):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)

@@ -1,0 +1,103 @@
+"""Tiny GGUF files written from tiny HF Llama checkpoints, for the GGUF tests.
+
+``save_tiny_gguf`` quantizes every matrix of an HF folder the way llama.cpp's
+converter does (the ``gguf`` package's quantizers; q and k rows permuted into
+llama.cpp's rotary layout) and writes ``model.gguf``. ``save_dequantized``
+writes the HF folder the GGUF file stands for: the same matrices quantized
+and dequantized again (``gguf.quants``), in HF's row order -- the float model
+the quantized engine must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+# HF module -> GGUF tensor name (per layer: {i}); the inverse of gguf_loader's map.
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, _, suffix = hf_name.rpartition(".")
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.{suffix}"
+    _, _, layer, rest = module.split(".", 3)  # model.layers.{i}.{rest}
+    return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order: within each head, the two rotary halves interleaved."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _round_trip(w: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+
+
+def _matrices(hf_dir: Path) -> dict[str, np.ndarray]:
+    return {k: v.float().numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+
+
+def save_tiny_gguf(hf_dir: Path, out: Path, qtype_of: Callable[[str], object]) -> Path:
+    """``qtype_of(hf_name)`` -> a ``gguf.GGMLQuantizationType`` for each matrix."""
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(out), arch="llama")
+    for name, w in sorted(_matrices(hf_dir).items()):
+        if name.endswith("q_proj.weight"):
+            w = llama_cpp_permute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = llama_cpp_permute(w, kv_heads)
+        qtype = qtype_of(name) if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), w.astype(np.float32))
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def save_dequantized(hf_dir: Path, out_dir: Path, qtype_of: Callable[[str], object]) -> Path:
+    """The float HF folder equal to what ``save_tiny_gguf`` stores."""
+    import gguf
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out_dir / f.name)
+    tensors = {}
+    for name, w in _matrices(hf_dir).items():
+        qtype = qtype_of(name) if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if qtype != gguf.GGMLQuantizationType.F32:
+            w = _round_trip(w, qtype)  # row-wise blocks: the row order does not matter
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    return out_dir
