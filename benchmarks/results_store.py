@@ -34,6 +34,8 @@ Series names (``current_name``):
 * ``spec_verify_cost_<machine>`` (a verification step against a decode step).
 * ``structured_output_cost_<machine>`` (a decode step with every row masked by a
   JSON-schema grammar against a free one; grammar compile times).
+* ``quantization_<machine>`` (the default model from its GGUF file against its
+  float32 conversion: weight bytes, resident memory, tokens/s).
 
 A benchmark stores its run with ``--record`` (CPU scripts) or, for results
 written elsewhere (the GPU machine's ``$OUT``), with
@@ -127,6 +129,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"spec_verify_cost_{machine}"
     if benchmark == "structured_output_cost":
         return f"structured_output_cost_{machine}"
+    if benchmark == "quantization":
+        return f"quantization_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):
         model = model_slug(result)
         if machine == "cpu":

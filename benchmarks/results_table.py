@@ -713,6 +713,13 @@ def _file_says(res: Results, name: str) -> str:
         )
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
+    if benchmark == "quantization":
+        q, f = r["variants"]["gguf_q4_1"], r["variants"]["float32"]
+        return (
+            f"SmolLM2 from its Q4_1 GGUF: {q['weight_fraction_of_float32']:.0%} of the float32 "
+            f"weight bytes, {q['output_tokens_per_second']:.1f} against "
+            f"{f['output_tokens_per_second']:.1f} tok/s"
+        )
     return ""
 
 
@@ -835,6 +842,34 @@ def structured_output_cost_table(res: Results) -> str:
             for schema, c in r["compile"].items()
         )
         parts.append(f"Grammar compile ({where}): {compiles}.")
+        parts.append("")
+    return "\n".join(parts) if parts else "(no run recorded yet)\n"
+
+
+def quantization_table(res: Results) -> str:
+    """docs/quantization.md: per variant, bytes, memory and speed."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("quantization_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {r['model']}; "
+            f"{r['num_prompts']} prompts of {r['input_len']} tokens, {r['output_len']} greedy "
+            "tokens each, one batch):"
+        )
+        parts.append("")
+        parts.append(
+            "| weights | weight bytes | resident memory after load | output tok/s | "
+            "tokens equal float32 |"
+        )
+        parts.append("|---|---|---|---|---|")
+        for variant, v in r["variants"].items():
+            parts.append(
+                f"| {variant} | {v['weight_bytes'] / 1e6:.1f} MB "
+                f"({v['weight_fraction_of_float32']:.0%}) | "
+                f"{v['rss_after_load_bytes'] / 1e6:.0f} MB | "
+                f"{v['output_tokens_per_second']:.1f} | {v['tokens_equal_float32']} |"
+            )
         parts.append("")
     return "\n".join(parts) if parts else "(no run recorded yet)\n"
 
@@ -984,6 +1019,7 @@ BLOCKS = (
     Block("spec-decode", "docs/spec_decode.md", spec_decode_table),
     Block("spec-verify", "docs/spec_decode.md", spec_verify_table),
     Block("structured-output-cost", "docs/structured_outputs.md", structured_output_cost_table),
+    Block("quantization", "docs/quantization.md", quantization_table),
 )
 
 
