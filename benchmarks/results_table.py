@@ -51,6 +51,7 @@ DOCS = (
     "docs/reliability.md",
     "docs/spec_decode.md",
     "docs/structured_outputs.md",
+    "docs/quantization.md",
 )
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
