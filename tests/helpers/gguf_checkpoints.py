@@ -5,7 +5,8 @@ converter does (the ``gguf`` package's quantizers; q and k rows permuted into
 llama.cpp's rotary layout) and writes ``model.gguf``. ``save_dequantized``
 writes the HF folder the GGUF file stands for: the same matrices quantized
 and dequantized again (``gguf.quants``), in HF's row order -- the float model
-the quantized engine must reproduce.
+the quantized engine must reproduce. ``random_blocks`` makes raw GGUF data
+of any bytes, for the dequantization kernels.
 """
 
 from __future__ import annotations
@@ -101,3 +102,23 @@ def save_dequantized(hf_dir: Path, out_dir: Path, qtype_of: Callable[[str], obje
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
     save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir
+
+
+def random_blocks(qtype: int, m: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Raw GGUF data ``uint8 [m, n / 32 * bytes_per_block]`` of random bytes:
+    every quant bit pattern, scales of either sign, zero and subnormal. The
+    fp16 scales' top exponent bit is cleared (|scale| < 2), so none is inf
+    or NaN (NaN payloads would make equal results compare unequal)."""
+    from engine.model_executor.layers.quantization.gguf_kernels import (
+        BLOCK_SIZE,
+        BYTES_PER_BLOCK,
+        GGML_Q4_1,
+    )
+
+    nbytes = BYTES_PER_BLOCK[qtype]
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (m, n // BLOCK_SIZE, nbytes), generator=g, dtype=torch.uint8)
+    blocks[..., 1] &= 0xBF  # d (little-endian): bit 6 of its high byte is the exponent top bit
+    if qtype == GGML_Q4_1:
+        blocks[..., 3] &= 0xBF  # m
+    return blocks.reshape(m, n // BLOCK_SIZE * nbytes)

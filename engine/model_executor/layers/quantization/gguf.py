@@ -13,7 +13,8 @@ Read it for the three levels of base_config.py on one scheme:
           of ``weight``; the loader hands each q/k/v or gate/up shard to the
           fused layer's weight loader, which keeps them aside until
           ``process_weights_after_loading`` stacks their rows;
-  Kernel  ``fused_mul_mat_gguf``: dequantize (gguf_kernels.py), then matmul.
+  Kernel  ``fused_mul_mat_gguf``: dequantize (gguf_kernels.py: torch, Triton on
+          CUDA), then matmul.
           The embedding dequantizes only the looked-up rows.
 
 A fused layer's shards may come in different formats (q in Q4_1, v in Q8_0 is
