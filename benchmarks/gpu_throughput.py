@@ -28,7 +28,11 @@ process, and writes one JSON with everything the docs table needs:
   level and graph mode (``throughput_compiled``: O1 = compiled + PIECEWISE,
   compiled + FULL_DECODE_ONLY, and O0 + FULL_DECODE_ONLY, the engine before
   compilation), and the batch-1 and batch-64 decode steps of the last
-  (``decode_latency_o0_full_decode_only``) beside the default's.
+  (``decode_latency_o0_full_decode_only``) beside the default's;
+* ``--parts fp8`` (not in the default set): the default engine with
+  ``quantization="fp8"`` (online W8A8, per-tensor scales) on the same
+  workload (``throughput_fp8``) and its batch-1 and batch-64 decode steps
+  (``decode_latency_fp8``), beside the bf16 figures.
 
 Usage: python3 benchmarks/gpu_throughput.py --out DIR [--parts throughput,eager,hf,latency]
        [--hf-num-prompts N] [--hf-timeout-s S] [--record [RESULTS_DIR]]
@@ -93,7 +97,7 @@ TARGETS = {
     "ratio_to_transformers": 20,
     "decode_step_batch1_ms": 1.0,
 }
-ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes")
+ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes", "fp8")
 # The ``modes`` part: the compiled model (CompilationMode.VLLM_COMPILE) under
 # each CUDA-graph mode, on the same workload, and its batch-1 decode step.
 # name -> (optimization level, compilation_config): the default O2 is
@@ -159,7 +163,7 @@ def main() -> int:
     ap.add_argument("--out", default="out", help="the directory to write the JSON into")
     ap.add_argument(
         "--parts",
-        default=",".join(p for p in ALL_PARTS if p != "modes"),
+        default=",".join(p for p in ALL_PARTS if p not in ("modes", "fp8")),
         help=f"comma-separated subset of {ALL_PARTS}",
     )
     ap.add_argument(
@@ -320,6 +324,25 @@ def main() -> int:
                     optimization_level=0,
                     compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"},
                 ),
+                [1, 64],
+                input_len=512,
+                num_iters=32,
+                num_iters_warmup=4,
+            ),
+        )
+
+    if "fp8" in parts:
+        r = attempt(
+            "throughput_fp8",
+            lambda: run_glassbox(requests, engine_args(path, False, quantization="fp8")),
+        )
+        if r is not None:
+            r["fraction_of_roofline"] = r["output_tokens_per_second"] / bound_tps
+            save()
+        attempt(
+            "decode_latency_fp8",
+            lambda: run_decode_latency(
+                engine_args(path, False, enable_prefix_caching=False, quantization="fp8"),
                 [1, 64],
                 input_len=512,
                 num_iters=32,

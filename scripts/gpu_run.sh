@@ -2,7 +2,7 @@
 # The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
 #
 # Usage, on a CUDA machine, from the repo root:
-#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so|compile]  (`make test-gpu` = `all`)
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so|compile|quant]  (`make test-gpu` = `all`)
 #     tests    every test marked `gpu` (tests/gpu, tests/v1/{attention,worker,sample}); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
@@ -21,6 +21,9 @@
 #     compile  torch.compile: its gpu tests (tests/gpu/test_gpu_compile.py), then throughput
 #              of the compiled model under each CUDA-graph mode against the default
 #              engine (benchmarks/gpu_throughput.py --parts throughput,modes)
+#     quant    quantization: its gpu tests (GGUF kernel and engine, FP8), then throughput and
+#              decode steps with quantization fp8 beside bf16 (gpu_throughput.py --parts
+#              throughput,fp8)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
@@ -57,8 +60,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing | async | spec | so | compile) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile]" >&2; exit 2 ;;
+  all | tests | bench | tracing | async | spec | so | compile | quant) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile|quant]" >&2; exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
@@ -93,6 +96,13 @@ if [ "$WHAT" = compile ]; then
   [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
   # Compiled pieces land in $GLASSBOX_CACHE/torch_compile_cache (here under /tmp).
   "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${COMPILE_PARTS:-throughput,modes}" \
+    2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+fi
+if [ "$WHAT" = quant ]; then
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu \
+    tests/gpu/test_gpu_fp8.py $(ls tests/gpu/test_gpu_gguf*.py 2>/dev/null) 2>&1 \
+    | tee "$OUT/gpu_tests.log" || rc=1
+  "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${QUANT_PARTS:-throughput,fp8}" \
     2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = async ]; } \

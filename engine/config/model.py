@@ -131,7 +131,7 @@ class ModelConfig:
     """The name the model goes by in the API and the metrics' model_name label;
     None: ``model`` as given (before it is resolved to a folder), as in vLLM."""
     quantization: str | None = None
-    """How the weights are stored: None (as the checkpoint's dtype) or "gguf"."""
+    """How the weights are stored: None (as the checkpoint says), "fp8" or "gguf"."""
     hf_config_path: str | None = None
     """Folder whose config.json describes the model; None: the model folder."""
 
@@ -158,6 +158,7 @@ class ModelConfig:
             self.hf_config = load_hf_config_dict(config_folder, self.hf_overrides)
         elif self.hf_overrides:
             self.hf_config = {**self.hf_config, **self.hf_overrides}
+        self._check_checkpoint_quantization()
         if self.tokenizer is None:
             self.tokenizer = config_folder
         elif not self.skip_tokenizer_init:
@@ -205,6 +206,25 @@ class ModelConfig:
                 f"model={self.model!r}: a GGUF model needs hf_config_path, a folder with "
                 "its config.json (Glassbox does not read the architecture from GGUF metadata)"
             )
+
+    def _check_checkpoint_quantization(self) -> None:
+        """A checkpoint saved quantized says so in config.json (``quantization_config``)."""
+        from engine.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        method = (self.hf_config.get("quantization_config") or {}).get("quant_method")
+        if method is None:
+            return
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"model={self.model!r} is quantized with {method!r} (its config.json's "
+                f"quantization_config); Glassbox loads {QUANTIZATION_METHODS}"
+            )
+        if self.quantization not in (None, method):
+            raise ValueError(
+                f"quantization={self.quantization!r} does not match the checkpoint, "
+                f"whose config.json says quant_method {method!r}"
+            )
+        self.quantization = method
 
     # -- fields the rest of the engine reads -------------------------------
     def get_derived_max_model_len(self) -> int:

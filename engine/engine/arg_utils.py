@@ -82,7 +82,8 @@ class EngineArgs:
     """How weights are loaded: auto or safetensors (from the checkpoint), dummy
     (random weights, for benchmarks)."""
     quantization: str | None = None
-    """How the weights are stored: None (the checkpoint's dtype) or gguf (a .gguf
+    """How the weights are stored: None (as the checkpoint says), fp8 (float
+    weights quantized to e4m3 as they load, activations per call) or gguf (a .gguf
     file as MODEL, its blocks dequantized inside each layer; MODEL=default with
     quantization gguf runs the embedded SmolLM2 from its Q4_1 file)."""
     hf_config_path: str | None = None

@@ -6,7 +6,7 @@ Read it for the registry every ``quantization=`` value goes through; each
 scheme is a ``QuantizationConfig`` subclass (base_config.py).
 Sessions: 06 (quantization).
 
-Simpler than vLLM: one scheme so far, GGUF (vLLM registers ~30).
+Simpler than vLLM: two schemes, GGUF and FP8 (vLLM registers ~30).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.model_executor.layers.quantization.base_config import (
     QuantizeMethodBase,
 )
 
-QUANTIZATION_METHODS: list[str] = ["gguf"]
+QUANTIZATION_METHODS: list[str] = ["fp8", "gguf"]
 
 
 def get_quantization_config(quantization: str) -> type[QuantizationConfig]:
@@ -24,9 +24,10 @@ def get_quantization_config(quantization: str) -> type[QuantizationConfig]:
         raise ValueError(
             f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
         )
+    from engine.model_executor.layers.quantization.fp8 import Fp8Config
     from engine.model_executor.layers.quantization.gguf import GGUFConfig
 
-    return {"gguf": GGUFConfig}[quantization]
+    return {"fp8": Fp8Config, "gguf": GGUFConfig}[quantization]
 
 
 __all__ = [

@@ -1,0 +1,265 @@
+"""FP8 (e4m3) weights and activations: W8A8 with per-tensor scales.
+
+vLLM twin: ``vllm/model_executor/layers/quantization/fp8.py`` (``Fp8Config``,
+``Fp8LinearMethod``, ``Fp8OnlineLinearMethod``).
+Read it for the three levels of base_config.py on a scheme whose kernel is
+a matmul *in* fp8:
+
+  Config  ``Fp8Config``: from ``quantization="fp8"`` on a float checkpoint
+          (online: the weights are quantized as they load), or from a
+          checkpoint's ``quantization_config`` (``quant_method: fp8``: the
+          weights are stored in fp8 with a scale per tensor);
+  Method  ``Fp8OnlineLinearMethod`` creates a float ``weight`` as usual and,
+          once loaded, replaces it by ``weight_fp8 = weight / scale`` with
+          ``scale = max|W| / 448``; ``Fp8LinearMethod`` creates the fp8
+          ``weight`` and a ``weight_scale`` per checkpoint tensor, and after
+          loading requantizes a fused layer's shards to their largest scale,
+          so q, k and v share one;
+  Kernel  ``apply_fp8_linear``: the input is quantized per call
+          (input_quant_fp8.py: dynamic, or the checkpoint's ``input_scale``),
+          then ``torch._scaled_mm(x_fp8, W_fp8.T, scale_x, scale_w)``
+          multiplies in fp8 and rescales into the activation dtype (tensor
+          cores on Hopper; torch's own implementation on the CPU). Shapes
+          ``_scaled_mm`` refuses (dimensions not multiples of 16 on CUDA) take
+          the reference path: dequantize both operands, multiply in float32.
+
+Weights are stored transposed (``[in, out]``, a column-major view of the
+``[out, in]`` tensor), the layout ``_scaled_mm`` wants for its second operand.
+Sessions: 06 (quantization).
+
+Simpler than vLLM: per-tensor scales only (no per-channel / per-token / block
+quantization, no DeepGEMM, CUTLASS or Marlin kernels, no fp8 KV cache, no
+MoE); the activation dtype may also be float32 (the CPU runs fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import Parameter
+
+from engine.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from engine.model_executor.layers.quantization.input_quant_fp8 import (
+    FP8_DTYPE,
+    QuantFP8,
+    scaled_fp8_quant,
+)
+
+ACTIVATION_SCHEMES = ["static", "dynamic"]
+_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+class Fp8Config(QuantizationConfig):
+    def __init__(
+        self,
+        is_checkpoint_fp8_serialized: bool = False,
+        activation_scheme: str = "dynamic",
+        ignored_layers: list[str] | None = None,
+        weight_block_size: list[int] | None = None,
+    ) -> None:
+        if activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"fp8 activation_scheme must be one of {ACTIVATION_SCHEMES}, "
+                f"got {activation_scheme!r}"
+            )
+        if weight_block_size is not None:
+            raise ValueError(
+                f"fp8 weight_block_size={weight_block_size}: block-wise FP8 checkpoints are not "
+                "supported by Glassbox (per-tensor scales only)"
+            )
+        if activation_scheme == "static" and not is_checkpoint_fp8_serialized:
+            raise ValueError("fp8 activation_scheme 'static' needs an fp8 checkpoint's input_scale")
+        self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized
+        self.activation_scheme = activation_scheme
+        self.ignored_layers = list(ignored_layers or [])
+
+    def __repr__(self) -> str:
+        return (
+            f"Fp8Config(serialized={self.is_checkpoint_fp8_serialized}, "
+            f"activation_scheme={self.activation_scheme!r}, ignored_layers={self.ignored_layers})"
+        )
+
+    def get_name(self) -> str:
+        return "fp8"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
+        quant_method = str(config.get("quant_method", ""))
+        return cls(
+            is_checkpoint_fp8_serialized="fp8" in quant_method,
+            activation_scheme=config.get("activation_scheme", "dynamic"),
+            ignored_layers=config.get("ignored_layers") or config.get("modules_to_not_convert"),
+            weight_block_size=config.get("weight_block_size"),
+        )
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from engine.model_executor.layers.linear import LinearBase
+
+        if not isinstance(layer, LinearBase):
+            return None
+        if any(prefix == m or prefix.endswith("." + m) for m in self.ignored_layers):
+            return None
+        if self.is_checkpoint_fp8_serialized:
+            return Fp8LinearMethod(self)
+        return Fp8OnlineLinearMethod(self)
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes these operands (CUDA: sm89+, dims % 16)."""
+    if x.device.type == "cpu":
+        return True
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    return x.shape[1] % 16 == 0 and weight_t.shape[1] % 16 == 0
+
+
+def apply_fp8_linear(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    quant: QuantFP8,
+) -> torch.Tensor:
+    """``x [..., in] @ W.T + b`` with ``W = weight_t.T * weight_scale`` (fp8)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [T, in]
+    q, scale = quant(x2, input_scale)
+    if _scaled_mm_fits(q, weight_t):
+        out = torch._scaled_mm(q, weight_t, scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
+    else:  # the reference: both operands back in float32
+        out = ((q.float() * scale) @ (weight_t.float() * weight_scale)).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight_t.shape[1])
+
+
+class Fp8OnlineLinearMethod(QuantizeMethodBase):
+    """A float checkpoint, quantized to fp8 per tensor once it is loaded."""
+
+    def __init__(self, quant_config: Fp8Config) -> None:
+        self.quant_config = quant_config
+        self.quant = QuantFP8(static=False)
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        weight = Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        weight.input_dim, weight.output_dim = 1, 0
+        for key, value in extra_weight_attrs.items():
+            setattr(weight, key, value)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        qweight, scale = scaled_fp8_quant(layer.weight.data)
+        layer.weight = Parameter(qweight.t(), requires_grad=False)  # [in, out], column-major
+        layer.weight_scale = Parameter(scale, requires_grad=False)
+        layer.input_scale = None
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return apply_fp8_linear(
+            x, layer.weight, layer.weight_scale, layer.input_scale, bias, self.quant
+        )
+
+
+def _load_shard_scale(param: Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """A scale per checkpoint tensor: q/k/v (or gate/up) land at their index."""
+    index = 0 if shard_id is None else _SHARD_INDEX.get(shard_id, shard_id)
+    if loaded.numel() != 1:
+        raise ValueError(
+            f"fp8 scales must be per tensor (one number), got shape {tuple(loaded.shape)}"
+        )
+    param.data[index] = loaded.reshape(()).float()
+    param.loaded_shards.add(index)
+
+
+class Fp8LinearMethod(Fp8OnlineLinearMethod):
+    """An fp8 checkpoint: ``weight`` in e4m3, ``weight_scale`` (and, for the
+    static scheme, ``input_scale``) per checkpoint tensor."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        super().create_weights(
+            layer,
+            input_size_per_partition,
+            output_partition_sizes,
+            input_size,
+            output_size,
+            FP8_DTYPE,
+            **extra_weight_attrs,
+        )
+        layer.logical_widths = list(output_partition_sizes)
+        names = ["weight_scale"]
+        if self.quant_config.activation_scheme == "static":
+            names.append("input_scale")
+            self.quant = QuantFP8(static=True)
+        for name in names:
+            scale = Parameter(
+                torch.full((len(output_partition_sizes),), float("nan")), requires_grad=False
+            )
+            scale.weight_loader = _load_shard_scale
+            scale.loaded_shards = set()
+            layer.register_parameter(name, scale)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scales = layer.weight_scale.data.float()  # one per shard
+        max_scale = scales.max()
+        weight = layer.weight.data  # [out, in] fp8, the shards' rows stacked
+        if len(layer.logical_widths) > 1 and not bool((scales == max_scale).all()):
+            # Requantize every shard to the largest scale: one scale per layer.
+            parts, start = [], 0
+            for width, scale in zip(layer.logical_widths, scales, strict=True):
+                rows = weight[start : start + width].float() * scale
+                parts.append(scaled_fp8_quant(rows, max_scale)[0])
+                start += width
+            weight = torch.cat(parts)
+        layer.weight = Parameter(weight.t(), requires_grad=False)
+        layer.weight_scale = Parameter(max_scale.reshape(()), requires_grad=False)
+        input_scale = getattr(layer, "input_scale", None)
+        if input_scale is not None:
+            layer.input_scale = Parameter(input_scale.data.max().reshape(()), requires_grad=False)
+        else:
+            layer.input_scale = None
+
+
+def fp8_dequantized_weight(layer: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` float32 weight an fp8 layer computes with (for tests and notebooks)."""
+    return (layer.weight.float() * layer.weight_scale).t()
+
+
+__all__ = [
+    "ACTIVATION_SCHEMES",
+    "Fp8Config",
+    "Fp8LinearMethod",
+    "Fp8OnlineLinearMethod",
+    "apply_fp8_linear",
+    "fp8_dequantized_weight",
+]

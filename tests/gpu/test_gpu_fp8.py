@@ -1,0 +1,57 @@
+"""FP8 on the H200: ``torch._scaled_mm`` against the dequantized reference,
+and an fp8 engine on CUDA against the same engine on the CPU (float32
+activations on both, so only the fp8 GEMM implementation differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model_executor.layers.quantization.fp8 import apply_fp8_linear
+from engine.model_executor.layers.quantization.input_quant_fp8 import QuantFP8, scaled_fp8_quant
+from tests.helpers.gpu import decode_graphs
+from tests.helpers.hf_checkpoints import TINY_CONFIG, save_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_mm_equals_the_reference(dtype) -> None:
+    x = torch.randn(37, 256, device="cuda", dtype=dtype)
+    w = torch.randn(512, 256, device="cuda", dtype=dtype)
+    qw, sw = scaled_fp8_quant(w)
+    out = apply_fp8_linear(x, qw.t(), sw, None, None, QuantFP8(static=False))
+    qx, sx = scaled_fp8_quant(x)
+    ref = ((qx.float() * sx) @ (qw.float() * sw).t()).to(dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_fp8_engine_on_cuda_matches_the_cpu(tmp_path) -> None:
+    from engine import LLM, SamplingParams
+
+    save_tiny_checkpoint("llama", tmp_path / "hf", seed=5)
+    vocab = TINY_CONFIG["vocab_size"]
+    prompts = [
+        {"prompt_token_ids": [(11 * i + 7 * j) % vocab for j in range(n)]}
+        for i, n in enumerate((5, 21, 40))
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(
+            str(tmp_path / "hf"),
+            skip_tokenizer_init=True,
+            device=device,
+            dtype="float32",
+            quantization="fp8",
+            max_model_len=128,
+            num_gpu_blocks_override=64,
+            **decode_graphs(),
+        )
+        outs[device] = llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+    for a, b in zip(outs["cuda"], outs["cpu"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[t].logprob - lb[t].logprob) <= 1e-3 for t in la)
