@@ -232,3 +232,17 @@ def test_a_gguf_file_with_an_fp8_config_is_refused(tmp_path: Path) -> None:
     args = EngineArgs(model=str(path), hf_config_path=str(hf), skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="quantization='gguf' does not match the checkpoint"):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_layers_get_the_fp8_method(arch: str, tmp_path: Path) -> None:
+    save_tiny_checkpoint(arch, tmp_path / arch, seed=0)
+    llm = LLM(str(tmp_path / arch), quantization="fp8", **ENGINE)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=3))
+    llm.shutdown()
+    layer = runner.model.model.layers[0]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert type(module.quant_method).__name__ == "Fp8OnlineLinearMethod"
+        assert module.weight.dtype == FP8_DTYPE
+    assert len(out.outputs[0].token_ids) == 3

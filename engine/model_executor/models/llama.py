@@ -20,8 +20,10 @@ q/k row order, whose rotary pairs are adjacent features (GPT-J style), so
 its RoPE runs with ``is_neox_style=False`` instead of the rows being
 permuted back (vLLM does the same).
 
-Simpler than vLLM: no pipeline parallelism, LoRA, Eagle hooks or
-encoder-only variant; the HF config is read as a plain dict.
+LoRA wraps the projections from outside (engine/lora/), as vLLM's does.
+
+Simpler than vLLM: no pipeline parallelism, Eagle hooks or encoder-only
+variant; the HF config is read as a plain dict.
 """
 
 from __future__ import annotations

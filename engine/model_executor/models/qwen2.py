@@ -10,8 +10,12 @@ Qwen3 reuses the MLP, the decoder layer (through ``make_attention``), the
 model body and the causal-LM wrapper (through ``model_cls``), as vLLM does.
 Sessions: 04.
 
-Simpler than vLLM: no pipeline parallelism, quantization, LoRA, dual-chunk
-attention, sliding windows or encoder-only variant.
+``glassbox_config.quant_config`` reaches every linear layer and the
+vocabulary (FP8; GGUF files are loaded for Llama only). LoRA wraps the
+projections from outside (engine/lora/).
+
+Simpler than vLLM: no pipeline parallelism, dual-chunk attention, sliding
+windows or encoder-only variant.
 """
 
 from __future__ import annotations
@@ -47,13 +51,19 @@ from engine.model_executor.models.utils import (
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
+    from engine.model_executor.layers.quantization import QuantizationConfig
 
 QWEN_DEFAULT_ROPE_THETA = 1_000_000.0
 
 
 class Qwen2MLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, hidden_act: str, prefix: str = ""
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -61,10 +71,18 @@ class Qwen2MLP(nn.Module):
                 f"hidden_act must be 'silu' (the only activation supported), got {hidden_act!r}"
             )
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, prefix=f"{prefix}.gate_up_proj"
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=False,
+            prefix=f"{prefix}.gate_up_proj",
+            quant_config=quant_config,
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias=False,
+            prefix=f"{prefix}.down_proj",
+            quant_config=quant_config,
         )
         self.act_fn = SiluAndMul()
 
@@ -105,9 +123,14 @@ class Qwen2Attention(nn.Module):
             self.total_num_kv_heads,
             bias=True,
             prefix=f"{prefix}.qkv_proj",
+            quant_config=glassbox_config.quant_config,
         )
         self.o_proj = RowParallelLinear(
-            self.total_num_heads * self.head_dim, hidden_size, bias=False, prefix=f"{prefix}.o_proj"
+            self.total_num_heads * self.head_dim,
+            hidden_size,
+            bias=False,
+            prefix=f"{prefix}.o_proj",
+            quant_config=glassbox_config.quant_config,
         )
         self.rotary_emb = get_rope(
             self.head_dim, max_position=max_position, rope_parameters=rope_parameters
@@ -143,6 +166,7 @@ class Qwen2DecoderLayer(nn.Module):
             config["intermediate_size"],
             config.get("hidden_act", "silu"),
             prefix=f"{prefix}.mlp",
+            quant_config=glassbox_config.quant_config,
         )
         self.input_layernorm = RMSNorm(self.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(self.hidden_size, eps=eps)
@@ -199,7 +223,10 @@ class Qwen2Model(nn.Module):
         self.prefix = prefix
         self.vocab_size = config["vocab_size"]
         self.embed_tokens = VocabParallelEmbedding(
-            config["vocab_size"], config["hidden_size"], prefix=f"{prefix}.embed_tokens"
+            config["vocab_size"],
+            config["hidden_size"],
+            prefix=f"{prefix}.embed_tokens",
+            quant_config=glassbox_config.quant_config,
         )
         self.layers = make_layers(
             config["num_hidden_layers"],
@@ -251,7 +278,10 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(
-                config["vocab_size"], config["hidden_size"], prefix=maybe_prefix(prefix, "lm_head")
+                config["vocab_size"],
+                config["hidden_size"],
+                prefix=maybe_prefix(prefix, "lm_head"),
+                quant_config=glassbox_config.quant_config,
             )
         self.logits_processor = LogitsProcessor(config["vocab_size"])
 

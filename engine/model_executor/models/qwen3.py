@@ -90,10 +90,15 @@ class Qwen3Attention(nn.Module):
             self.total_num_kv_heads,
             bias=qkv_bias,
             prefix=f"{prefix}.qkv_proj",
+            quant_config=glassbox_config.quant_config,
         )
         # [H * D] -> hidden: with an explicit head_dim, H * D need not equal hidden.
         self.o_proj = RowParallelLinear(
-            self.total_num_heads * self.head_dim, hidden_size, bias=False, prefix=f"{prefix}.o_proj"
+            self.total_num_heads * self.head_dim,
+            hidden_size,
+            bias=False,
+            prefix=f"{prefix}.o_proj",
+            quant_config=glassbox_config.quant_config,
         )
         self.rotary_emb = get_rope(
             self.head_dim, max_position=max_position, rope_parameters=rope_parameters
