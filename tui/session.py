@@ -255,6 +255,11 @@ class TraceSession:
         tl = self.timelines.get(request_id)
         return tl.label if tl is not None else request_id
 
+    def request_lora(self, request_id: str) -> str:
+        """The LoRA adapter ``request_id`` runs with ("" for the base model)."""
+        tl = self.timelines.get(request_id)
+        return tl.lora_name if tl is not None else ""
+
     # -- steps -------------------------------------------------------------------
     @property
     def last_step(self) -> int:

@@ -159,6 +159,8 @@ class RequestTimeline:
     # What the request list calls it: the user's id (a child: "<index>_<id>")
     # when that names no other request of the trace, else ``request_id``.
     label: str = ""
+    # Its LoRA adapter's name; "" for the base model (and traces before 1.9).
+    lora_name: str = ""
 
     def phase_at(self, step: int) -> str:
         """The phase at ``step``: NOT_ARRIVED before it is queued, FINISHED
@@ -312,6 +314,7 @@ class _TimelineBuilder:
             queued_step=step,
             external_req_id=(a.external_req_id or None) if a is not None else None,
             label=rid,
+            lora_name=a.lora_name if a is not None else "",
         )
         self.timelines[rid] = tl
         lv = self.live[rid] = _Live(tl)

@@ -5,6 +5,7 @@ from engine.config.compilation import CompilationConfig, CUDAGraphMode
 from engine.config.device import DeviceConfig
 from engine.config.glassbox import GlassboxConfig
 from engine.config.load import LoadConfig
+from engine.config.lora import LoRAConfig
 from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
@@ -19,6 +20,7 @@ __all__ = [
     "DeviceConfig",
     "GlassboxConfig",
     "LoadConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "ParallelConfig",

@@ -36,6 +36,7 @@ from engine.config.cache import CacheConfig
 from engine.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from engine.config.device import DeviceConfig
 from engine.config.load import LoadConfig
+from engine.config.lora import LoRAConfig
 from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
@@ -92,6 +93,8 @@ class GlassboxConfig:
     aborts them; 0 aborts them at once."""
     optimization_level: OptimizationLevel | None = None
     """0-3 (vLLM's -O0 ... -O3); None: O2 on CUDA, O0 on the CPU."""
+    lora_config: LoRAConfig | None = None
+    """Serve LoRA adapters (None: LoRA off)."""
     # The model's QuantizationConfig (None: unquantized), built from
     # model_config.quantization; every linear layer and the vocabulary ask it
     # for their quant method.
@@ -106,6 +109,21 @@ class GlassboxConfig:
         self._resolve_async_scheduling()
         self._apply_optimization_level()
         self.quant_config = self._get_quantization_config()
+
+    def _run_lora_eagerly(self) -> None:
+        """Glassbox's LoRA layers run outside torch.compile and CUDA graphs (vLLM
+        captures them; the CPU platform of vLLM turns compilation off too)."""
+        if self.speculative_config is not None:
+            raise ValueError("LoRA with speculative decoding is not supported by Glassbox yet")
+        compilation = self.compilation_config
+        if (compilation.mode, compilation.cudagraph_mode) != (0, CUDAGraphMode.NONE):
+            logger.warning(
+                "LoRA adapters run eagerly in Glassbox: no torch.compile and no CUDA graphs "
+                "(compilation mode 0, cudagraph_mode NONE)"
+            )
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.custom_ops = [op for op in compilation.custom_ops if op != "none"] or ["all"]
 
     def _get_quantization_config(self) -> Any:
         name = self.model_config.quantization
@@ -128,6 +146,8 @@ class GlassboxConfig:
         defaults = OPTIMIZATION_LEVEL_TO_CONFIG[self.optimization_level]
         compilation = self.compilation_config
         compilation.apply_level_defaults(**defaults)  # type: ignore[arg-type]
+        if self.lora_config is not None:
+            self._run_lora_eagerly()
         scheduler = self.scheduler_config
         compilation.finalize(
             scheduler.max_num_seqs,

@@ -25,6 +25,7 @@ from engine.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from engine.config.lora import LoRAConfig
 
 
 @dataclass
@@ -131,6 +132,14 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | None = None
     """Structured outputs, as a JSON object: {"backend": "auto" or "xgrammar",
     "disable_any_whitespace": false}."""
+    enable_lora: bool = False
+    """Serve LoRA adapters: requests may name one (lora_request)."""
+    max_loras: int = 1
+    """With enable_lora: adapters on the device at once (one step mixes at most this many)."""
+    max_lora_rank: int = 16
+    """With enable_lora: the largest adapter rank accepted (device slots are this wide)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters kept loaded in host memory (LRU); None: max_loras."""
     async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs on the device (vLLM's default); None:
     on unless the executor cannot overlap steps; --no-async-scheduling runs the
@@ -244,4 +253,9 @@ class EngineArgs:
             ),
             shutdown_timeout=self.shutdown_timeout,
             optimization_level=self.optimization_level,  # type: ignore[arg-type]
+            lora_config=(
+                LoRAConfig(self.max_lora_rank, self.max_loras, self.max_cpu_loras)
+                if self.enable_lora
+                else None
+            ),
         )

@@ -18,6 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.engine.arg_utils import EngineArgs
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.input_processor import PromptType, load_generation_config
@@ -87,9 +88,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for ``prompts``; outputs come back in input order."""
+        """Generate completions for ``prompts``; outputs come back in input order.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         prompt_list = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -102,7 +105,16 @@ class LLM:
                     f"priority must be a list with one entry per prompt ({len(prompt_list)}), "
                     f"got {priority!r}"
                 )
-        self._validate_and_add_requests(prompt_list, params_list, priority)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompt_list):
+                raise ValueError(
+                    f"lora_request has {len(lora_request)} entries but there are "
+                    f"{len(prompt_list)} prompts"
+                )
+            lora_list = list(lora_request)
+        else:
+            lora_list = [lora_request] * len(prompt_list)
+        self._validate_and_add_requests(prompt_list, params_list, priority, lora_list)
         return self._run_engine(len(prompt_list), use_tqdm=use_tqdm)
 
     def chat(
@@ -178,6 +190,7 @@ class LLM:
         prompts: list[PromptType],
         params: list[SamplingParams],
         priority: list[int] | None,
+        lora_requests: list[LoRARequest | None] | None = None,
     ) -> None:
         added: list[str] = []
         try:
@@ -187,7 +200,11 @@ class LLM:
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self.request_counter))
                 internal_id = self.llm_engine.add_request(
-                    request_id, prompt, sp, priority=priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    sp,
+                    priority=priority[i] if priority else 0,
+                    lora_request=lora_requests[i] if lora_requests else None,
                 )
                 added.append(internal_id)
         except Exception:

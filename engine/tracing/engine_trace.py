@@ -158,6 +158,7 @@ class OutputProcessorTrace(SubsystemTrace):
                     output_kind=params.output_kind.name,
                 ),
                 prompt_token_ids=list(request.prompt_token_ids) if self.full else None,
+                lora_name=request.lora_request.lora_name if request.lora_request else "",
             )
         )
 

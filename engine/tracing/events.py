@@ -286,6 +286,9 @@ class RequestAdded(TraceEvent, kw_only=True, tag="request.added"):
         default_factory=SamplingParamsSummary
     )
     prompt_token_ids: Annotated[list[int] | None, doc("`full` only")] = None
+    lora_name: Annotated[
+        str, doc("its LoRA adapter (`LoRARequest.lora_name`); empty: the base model (1.9)")
+    ] = ""
 
 
 class RequestOutputEvent(TraceEvent, kw_only=True, tag="request.output"):
@@ -906,6 +909,23 @@ class GrammarMasked(TraceEvent, kw_only=True, tag="so.masked"):
     top_token_id_after: Annotated[int, doc("the highest-logit token after masking")]
 
 
+class LoRASlots(TraceEvent, kw_only=True, tag="lora.slots"):
+    """Written by ``GPUModelRunner.set_active_loras`` (worker) when a step
+    changed which adapters are loaded or sit in the device slots (1.9)."""
+
+    slots: Annotated[list[int], doc("adapter id per device slot; 0: empty")]
+    loaded: Annotated[list[int], doc("adapter ids read from disk for this step")] = []
+    evicted_from_slots: Annotated[
+        list[int], doc("adapter ids moved out of a slot (least recently used)")
+    ] = []
+    evicted_from_cpu: Annotated[
+        list[int], doc("adapter ids dropped from host memory (beyond `max_cpu_loras`)")
+    ] = []
+    token_slots: Annotated[
+        dict[str, int], doc("request id -> the slot its tokens used this step; -1: none")
+    ] = {}
+
+
 # Every kind, grouped by the section of docs/trace_format.md that lists it.
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
     "The file": (TraceHeader, TraceEnd),
@@ -945,6 +965,7 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         RunnerForward,
         SamplerSampled,
         SpecProposed,
+        LoRASlots,
     ),
     "Structured outputs": (
         GrammarCompileStarted,

@@ -25,6 +25,7 @@ import torch
 
 from engine.tracing.events import (
     GrammarMasked,
+    LoRASlots,
     RunnerBatch,
     RunnerCompiled,
     RunnerCudagraphs,
@@ -310,6 +311,8 @@ class RunnerTrace(SubsystemTrace):
         self._grammar_top: torch.Tensor | None = None
         # The step whose forward ran last: the one the next sampling is for.
         self._step: int | None = None
+        # LoRA: the adapter id per device slot at the last lora.slots event.
+        self._lora_slots: list[int] = []
 
     def initialized(self, runner: Any, kv_cache_config: Any) -> None:
         """``runner.init``, once the KV cache is allocated (and the method of
@@ -328,6 +331,27 @@ class RunnerTrace(SubsystemTrace):
                 block_size=runner.block_size,
                 kv_cache_shape=list(runner.kv_caches[0].shape) if runner.kv_caches else [],
                 **_quantization_fields(runner),
+            )
+        )
+
+    def lora_slots(self, lora_manager: Any, req_ids: list[str], row_lora_ids: Any) -> None:
+        """``lora.slots`` when the step loaded, evicted or moved an adapter."""
+        manager = lora_manager.adapter_manager
+        slots = [lora_id or 0 for lora_id in manager.lora_index_to_id]
+        changed = lora_manager.loaded or manager.evicted_from_slots or manager.evicted_from_cpu
+        if not changed and slots == self._lora_slots:
+            return
+        self._lora_slots = slots
+        slot_of = {lora_id: i for i, lora_id in enumerate(slots) if lora_id}
+        self.tracer.record(
+            LoRASlots(
+                slots=slots,
+                loaded=list(lora_manager.loaded),
+                evicted_from_slots=list(manager.evicted_from_slots),
+                evicted_from_cpu=list(manager.evicted_from_cpu),
+                token_slots={
+                    r: slot_of.get(int(i), -1) for r, i in zip(req_ids, row_lora_ids, strict=True)
+                },
             )
         )
 

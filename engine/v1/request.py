@@ -15,7 +15,8 @@ The constructor takes vLLM's arguments in vLLM's order. ``pooling_params``,
 ``mm_features``, ``prompt_embeds`` and ``prompt_is_token_ids`` are for
 features Glassbox does not have: a value other than None (or an empty
 ``mm_features``) raises ValueError naming the field. ``lora_request`` is
-kept but unused until LoRA arrives. A request whose sampling parameters carry
+the request's adapter (a ``LoRARequest``; None: the base model). A request
+whose sampling parameters carry
 ``structured_outputs`` starts in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``
 with a ``structured_output_request`` (session 06).
 
@@ -107,7 +108,7 @@ class Request:
         self.priority = priority
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
-        # Kept for the LoRA round; nothing reads it yet.
+        # Its adapter: the scheduler counts it, the prefix cache hashes its name.
         self.lora_request = lora_request
         # A constrained request waits for its grammar before it may be scheduled.
         self.structured_output_request: StructuredOutputRequest | None = (

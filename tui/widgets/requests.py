@@ -2,6 +2,7 @@
 one to follow. Each is listed under the id it was sent with where that is
 unambiguous (``RequestTimeline.label``); the other panels show the internal
 id the engine gave it (that id plus ``-`` and 8 hex digits), in the same colour.
+A request run with a LoRA adapter shows its name (``lora:NAME``).
 
 vLLM twin: none; the statuses are ``engine/v1/request.py``'s
 ``RequestStatus`` as the replay model rebuilt them at the shown step
@@ -102,6 +103,8 @@ class RequestList(OptionList):
         line.append(status, style=Style() if req is not None else DIM)
         if preemptions:
             line.append(f" ✕{preemptions}", style=Style(color="#d62728", bold=True))
+        if lora := ctx.session.request_lora(rid):
+            line.append(f"  lora:{lora}", style=DIM)
         self._status_lines[rid] = (key, line)
         return line
 

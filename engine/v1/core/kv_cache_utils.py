@@ -224,14 +224,18 @@ def generate_block_hash_extra_keys(
     """Keys besides the token ids that make a block distinct, and the index of
     the first multimodal input the next block should look at.
 
-    Only the cache salt here (on the first block, which then changes every
-    later hash through the chain); with no multimodal inputs, ``start_mm_idx``
-    comes back unchanged. vLLM also mixes in multimodal hashes, LoRA names and
-    prompt-embedding hashes.
+    The LoRA adapter's name (on every block: the same tokens under another
+    adapter have other keys and values) and the cache salt (on the first
+    block, which then changes every later hash through the chain); with no
+    multimodal inputs, ``start_mm_idx`` comes back unchanged. vLLM also mixes
+    in multimodal and prompt-embedding hashes.
     """
+    keys: list[Any] = []
+    if request.lora_request is not None:
+        keys.append(request.lora_request.lora_name)
     if start_token_idx == 0 and request.cache_salt:
-        return (request.cache_salt,), start_mm_idx
-    return None, start_mm_idx
+        keys.append(request.cache_salt)
+    return (tuple(keys) if keys else None), start_mm_idx
 
 
 def hash_block_tokens(

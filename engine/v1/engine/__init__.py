@@ -11,7 +11,7 @@ is one ``EngineCoreRequestType`` byte (ADD / ABORT / UTILITY); a message
 frame ``ENGINE_CORE_DEAD`` when the core is going down.
 Sessions: 01 (engine loop).
 
-Simpler than vLLM: the multimodal, pooling, LoRA, prompt-embedding and
+Simpler than vLLM: the multimodal, pooling, prompt-embedding and
 data-parallel fields of ``EngineCoreRequest`` exist but are always None; no
 data-parallel waves, KV-transfer, streaming-input or tracing-header fields;
 utility results must be msgpack-native values (vLLM can fall back to pickle
@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.v1.metrics.stats import PrefillStats, SchedulerStats
 from engine.v1.outputs import LogprobsLists
@@ -69,9 +70,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     ``InputProcessor.assign_request_id`` with ``"{external}-{8 random hex}"``,
     the id the core, the scheduler and the trace use. Two requests with the
     same user id can therefore be in flight at once.
-    ``mm_features``, ``pooling_params``, ``lora_request``, ``prompt_embeds``
-    and ``data_parallel_rank`` are vLLM's fields for features Glassbox does
-    not have: always None, kept so vLLM's keyword calls build a request.
+    ``mm_features``, ``pooling_params``, ``prompt_embeds`` and
+    ``data_parallel_rank`` are vLLM's fields for features Glassbox does not
+    have: always None, kept so vLLM's keyword calls build a request.
+    ``lora_request`` names the request's adapter (None: the base model).
     """
 
     request_id: str
@@ -80,7 +82,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     mm_features: None = None
     pooling_params: None = None
-    lora_request: None = None
+    lora_request: LoRARequest | None = None
     cache_salt: str | None = None
     data_parallel_rank: int | None = None
     prompt_embeds: None = None

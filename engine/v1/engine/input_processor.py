@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config import GlassboxConfig
+from engine.lora.peft_helper import SUPPORTED_LORA_TARGETS, PEFTHelper
+from engine.lora.request import LoRARequest
 from engine.sampling_params import _SAMPLING_EPS, SamplingParams
 from engine.v1.engine import EngineCoreRequest
 from engine.v1.sample.logits_processor import validate_logits_processors_parameters
@@ -137,6 +139,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Returns the prompt text (if any) and the request for EngineCore,
         still under the user's ``request_id`` (see ``assign_request_id``)."""
@@ -162,6 +165,7 @@ class InputProcessor:
             raise ValueError(
                 "min_p and logit_bias are not supported with speculative decoding; leave them unset"
             )
+        self._validate_lora_request(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
 
@@ -189,4 +193,33 @@ class InputProcessor:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
+            lora_request=lora_request,
         )
+
+    def _validate_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """The adapter must be usable before the request enters the engine:
+        LoRA on, its folder a PEFT LoRA of a supported module and rank."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+            )
+        lora_config = self.glassbox_config.lora_config
+        if lora_config is None:
+            raise ValueError(
+                f"lora_request={lora_request.lora_name!r}: LoRA is not enabled (enable_lora=True)"
+            )
+        try:
+            helper = PEFTHelper.from_local_dir(lora_request.lora_path)
+            helper.validate_legal(lora_config.max_lora_rank)
+            targets = helper.target_modules
+            targets = [targets] if isinstance(targets, str) else list(targets)
+            unsupported = sorted(set(targets) - set(SUPPORTED_LORA_TARGETS))
+            if unsupported:
+                raise ValueError(
+                    f"target modules {unsupported} are not supported "
+                    f"(supported: {list(SUPPORTED_LORA_TARGETS)})"
+                )
+        except ValueError as e:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: {e}") from None

@@ -35,6 +35,7 @@ from typing import Any
 
 from engine.config import GlassboxConfig
 from engine.engine.arg_utils import EngineArgs
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
@@ -140,6 +141,7 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue one request; returns its internal id. Outputs come back from
         ``step()`` under ``request_id`` (which may be reused at any time)."""
@@ -148,7 +150,7 @@ class LLMEngine:
         if not request_id:
             raise ValueError("request_id must be a non-empty string, got ''")
         prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, lora_request
         )
         self.input_processor.assign_request_id(request)
         internal_id = request.request_id

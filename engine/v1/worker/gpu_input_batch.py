@@ -38,8 +38,8 @@ and the rows get a -1 placeholder; the next step reads the real ids on the
 device, and the output lists get them once their host copy is done.
 
 Simpler than vLLM: one KV cache group (``block_sizes`` has one entry and the
-kernel block size is the block size); no LoRA, pooling, multimodal inputs, prompt embeddings,
-thinking budgets or ``logprob_token_ids``.
+kernel block size is the block size); no pooling, multimodal inputs, prompt
+embeddings, thinking budgets or ``logprob_token_ids``.
 ``output_token_ids`` is always handed to the sampler (vLLM leaves it empty
 when no penalty, bad word or custom processor reads it).
 
@@ -91,8 +91,9 @@ class CachedRequestState:
     # The request's generated ids; the batch and the logits processors keep
     # references to this very list.
     output_token_ids: list[int]
-    # Always None: no LoRA, prompt embeddings or pooling models yet.
+    # The request's adapter (a LoRARequest; None: the base model).
     lora_request: Any = None
+    # Always None: no prompt embeddings or pooling models yet.
     prompt_embeds: torch.Tensor | None = None
     pooling_params: Any = None
 
@@ -285,7 +286,6 @@ class InputBatch:
             raise RuntimeError("add_request() after condense() in one step: add requests first")
         unsupported = {
             "mm_features": request.mm_features,
-            "lora_request": request.lora_request,
             "prompt_embeds": request.prompt_embeds,
             "pooling_params": request.pooling_params,
         }

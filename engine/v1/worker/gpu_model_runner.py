@@ -124,6 +124,7 @@ from engine.v1.spec_decode.metadata import SpecDecodeMetadata
 from engine.v1.spec_decode.ngram_proposer import NgramProposer
 from engine.v1.structured_output.utils import apply_grammar_bitmask
 from engine.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from engine.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ def _logprobs_to_cpu_nonblocking(t: LogprobsTensors) -> LogprobsTensors:
     return LogprobsTensors(*(x.to("cpu", non_blocking=True) for x in t))
 
 
-class GPUModelRunner:
+class GPUModelRunner(LoRAModelRunnerMixin):
     def __init__(
         self,
         glassbox_config: GlassboxConfig,
@@ -425,6 +426,10 @@ class GPUModelRunner:
             quant_method = getattr(module, "quant_method", None)
             if hasattr(quant_method, "process_weights_after_loading"):
                 quant_method.process_weights_after_loading(module)
+        if (lora_config := self.glassbox_config.lora_config) is not None:
+            self.model = self.load_lora_model(
+                self.model, lora_config, self.max_num_tokens, self.device, self.dtype
+            )
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
@@ -535,6 +540,7 @@ class GPUModelRunner:
                 block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=[],
+                lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
             reqs_to_add.append(state)
@@ -889,6 +895,9 @@ class GPUModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.model is not None and self.attn_metadata_builder is not None
         inputs = self._prepare_inputs(scheduler_output)
+        if self.lora_manager is not None:
+            lora_requests = [self.requests[r].lora_request for r in self.input_batch.req_ids]
+            self.set_active_loras(lora_requests, inputs.num_scheduled_tokens)
         num_tokens = inputs.num_tokens
         metadata = self.attn_metadata_builder.build(inputs.common_attn_metadata)
         self.trace.forward_started(self.device)

@@ -287,8 +287,8 @@ def test_top_k_is_int32_like_vllm():
 def test_unsupported_request_fields_are_refused():
     batch = make_input_batch(4, vocab_size=VOCAB)
     state = make_request_state("a", SamplingParams(), [1])
-    state.lora_request = object()
-    with pytest.raises(ValueError, match="request a: lora_request is not supported"):
+    state.pooling_params = object()
+    with pytest.raises(ValueError, match="request a: pooling_params is not supported"):
         batch.add_request(state)
     assert batch.num_reqs == 0
     with pytest.raises(ValueError, match="kernel_block_sizes must equal block_sizes"):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+    from engine.lora.request import LoRARequest
     from engine.sampling_params import SamplingParams
     from engine.v1.request import Request
 
@@ -37,6 +38,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     # Tokens already in cache (prefix hit) before this step's tokens.
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
@@ -46,6 +48,7 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
     def __repr__(self) -> str:

@@ -64,7 +64,13 @@ calls it between ``execute_model`` and ``sample_tokens``);
 kept, and ``update_draft_token_ids`` cuts drafts at the first token the
 grammar forbids.
 
-Simpler than vLLM: no encoder inputs, LoRA limits, KV connectors, streaming
+LoRA: a waiting request whose adapter would make the running set hold more
+than ``max_loras`` adapters is passed over (set aside like a blocked one)
+until one finishes. vLLM counts the adapters of the requests scheduled in the
+step; Glassbox counts every running request's, so the next step can never
+need more slots than exist.
+
+Simpler than vLLM: no encoder inputs, KV connectors, streaming
 input or pause states. Requests waiting for remote KV or streamed input are
 never promoted, as no KV connector or streaming session exists to release
 them.
@@ -121,6 +127,7 @@ class Scheduler(SchedulerInterface):
     ) -> None:
         self.glassbox_config = glassbox_config
         self.scheduler_config = glassbox_config.scheduler_config
+        self.lora_config = glassbox_config.lora_config
         self.cache_config = glassbox_config.cache_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
@@ -303,6 +310,8 @@ class Scheduler(SchedulerInterface):
             # Requests set aside in this step; they go back in front of
             # skipped_waiting once admission stops.
             step_skipped_waiting = create_request_queue(self.policy)
+            # Adapters in the running set: a step may use at most max_loras.
+            running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
             while (self.waiting or self.skipped_waiting) and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break
@@ -314,6 +323,16 @@ class Scheduler(SchedulerInterface):
                     request.status
                 ) and not self._try_promote_blocked_waiting_request(request):
                     # Still blocked: try the next one (it is not a space problem).
+                    request_queue.pop_request()
+                    step_skipped_waiting.prepend_request(request)
+                    continue
+                if (
+                    self.lora_config is not None
+                    and request.lora_request is not None
+                    and request.lora_request.lora_int_id not in running_loras
+                    and len(running_loras) == self.lora_config.max_loras
+                ):
+                    # Its adapter would be one too many: it waits, others go on.
                     request_queue.pop_request()
                     step_skipped_waiting.prepend_request(request)
                     continue
@@ -365,6 +384,8 @@ class Scheduler(SchedulerInterface):
 
                 request = request_queue.pop_request()
                 self.running.append(request)
+                if request.lora_request is not None:
+                    running_loras.add(request.lora_request.lora_int_id)
                 if self.log_stats:
                     request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
                 if request.status == RequestStatus.WAITING:
