@@ -44,3 +44,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu = pytest.mark.skip(reason=f"gpu test: {reason}")
     for item in gpu_items:
         item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def in_process_engine():
+    """EngineCore in the test's process (GLASSBOX_ENABLE_MULTIPROCESSING=0) for a
+    whole module: its tests look inside the runner, or count compiles in this
+    process. Use with ``pytestmark = pytest.mark.usefixtures("in_process_engine")``."""
+    from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
+
+    previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
+    os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
+    yield
+    if previous is None:
+        del os.environ[ENABLE_MULTIPROCESSING_ENV]
+    else:
+        os.environ[ENABLE_MULTIPROCESSING_ENV] = previous

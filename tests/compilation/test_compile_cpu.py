@@ -19,8 +19,6 @@ Engines run in this process so ``compilation_counter`` sees the compiles.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,8 +27,9 @@ from engine import LLM, SamplingParams
 from engine.compilation.counter import compilation_counter
 from engine.config.compilation import CompilationConfig
 from engine.outputs import RequestOutput
-from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
 from tests.helpers.hf_checkpoints import TINY_CONFIG, default_model_path, save_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("in_process_engine")
 
 LOGPROB_ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
@@ -46,17 +45,6 @@ ENGINE_ARGS = {
     "max_num_batched_tokens": 32,
     "num_gpu_blocks_override": 64,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
-    os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
-    yield
-    if previous is None:
-        del os.environ[ENABLE_MULTIPROCESSING_ENV]
-    else:
-        os.environ[ENABLE_MULTIPROCESSING_ENV] = previous
 
 
 def _run(model: str, prompts: list, **compilation: object) -> list[RequestOutput]:

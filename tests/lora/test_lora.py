@@ -16,33 +16,21 @@
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.lora.request import LoRARequest
-from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
 from tests.helpers.hf_checkpoints import TINY_CONFIG, hf_greedy, save_tiny_checkpoint
 from tests.helpers.lora_adapters import save_peft_adapter
+
+pytestmark = pytest.mark.usefixtures("in_process_engine")
 
 VOCAB = TINY_CONFIG["vocab_size"]
 PROMPT = [(7 * j + 3) % VOCAB for j in range(12)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
 ENGINE = {"skip_tokenizer_init": True, "max_model_len": 64, "num_gpu_blocks_override": 32}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
-    os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
-    yield
-    if previous is None:
-        del os.environ[ENABLE_MULTIPROCESSING_ENV]
-    else:
-        os.environ[ENABLE_MULTIPROCESSING_ENV] = previous
 
 
 @pytest.fixture(scope="module")

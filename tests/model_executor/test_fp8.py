@@ -19,8 +19,6 @@
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,23 +33,13 @@ from engine.model_executor.layers.quantization.input_quant_fp8 import (
     QuantFP8,
     scaled_fp8_quant,
 )
-from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
 from tests.helpers.hf_checkpoints import TINY_CONFIG, hf_greedy, save_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("in_process_engine")
 
 PROMPT = [(7 * j + 5) % TINY_CONFIG["vocab_size"] for j in range(21)]
 ENGINE = {"skip_tokenizer_init": True, "max_model_len": 128, "num_gpu_blocks_override": 32}
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
-    os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
-    yield
-    if previous is None:
-        del os.environ[ENABLE_MULTIPROCESSING_ENV]
-    else:
-        os.environ[ENABLE_MULTIPROCESSING_ENV] = previous
 
 
 def _round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -26,9 +24,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_executor.layers.quantization.gguf_kernels import ggml_dequantize
-from engine.v1.engine.utils import ENABLE_MULTIPROCESSING_ENV
 from tests.helpers.gguf_checkpoints import save_dequantized, save_tiny_gguf
 from tests.helpers.hf_checkpoints import TINY_CONFIG, save_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("in_process_engine")
 
 Q = gguf.GGMLQuantizationType
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -37,17 +36,6 @@ PROMPTS = [
     for i, n in enumerate((3, 17, 40))
 ]
 ENGINE = {"skip_tokenizer_init": True, "max_model_len": 128, "num_gpu_blocks_override": 32}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def in_process_engine() -> Iterator[None]:
-    previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
-    os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
-    yield
-    if previous is None:
-        del os.environ[ENABLE_MULTIPROCESSING_ENV]
-    else:
-        os.environ[ENABLE_MULTIPROCESSING_ENV] = previous
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])

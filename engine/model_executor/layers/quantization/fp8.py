@@ -149,24 +149,11 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
         self.quant_config = quant_config
         self.quant = QuantFP8(static=False)
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        weight = Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-            requires_grad=False,
-        )
-        weight.input_dim, weight.output_dim = 1, 0
-        for key, value in extra_weight_attrs.items():
-            setattr(weight, key, value)
-        layer.register_parameter("weight", weight)
+    def create_weights(self, layer: nn.Module, *weight_args: Any, **weight_attrs: Any) -> None:
+        """A float ``weight`` exactly as an unquantized layer has (``[out, in]``)."""
+        from engine.model_executor.layers.linear import UnquantizedLinearMethod
+
+        UnquantizedLinearMethod().create_weights(layer, *weight_args, **weight_attrs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scale = scaled_fp8_quant(layer.weight.data)
