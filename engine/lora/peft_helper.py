@@ -32,6 +32,22 @@ SUPPORTED_LORA_TARGETS = (
 )
 
 
+def check_lora_adapter(lora_path: str, max_lora_rank: int) -> PEFTHelper:
+    """The adapter folder's config, checked for what this engine can serve:
+    rank, no bias, no DoRA, supported target modules (ValueError otherwise)."""
+    helper = PEFTHelper.from_local_dir(lora_path)
+    helper.validate_legal(max_lora_rank)
+    targets = helper.target_modules
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unsupported = sorted(set(targets) - set(SUPPORTED_LORA_TARGETS))
+    if unsupported:
+        raise ValueError(
+            f"target modules {unsupported} are not supported "
+            f"(supported: {list(SUPPORTED_LORA_TARGETS)})"
+        )
+    return helper
+
+
 @dataclass
 class PEFTHelper:
     r: int

@@ -73,7 +73,11 @@ from engine.entrypoints.openai.engine.serving import (
     create_error_response,
     make_renderer_executor,
 )
-from engine.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+from engine.entrypoints.openai.models.serving import (
+    BaseModelPath,
+    LoRAModulePath,
+    OpenAIServingModels,
+)
 from engine.entrypoints.openai.server_utils import (
     AuthenticationMiddleware,
     GlassboxH11Protocol,
@@ -84,6 +88,7 @@ from engine.entrypoints.openai.server_utils import (
     validation_exception_handler,
     with_cancellation,
 )
+from engine.entrypoints.serve.lora.api_router import attach_router as attach_lora_router
 from engine.entrypoints.serve.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -323,6 +328,7 @@ async def show_version() -> JSONResponse:
 def build_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="Glassbox OpenAI-compatible server", version=engine.__version__)
     app.include_router(router)
+    attach_lora_router(app)
     app.state.args = args
     app.add_exception_handler(RequestValidationError, validation_exception_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)
@@ -375,6 +381,8 @@ async def init_app_state(engine_client: AsyncLLM, state: Any, args: argparse.Nam
     state.openai_serving_models = models = OpenAIServingModels(
         [BaseModelPath(name, model_path) for name in served_model_names(args)],
         engine_client.model_config.max_model_len,
+        lora_modules=[LoRAModulePath.parse(m) for m in _arg(args, "lora_modules") or []],
+        lora_config=engine_client.glassbox_config.lora_config,
     )
     # One renderer thread for the whole server (vLLM: one per renderer).
     serving_kwargs: dict[str, Any] = {

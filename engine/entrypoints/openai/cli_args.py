@@ -173,6 +173,14 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="keep serving (every request gets 503, /health reports 503) after EngineCore "
         "dies; --no-keep-alive-on-engine-death stops the server, as vLLM does by default",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served under their own model names: name=path, or a JSON "
+        'object {"name": ..., "path": ..., "base_model_name": ...} (needs --enable-lora)',
+    )
     add_http_limit_args(parser)
     add_engine_args(parser)
     # A server lets the streams in flight finish on SIGTERM (vLLM's default: 0).
@@ -288,5 +296,12 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.lora_modules:
+        if not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        from engine.entrypoints.openai.models.serving import LoRAModulePath
+
+        for module in args.lora_modules:
+            LoRAModulePath.parse(module)
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")

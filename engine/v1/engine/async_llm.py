@@ -23,7 +23,7 @@ steps in another:
   hands it to every collector, and ``errored`` / ``check_health`` report it.
 Sessions: 01 (engine loop across two processes).
 
-Simpler than vLLM: no LoRA, pooling, streaming-input generators, pause/resume,
+Simpler than vLLM: no pooling, streaming-input generators, pause/resume,
 sleep mode or data parallelism.
 
 Differs from vLLM on purpose: ``add_request`` is all-or-nothing -- if
@@ -45,6 +45,7 @@ from typing import Any
 
 from engine.config import GlassboxConfig
 from engine.engine.arg_utils import EngineArgs
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
@@ -186,6 +187,7 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validate, tokenize and send one request; returns its collector
         (whose ``request_id`` is the internal id)."""
@@ -200,7 +202,7 @@ class AsyncLLM:
         # Before tokenizing: an overloaded engine should not spend work on it.
         self.check_capacity(num_sequences)
         prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, lora_request
         )
         self.input_processor.assign_request_id(request)
         # Started on the first request rather than in __init__, so an
@@ -287,6 +289,7 @@ class AsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's ``RequestOutput``s until it is finished.
 
@@ -295,7 +298,9 @@ class AsyncLLM:
         anything else (the request is aborted; the engine keeps serving)."""
         queue: RequestOutputCollector | None = None
         try:
-            queue = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+            queue = await self.add_request(
+                request_id, prompt, sampling_params, priority=priority, lora_request=lora_request
+            )
             finished = False
             while not finished:
                 # Take what is there without a task switch when possible.

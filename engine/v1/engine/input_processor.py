@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config import GlassboxConfig
-from engine.lora.peft_helper import SUPPORTED_LORA_TARGETS, PEFTHelper
+from engine.lora.peft_helper import check_lora_adapter
 from engine.lora.request import LoRARequest
 from engine.sampling_params import _SAMPLING_EPS, SamplingParams
 from engine.v1.engine import EngineCoreRequest
@@ -211,15 +211,6 @@ class InputProcessor:
                 f"lora_request={lora_request.lora_name!r}: LoRA is not enabled (enable_lora=True)"
             )
         try:
-            helper = PEFTHelper.from_local_dir(lora_request.lora_path)
-            helper.validate_legal(lora_config.max_lora_rank)
-            targets = helper.target_modules
-            targets = [targets] if isinstance(targets, str) else list(targets)
-            unsupported = sorted(set(targets) - set(SUPPORTED_LORA_TARGETS))
-            if unsupported:
-                raise ValueError(
-                    f"target modules {unsupported} are not supported "
-                    f"(supported: {list(SUPPORTED_LORA_TARGETS)})"
-                )
+            check_lora_adapter(lora_request.lora_path, lora_config.max_lora_rank)
         except ValueError as e:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: {e}") from None

@@ -99,10 +99,13 @@ class OpenAIServingChat(OpenAIServing):
                 raise
             raise GlassboxValidationError(message, param) from e
         self.check_capacity(request.n)
+        lora_request = self._maybe_get_adapters(request)
         result_generator = merge_async_iterators(
-            self.engine_client.generate(rendered, params, request_id, priority=request.priority)
+            self.engine_client.generate(
+                rendered, params, request_id, priority=request.priority, lora_request=lora_request
+            )
         )
-        model_name = self.models.model_name()
+        model_name = self.models.model_name(lora_request)
         num_prompt_tokens = len(rendered["prompt_token_ids"])
         if request.stream:
             return self.chat_completion_stream_generator(

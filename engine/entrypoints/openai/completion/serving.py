@@ -82,14 +82,19 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise
                 raise GlassboxValidationError(message, param) from e
         self.check_capacity(len(prompts) * request.n)
+        lora_request = self._maybe_get_adapters(request)
         generators = [
             self.engine_client.generate(
-                prompt, params, f"{request_id}-{i}", priority=request.priority
+                prompt,
+                params,
+                f"{request_id}-{i}",
+                priority=request.priority,
+                lora_request=lora_request,
             )
             for i, prompt in enumerate(rendered)
         ]
         result_generator = merge_async_iterators(*generators)
-        model_name = self.models.model_name()
+        model_name = self.models.model_name(lora_request)
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in rendered)
         if request.stream:
             return self.completion_stream_generator(

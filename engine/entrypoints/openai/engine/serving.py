@@ -49,6 +49,7 @@ from engine.entrypoints.openai.engine.protocol import (
 )
 from engine.entrypoints.openai.models.serving import OpenAIServingModels, unknown_model_message
 from engine.logprobs import Logprob
+from engine.lora.request import LoRARequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.async_llm import AsyncLLM
 from engine.v1.engine.exceptions import (
@@ -250,7 +251,13 @@ class OpenAIServing:
     def _check_model(self, request: SamplingFields) -> None:
         if request.model is None or self.models.is_base_model(request.model):
             return
+        if request.model in self.models.lora_requests:
+            return
         raise ModelNotFoundError(unknown_model_message(request.model))
+
+    def _maybe_get_adapters(self, request: SamplingFields) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return self.models.lora_requests.get(request.model) if request.model else None
 
     def _base_request_id(self, request: SamplingFields, raw_request_id: str | None) -> str:
         """The body's ``request_id``, else the X-Request-Id header's, else a
