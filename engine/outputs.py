@@ -13,9 +13,10 @@ with a random suffix (see ``InputProcessor.assign_request_id``).
 
 Simpler than vLLM: generation only. The pooling/embedding/classification/score
 outputs are left out because Glassbox serves decoder-only text generation; the
-fields of features Glassbox does not have (``lora_request``,
-``encoder_prompt``, ``routed_experts``, ``kv_transfer_params``) exist with
-vLLM's names so vLLM's calls run, and are always None. As in vLLM, an unknown
+fields of features Glassbox does not have (``encoder_prompt``,
+``routed_experts``, ``kv_transfer_params``) exist with vLLM's names so vLLM's
+calls run, and are always None. ``RequestOutput.lora_request`` is the
+request's adapter (None: the base model). As in vLLM, an unknown
 keyword to ``RequestOutput`` is logged once and ignored (forward
 compatibility), not an error.
 
@@ -49,7 +50,7 @@ class CompletionOutput:
     "error" and "repetition". ``stop_reason`` is the stop string or stop token
     id that ended it, or None (including when the model's own EOS ended it).
     ``routed_experts`` and ``lora_request`` are always None in Glassbox (no
-    MoE expert capture, no LoRA).
+    MoE expert capture; the adapter is on the ``RequestOutput``, as in vLLM V1).
     """
 
     index: int

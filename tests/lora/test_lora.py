@@ -62,6 +62,7 @@ def test_a_mixed_batch_equals_peft_per_adapter(models) -> None:
     llm.shutdown()
     for out, name in zip(outs, ("a", "b", "base"), strict=True):
         _assert_matches(out, models["want"][name])
+        assert out.lora_request == models.get(name)  # echoed back, None for the base model
 
 
 def test_one_slot_evicts_and_reloads(models, tmp_path: Path) -> None:

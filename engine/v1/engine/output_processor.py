@@ -21,7 +21,7 @@ DELTA request's output only every N tokens (and for its first token and when
 it finishes); the tokens in between travel together in the next output.
 Sessions: 01 (engine loop).
 
-Simpler than vLLM: no prompt logprobs, pooling outputs, LoRA, streaming
+Simpler than vLLM: no prompt logprobs, pooling outputs, streaming
 inputs, routed experts or per-request timing stats; the metrics are two
 token counts per batch (``num_prompt_tokens``, ``num_generation_tokens``).
 Glassbox's trace object stands where vLLM's ``tracing_enabled`` (OpenTelemetry
@@ -125,8 +125,10 @@ class RequestState:
         top_p: float | None = None,
         n: int | None = None,
         temperature: float | None = None,
+        lora_request: Any | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request  # echoed in every RequestOutput
         self.external_req_id = external_req_id
         self.parent_req = parent_req
         self.request_index = request_index
@@ -172,6 +174,7 @@ class RequestState:
             output_kind=params.output_kind,
             prompt=prompt,
             prompt_token_ids=list(request.prompt_token_ids),
+            lora_request=request.lora_request,
             logprobs_processor=LogprobsProcessor.from_new_request(tokenizer, request),
             detokenizer=IncrementalDetokenizer.from_new_request(tokenizer, request),
             max_tokens_param=params.max_tokens,
@@ -235,6 +238,7 @@ class RequestState:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            lora_request=self.lora_request,
         )
 
     def _new_completion_output(
