@@ -211,6 +211,21 @@ class CompilationConfig:
             self.cudagraph_mode = cudagraph_mode
         self._set_mode_defaults()
 
+    def run_eagerly(self, reason: str) -> None:
+        """No torch.compile and no CUDA graphs (mode 0, cudagraph_mode NONE); the
+        log says ``reason`` when that turns off something that was on."""
+        asked = (self.mode or CompilationMode.NONE, self.cudagraph_mode or CUDAGraphMode.NONE)
+        if asked != (CompilationMode.NONE, CUDAGraphMode.NONE):
+            logger.warning(
+                "%s: no torch.compile and no CUDA graphs (the same as compilation mode 0 "
+                "and cudagraph_mode NONE)",
+                reason,
+            )
+        self.mode = CompilationMode.NONE
+        self.cudagraph_mode = CUDAGraphMode.NONE
+        # Without a compiler to fuse them, the layers run their own kernels.
+        self.custom_ops = [op for op in self.custom_ops if op != "none"] or ["all"]
+
     def is_custom_op_enabled(self, name: str) -> bool:
         """Whether the CustomOp ``name`` runs its own kernels (else ``forward_native``)."""
         if "all" in self.custom_ops:
@@ -278,15 +293,7 @@ class CompilationConfig:
         Fields still None get O0's choices (GlassboxConfig applies the level
         it was given first)."""
         if enforce_eager:
-            asked = (self.mode or CompilationMode.NONE, self.cudagraph_mode or CUDAGraphMode.NONE)
-            if asked != (CompilationMode.NONE, CUDAGraphMode.NONE):
-                logger.warning(
-                    "enforce_eager is set: no torch.compile and no CUDA graphs "
-                    "(the same as compilation mode 0 and cudagraph_mode NONE)"
-                )
-            self.mode = CompilationMode.NONE
-            self.cudagraph_mode = CUDAGraphMode.NONE
-            self.custom_ops = [op for op in self.custom_ops if op != "none"]
+            self.run_eagerly("enforce_eager is set")
         self.apply_level_defaults(CompilationMode.NONE, CUDAGraphMode.NONE)
         if (
             self.cudagraph_mode.requires_piecewise_compilation()

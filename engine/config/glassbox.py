@@ -115,15 +115,7 @@ class GlassboxConfig:
         captures them; the CPU platform of vLLM turns compilation off too)."""
         if self.speculative_config is not None:
             raise ValueError("LoRA with speculative decoding is not supported by Glassbox yet")
-        compilation = self.compilation_config
-        if (compilation.mode, compilation.cudagraph_mode) != (0, CUDAGraphMode.NONE):
-            logger.warning(
-                "LoRA adapters run eagerly in Glassbox: no torch.compile and no CUDA graphs "
-                "(compilation mode 0, cudagraph_mode NONE)"
-            )
-        compilation.mode = CompilationMode.NONE
-        compilation.cudagraph_mode = CUDAGraphMode.NONE
-        compilation.custom_ops = [op for op in compilation.custom_ops if op != "none"] or ["all"]
+        self.compilation_config.run_eagerly("LoRA adapters run eagerly in Glassbox")
 
     def _get_quantization_config(self) -> Any:
         name = self.model_config.quantization

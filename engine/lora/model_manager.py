@@ -123,11 +123,17 @@ class LoRAModelManager:
         del self._active_adapters[adapter_id]
         return True
 
+    def has_adapter(self, adapter_id: int) -> bool:
+        """Whether ``adapter_id`` is loaded in host memory (active or not)."""
+        return adapter_id in self._registered_adapters
+
     def set_adapter_mapping(self, token_lora_ids: np.ndarray) -> None:
         """Each token's adapter id (0: none) -> its slot (-1: none)."""
+        # A handful of distinct ids per step: map those, then index (no per-token Python).
+        ids, inverse = np.unique(token_lora_ids, return_inverse=True)
         slot_of = {lora_id: i for i, lora_id in enumerate(self.lora_index_to_id) if lora_id}
-        slots = np.fromiter((slot_of.get(int(i), -1) for i in token_lora_ids), dtype=np.int64)
-        self.punica_wrapper.update_metadata(torch.from_numpy(slots))
+        id_slots = np.array([slot_of.get(int(i), -1) for i in ids], dtype=np.int64)
+        self.punica_wrapper.update_metadata(torch.from_numpy(id_slots[inverse]))
 
 
 class LRUCacheLoRAModelManager(LoRAModelManager):

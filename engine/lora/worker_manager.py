@@ -79,7 +79,7 @@ class LRUCacheWorkerLoRAManager:
             if request.lora_int_id in manager._active_adapters:
                 manager._active_adapters.move_to_end(request.lora_int_id)
         for request in sorted(requests, key=lambda r: r.lora_int_id):
-            if request.lora_int_id not in manager.list_adapters():
+            if not manager.has_adapter(request.lora_int_id):
                 manager.add_adapter(self._load_adapter(request))
             manager.activate_adapter(request.lora_int_id)
         manager.set_adapter_mapping(token_lora_ids)

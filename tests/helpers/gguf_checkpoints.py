@@ -20,19 +20,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-# HF module -> GGUF tensor name (per layer: {i}); the inverse of gguf_loader's map.
-_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_LAYER = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
+from engine.model_executor.model_loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+
+# HF module -> GGUF tensor name: the loader's own tables, read backwards.
+_GLOBAL = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+_LAYER = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
 
 
 def gguf_name(hf_name: str) -> str:

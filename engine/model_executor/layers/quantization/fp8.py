@@ -112,13 +112,17 @@ class Fp8Config(QuantizationConfig):
         return Fp8OnlineLinearMethod(self)
 
 
-def _scaled_mm_fits(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
-    """Whether ``torch._scaled_mm`` takes these operands (CUDA: sm89+, dims % 16)."""
-    if x.device.type == "cpu":
+def scaled_mm_fits(weight_t: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes this ``[in, out]`` weight (CUDA: sm89+,
+    both dimensions multiples of 16; any row count of the input goes). Decided
+    once per layer after loading, not per call."""
+    if weight_t.device.type == "cpu":
         return True
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 9):
+    if weight_t.device.type != "cuda":
         return False
-    return x.shape[1] % 16 == 0 and weight_t.shape[1] % 16 == 0
+    if torch.cuda.get_device_capability(weight_t.device) < (8, 9):
+        return False
+    return weight_t.shape[0] % 16 == 0 and weight_t.shape[1] % 16 == 0
 
 
 def apply_fp8_linear(
@@ -128,12 +132,16 @@ def apply_fp8_linear(
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     quant: QuantFP8,
+    use_scaled_mm: bool | None = None,
 ) -> torch.Tensor:
-    """``x [..., in] @ W.T + b`` with ``W = weight_t.T * weight_scale`` (fp8)."""
+    """``x [..., in] @ W.T + b`` with ``W = weight_t.T * weight_scale`` (fp8).
+    ``use_scaled_mm``: the layer's ``scaled_mm_fits`` (None: decided here)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [T, in]
     q, scale = quant(x2, input_scale)
-    if _scaled_mm_fits(q, weight_t):
+    if use_scaled_mm is None:
+        use_scaled_mm = scaled_mm_fits(weight_t)
+    if use_scaled_mm:
         out = torch._scaled_mm(q, weight_t, scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
     else:  # the reference: both operands back in float32
         out = ((q.float() * scale) @ (weight_t.float() * weight_scale)).to(x.dtype)
@@ -160,12 +168,19 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
         layer.weight = Parameter(qweight.t(), requires_grad=False)  # [in, out], column-major
         layer.weight_scale = Parameter(scale, requires_grad=False)
         layer.input_scale = None
+        layer.use_scaled_mm = scaled_mm_fits(layer.weight)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return apply_fp8_linear(
-            x, layer.weight, layer.weight_scale, layer.input_scale, bias, self.quant
+            x,
+            layer.weight,
+            layer.weight_scale,
+            layer.input_scale,
+            bias,
+            self.quant,
+            layer.use_scaled_mm,
         )
 
 
@@ -229,6 +244,7 @@ class Fp8LinearMethod(Fp8OnlineLinearMethod):
                 start += width
             weight = torch.cat(parts)
         layer.weight = Parameter(weight.t(), requires_grad=False)
+        layer.use_scaled_mm = scaled_mm_fits(layer.weight)
         layer.weight_scale = Parameter(max_scale.reshape(()), requires_grad=False)
         input_scale = getattr(layer, "input_scale", None)
         if input_scale is not None:
@@ -237,16 +253,10 @@ class Fp8LinearMethod(Fp8OnlineLinearMethod):
             layer.input_scale = None
 
 
-def fp8_dequantized_weight(layer: nn.Module) -> torch.Tensor:
-    """The ``[out, in]`` float32 weight an fp8 layer computes with (for tests and notebooks)."""
-    return (layer.weight.float() * layer.weight_scale).t()
-
-
 __all__ = [
     "ACTIVATION_SCHEMES",
     "Fp8Config",
     "Fp8LinearMethod",
     "Fp8OnlineLinearMethod",
     "apply_fp8_linear",
-    "fp8_dequantized_weight",
 ]

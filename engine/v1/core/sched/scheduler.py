@@ -311,7 +311,9 @@ class Scheduler(SchedulerInterface):
             # skipped_waiting once admission stops.
             step_skipped_waiting = create_request_queue(self.policy)
             # Adapters in the running set: a step may use at most max_loras.
-            running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+            running_loras: set[int] = set()
+            if self.lora_config is not None:
+                running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
             while (self.waiting or self.skipped_waiting) and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break
