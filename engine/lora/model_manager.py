@@ -53,7 +53,9 @@ class LoRAModelManager:
         self.packed_modules_mapping: dict[str, list[str]] = dict(
             getattr(model, "packed_modules_mapping", {})
         )
-        self.punica_wrapper = get_punica_wrapper(max_num_batched_tokens, device)
+        self.punica_wrapper = get_punica_wrapper(
+            max_num_batched_tokens, device, lora_config.max_loras
+        )
         self.modules: dict[str, BaseLinearLayerWithLoRA] = {}
         self._registered_adapters: dict[int, LoRAModel] = {}
         self._active_adapters: dict[int, None] = {}

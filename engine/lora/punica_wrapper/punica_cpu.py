@@ -6,8 +6,8 @@ pairs, each shrinking the same input and expanding into its own columns.
 Sessions: 06.
 
 Simpler than vLLM: per-token ops for prefill and decode alike (vLLM's CPU
-wrapper switches to the segment ops for prefill); the same class serves CUDA
-until the Triton shrink/expand kernels exist.
+wrapper switches to the segment ops for prefill). CUDA gets the Triton
+kernels instead (``punica_gpu.py``), unless Triton is missing.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ batch mixing several adapters and the base model:
 
 Sessions: 06.
 Simpler than vLLM: the per-token (bgmv) form only; vLLM also has segment
-(sgmv) forms for prefill, where consecutive tokens share an adapter, and
-Triton kernels on GPUs.
+(sgmv) forms for prefill, where consecutive tokens share an adapter. On CUDA
+Glassbox runs the Triton kernels of ``triton_ops/`` instead, which group the
+tokens by adapter; these ops are their reference in the tests.
 """
 
 from __future__ import annotations
