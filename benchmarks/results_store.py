@@ -21,7 +21,8 @@ that commit's time (``date_note``).
 Series names (``current_name``):
 
 * ``cpu_vs_transformers_cpu``
-* ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``
+* ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``; ``gpu_throughput_modes_<gpu>`` for a
+  run of the compiled CUDA-graph modes alone (``gpu_run.sh compile``)
 * ``gpu_profile_step_b<batch>_<gpu>``
 * ``tracing_overhead_cpu_<model>`` (``smollm2``: the default model; ``tiny``) and
   ``tracing_overhead_gpu_<gpu>`` (SmolLM2 shapes with dummy weights; another
@@ -115,7 +116,9 @@ def current_name(result: dict[str, Any]) -> str:
     if benchmark == "cpu_vs_transformers":
         return "cpu_vs_transformers_cpu"
     if benchmark == "gpu_throughput":
-        return f"gpu_throughput_{machine}"
+        # A run of the compiled graph modes alone (gpu_run.sh compile) is a series of its own.
+        modes_only = "throughput_compiled" in result and "ratio_to_transformers" not in result
+        return f"gpu_throughput_{'modes_' if modes_only else ''}{machine}"
     if benchmark == "async_scheduling":
         return f"async_scheduling_{machine}"
     if benchmark == "cpu_threads":

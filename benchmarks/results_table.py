@@ -52,6 +52,7 @@ DOCS = (
     "docs/spec_decode.md",
     "docs/structured_outputs.md",
     "docs/quantization.md",
+    "docs/compilation.md",
 )
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
@@ -674,6 +675,15 @@ def _file_says(res: Results, name: str) -> str:
         return (
             f"Glassbox {s['glassbox']:.1f} tok/s, transformers {s['transformers']:.1f} tok/s: "
             f"{s['ratio_wall']:.2f}x, {s['identical']} identical"
+        )
+    if benchmark == "gpu_throughput" and "ratio_to_transformers" not in r:
+        modes = ", ".join(
+            f"{mode} {_tps(x['output_tokens_per_second'])}"
+            for mode, x in r.get("throughput_compiled", {}).items()
+        )
+        return (
+            f"the default (O2 FULL_AND_PIECEWISE) "
+            f"{_tps(r['throughput_cudagraphs']['output_tokens_per_second'])}; {modes}"
         )
     if benchmark == "gpu_throughput":
         return (

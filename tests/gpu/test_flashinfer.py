@@ -379,7 +379,7 @@ SAME_LOGPROB_MAX = 0.25  # the chosen token's logprob while the runs agree...
 SAME_LOGPROB_MEAN = 0.05  # ...at any one position, and on average
 
 
-def assert_same_greedy(a, b):
+def assert_same_greedy(a, b, max_diff: float = SAME_LOGPROB_MAX):
     """Token-for-token equal, except that a request may diverge at a step
     where both runs saw the two tokens as a near tie; after that the request
     is not compared. While the runs agree, the chosen token's logprob must
@@ -390,7 +390,7 @@ def assert_same_greedy(a, b):
         for j, (x, y) in enumerate(zip(tok_a, tok_b)):
             if x == y:
                 diff = abs(lp_a[j][x].logprob - lp_b[j][x].logprob)
-                assert diff < SAME_LOGPROB_MAX, (
+                assert diff < max_diff, (
                     f"request {i} step {j}: token {x} logprob differs by {diff:.3f}"
                 )
                 diffs.append(diff)
