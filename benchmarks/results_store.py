@@ -23,6 +23,7 @@ Series names (``current_name``):
 * ``cpu_vs_transformers_cpu``
 * ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``; ``gpu_throughput_modes_<gpu>`` for a
   run of the compiled CUDA-graph modes alone (``gpu_run.sh compile``)
+* ``broadcast_<machine>`` (the executor's shared-memory broadcast and gloo's all-reduce).
 * ``gpu_profile_step_b<batch>_<gpu>``
 * ``tracing_overhead_cpu_<model>`` (``smollm2``: the default model; ``tiny``) and
   ``tracing_overhead_gpu_<gpu>`` (SmolLM2 shapes with dummy weights; another
@@ -119,6 +120,8 @@ def current_name(result: dict[str, Any]) -> str:
         # A run of the compiled graph modes alone (gpu_run.sh compile) is a series of its own.
         modes_only = "throughput_compiled" in result and "ratio_to_transformers" not in result
         return f"gpu_throughput_{'modes_' if modes_only else ''}{machine}"
+    if benchmark == "broadcast":
+        return f"broadcast_{machine}"
     if benchmark == "async_scheduling":
         return f"async_scheduling_{machine}"
     if benchmark == "cpu_threads":
