@@ -10,6 +10,13 @@ fallback for parameters without their own ``weight_loader``) and
 without a checkpoint).
 Sessions: 04.
 
+The tensors the iterator yields are views of the file mapped into memory
+(``mmap``): nothing is read until a weight loader copies from them, and a
+tensor-parallel rank that copies only its slice (``weight_loader``'s
+``narrow``) reads only those bytes -- so each rank's resident memory grows by
+its shard, not by the whole checkpoint (vLLM's safetensors reads map the file
+too).
+
 Simpler than vLLM: safetensors only (no .bin/.pt/npcache/GGUF), no prefetch
 or multithreaded reading, no quantization configs; every failure is a
 ``ValueError`` that names the file, tensor or parameter involved.
@@ -100,13 +107,76 @@ def find_safetensors_files(hf_folder: str) -> list[str]:
     return sorted(files, key=_natural_sort_key)
 
 
+# safetensors dtype names -> torch dtypes (those a checkpoint may hold).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_header(path: str) -> tuple[int, dict]:
+    """(bytes before the data, the JSON header) of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("the file is shorter than a safetensors header")
+        size = int.from_bytes(raw, "little")
+        if size > os.path.getsize(path) - 8:
+            raise ValueError(f"header length {size} runs past the end of the file")
+        header = json.loads(f.read(size))
+    return 8 + size, header
+
+
+def _mapped_tensors(path: str) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """The file's tensors as views of its private memory map (read on first touch)."""
+    data_start, header = _read_header(path)
+    file_size = os.path.getsize(path)
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=file_size)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        start, end = info["data_offsets"]
+        shape = list(info["shape"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has an unsupported dtype {info.get('dtype')!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = end - start
+        if numel != itemsize * torch.Size(shape).numel() or data_start + end > file_size:
+            raise ValueError(f"tensor {name!r}: its offsets do not match its shape {shape}")
+        if (data_start + start) % itemsize:
+            raise ValueError(f"tensor {name!r} is not aligned in the file")
+        offset = (data_start + start) // itemsize
+        yield name, torch.empty(0, dtype=dtype).set_(storage, offset, shape)
+
+
 def safetensors_weights_iterator(
     hf_weights_files: list[str],
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """Yield every ``(name, tensor)`` of the files, on the CPU, file by file."""
+    """Yield every ``(name, tensor)`` of the files, on the CPU, file by file:
+    mapped from the file (see the module docstring), or read whole by the
+    ``safetensors`` library when a file cannot be mapped so (an unaligned or
+    unusual tensor)."""
     from safetensors import safe_open
 
     for path in sorted(hf_weights_files, key=_natural_sort_key):
+        try:
+            mapped = list(_mapped_tensors(path))
+        except (ValueError, KeyError, TypeError, OSError, RuntimeError):
+            mapped = None  # the library below reads it, or names what is wrong
+        if mapped is not None:
+            yield from mapped
+            continue
         try:
             f = safe_open(path, framework="pt")  # reads and checks the header only
             names = list(f.keys())
