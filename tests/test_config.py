@@ -49,7 +49,7 @@ BAD_ENGINE_ARGS = {
     "num_gpu_blocks_override 1": ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
     "kv_cache_memory_bytes 0": ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
     "scheduling_policy lifo": ({"scheduling_policy": "lifo"}, "scheduling_policy"),
-    "tensor_parallel_size 2": ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    "tensor_parallel_size 0": ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     "device tpu": ({"device": "tpu"}, "device"),
     "load_format bin": ({"load_format": "bin"}, "load_format"),
     "dtype int4": ({"dtype": "int4"}, "dtype"),
@@ -67,8 +67,8 @@ BAD_ENGINE_ARGS = {
         {"long_prefill_token_threshold": -1},
         "long_prefill_token_threshold",
     ),
-    "executor backend ray": (
-        {"distributed_executor_backend": "ray"},
+    "executor backend threads": (
+        {"distributed_executor_backend": "threads"},
         "distributed_executor_backend",
     ),
 }
@@ -99,7 +99,11 @@ def test_bad_value_through_llm(model_dir):
             ),
             "max_num_batched_tokens",
         ),
-        (lambda: ParallelConfig(tensor_parallel_size=2), "tensor_parallel_size"),
+        (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
+        (
+            lambda: ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni"),
+            "tensor_parallel_size=2",
+        ),
         (lambda: DeviceConfig(device="tpu"), "device"),
         (lambda: LoadConfig(load_format="bin"), "load_format"),
     ],
@@ -199,7 +203,7 @@ def test_engine_args_defaults(model_dir):
     assert config.scheduler_config.policy == "fcfs"
     assert config.load_config.load_format == "auto"
     assert config.parallel_config.tensor_parallel_size == 1
-    assert config.parallel_config.distributed_executor_backend is None
+    assert config.parallel_config.distributed_executor_backend == "uni"  # one rank
     assert config.device_config.device == "auto"
 
 

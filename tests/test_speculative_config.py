@@ -129,9 +129,9 @@ BAD_CONFIGS = {
         {"model": "/ckpt/small", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
         "prompt_lookup_max=3",
     ),
-    "draft tp 2": (
-        {"model": "/ckpt/small", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
-        "draft_tensor_parallel_size",
+    "draft tp 0": (
+        {"model": "/ckpt/small", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+        "draft_tensor_parallel_size must be an integer >= 1, got 0",
     ),
     "draft max_model_len 0": (
         {"model": "/ckpt/small", "num_speculative_tokens": 2, "max_model_len": 0},

@@ -109,6 +109,49 @@ class GlassboxConfig:
         self._resolve_async_scheduling()
         self._apply_optimization_level()
         self.quant_config = self._get_quantization_config()
+        self._check_parallel_config()
+
+    def _check_parallel_config(self) -> None:
+        """vLLM's ``ModelConfig.verify_with_parallel_config``: the heads must
+        split evenly, plus what Glassbox cannot split yet."""
+        tp = self.parallel_config.tensor_parallel_size
+        spec = self.speculative_config
+        draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+        if draft_tp is not None and draft_tp != tp:
+            raise ValueError(
+                f"draft_tensor_parallel_size must equal tensor_parallel_size ({tp}): Glassbox "
+                f"runs the draft on the target's ranks, got {draft_tp}"
+            )
+        if tp == 1:
+            return
+        hf = self.model_config.hf_config
+        heads = int(hf.get("num_attention_heads", 1))
+        if heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size: the model's {heads} attention heads are not "
+                f"divisible by tensor_parallel_size {tp}"
+            )
+        kv_heads = self.model_config.get_num_kv_heads()
+        if (tp % kv_heads if tp > kv_heads else kv_heads % tp) != 0:
+            raise ValueError(
+                f"tensor_parallel_size: the model's {kv_heads} KV heads can neither be split "
+                f"across nor replicated over {tp} ranks"
+            )
+        if self.lora_config is not None:
+            raise ValueError("LoRA with tensor_parallel_size > 1 is not supported by Glassbox yet")
+        if self.model_config.quantization == "gguf":
+            raise ValueError("GGUF weights with tensor_parallel_size > 1 are not supported")
+        if (
+            self.device_config.resolve() == "cuda"
+            and self.parallel_config.distributed_executor_backend == "mp"
+        ):
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, "
+                    f"it has {torch.cuda.device_count()}"
+                )
 
     def _run_lora_eagerly(self) -> None:
         """Glassbox's LoRA layers run outside torch.compile and CUDA graphs (vLLM

@@ -122,7 +122,8 @@ class SpeculativeConfig:
     """``"ngram"``, ``"draft_model"`` or ``"eagle"``. None: inferred from
     ``model`` as vLLM does (``"ngram"`` -> n-gram, else a draft model)."""
     draft_tensor_parallel_size: int | None = None
-    """The draft's tensor-parallel size; only 1 (Glassbox runs one worker)."""
+    """The draft's tensor-parallel size; Glassbox runs the draft on the target's
+    ranks, so it must equal ``tensor_parallel_size`` (checked by GlassboxConfig)."""
     max_model_len: int | None = None
     """Cap on the draft model's context length (None: the smaller of the
     draft's and the target's)."""
@@ -137,10 +138,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         self._resolve_method()
         self._check_num_speculative_tokens()
-        if self.draft_tensor_parallel_size is not None and self.draft_tensor_parallel_size != 1:
+        draft_tp = self.draft_tensor_parallel_size
+        if draft_tp is not None and (not _is_int(draft_tp) or draft_tp < 1):
             raise ValueError(
-                "draft_tensor_parallel_size must be 1 (Glassbox runs one worker), "
-                f"got {self.draft_tensor_parallel_size!r}"
+                f"draft_tensor_parallel_size must be an integer >= 1, got {draft_tp!r}"
             )
         if self.max_model_len is not None and (
             not _is_int(self.max_model_len) or self.max_model_len < 1

@@ -94,10 +94,12 @@ class EngineArgs:
     enforce_eager: bool = False
     """Run every step eagerly: no torch.compile, no CUDA graphs (optimization level 0)."""
     tensor_parallel_size: int = 1
-    """Number of tensor-parallel workers; Glassbox runs one (must be 1)."""
+    """Ranks the model is split across (one worker per rank; -tp)."""
     distributed_executor_backend: str | type | None = None
-    """Executor that runs the worker: uni (in-process), or the import path of an
-    Executor subclass (module.Class); None: uni."""
+    """Executor that runs the workers: uni (one, in-process), mp (a process per
+    rank), ray (a Ray actor per rank), or the import path of an Executor
+    subclass (module.Class); None: uni for one rank, else ray inside a Ray
+    cluster, else mp."""
     device: str = "auto"
     """Where the model runs: auto (CUDA when torch sees a GPU, else cpu), cpu or cuda."""
     disable_log_stats: bool = False

@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.9"
+TRACE_FORMAT_VERSION = "1.10"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -62,6 +62,13 @@ class TraceEvent(msgspec.Struct, tag_field="kind", omit_defaults=True, gc=False)
             "that never saw one"
         ),
     ] = None
+    tp_rank: Annotated[
+        int | None,
+        doc(
+            "the tensor-parallel rank of the worker process that wrote it (from 1.10); absent "
+            "in the front end, in EngineCore and in a single-rank run's in-process worker"
+        ),
+    ] = None
 
 
 # ---------------------------------------------------------------------------
@@ -74,7 +81,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.9"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.10"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -926,6 +933,30 @@ class LoRASlots(TraceEvent, kw_only=True, tag="lora.slots"):
     ] = {}
 
 
+class WorkerRpcReceived(TraceEvent, kw_only=True, tag="worker.rpc_received"):
+    """A worker process of a multi-process executor took a call off the
+    broadcast queue (1.10): ``ts`` is when this rank received it, so the
+    ranks' lines of one step show the broadcast's spread. Every rank writes
+    it (``tp_rank``)."""
+
+    method: Annotated[str, doc("the `Worker` method, e.g. `execute_model`, `sample_tokens`")]
+
+
+class WorkerRpcDone(TraceEvent, kw_only=True, tag="worker.rpc_done"):
+    """The same call finished on this rank (1.10): its time and the
+    collectives its forward ran on the tensor-parallel group."""
+
+    method: Annotated[str, doc("the `Worker` method")]
+    seconds: Annotated[float, doc("from taking the call to its result, this rank, host clock")]
+    all_reduce_count: Annotated[int, doc("all-reduces on the TP group during the call")] = 0
+    all_gather_count: Annotated[int, doc("all-gathers on the TP group during the call")] = 0
+    collective_seconds: Annotated[
+        float, doc("host time inside those collectives (gloo: their whole time; NCCL: launches)")
+    ] = 0.0
+    collective_bytes: Annotated[int, doc("bytes this rank contributed to them")] = 0
+    replied: Annotated[bool, doc("this rank answered the executor (the output rank)")] = False
+
+
 # Every kind, grouped by the section of docs/trace_format.md that lists it.
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
     "The file": (TraceHeader, TraceEnd),
@@ -967,6 +998,7 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         SpecProposed,
         LoRASlots,
     ),
+    "Worker processes (tensor parallelism)": (WorkerRpcReceived, WorkerRpcDone),
     "Structured outputs": (
         GrammarCompileStarted,
         GrammarCompiled,

@@ -106,11 +106,14 @@ class _TraceWriter:
     from any thread, ``write_pending`` encodes and removes a prefix of it.
     """
 
-    def __init__(self, path: str, pid: int, level: TraceLevel, role: str = "") -> None:
+    def __init__(
+        self, path: str, pid: int, level: TraceLevel, role: str = "", rank: int | None = None
+    ) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         # Unbuffered: ``events`` is the buffer; every batch is one write() to the OS.
         self.file: BinaryIO | None = open(path, "wb", buffering=0)
         self.pid = pid
+        self.rank = rank  # the tensor-parallel rank of a worker process, else None
         self.seq = 0  # seq of the last event written
         self.num_written = 0  # event lines written (the header not counted)
         self.events: list[TraceEvent | EventRows] = []
@@ -119,6 +122,7 @@ class _TraceWriter:
         header = TraceHeader(
             ts=time.time_ns(),
             pid=pid,
+            tp_rank=rank,
             trace_format_version=TRACE_FORMAT_VERSION,
             glassbox_version=_glassbox_version(),
             trace_level=level.name.lower(),
@@ -147,7 +151,7 @@ class _TraceWriter:
         """The batch as JSON lines, numbered. An event that cannot be built or
         encoded (a hook passed a value JSON cannot hold) is left out: the
         others are written, then a ``TypeError`` names it."""
-        pid, seq = self.pid, self.seq
+        pid, seq, rank = self.pid, self.seq, self.rank
         records: list[TraceEvent] = []
         failure: tuple[str, Exception] | None = None
         for item in batch:
@@ -160,6 +164,7 @@ class _TraceWriter:
                 seq += 1
                 event.pid = pid
                 event.seq = seq
+                event.tp_rank = rank
                 records.append(event)
         self.seq = seq
         try:
@@ -205,7 +210,8 @@ class Tracer:
     """Writes the events of one process to ``path``. ``lifecycle`` and ``full``
     say what the level asks for; with level ``off`` nothing is written and
     no file is created. ``role``: what the header calls the process (default:
-    the ``<role>`` of a ``part_path``, else empty)."""
+    the ``<role>`` of a ``part_path``, else empty). ``rank``: the
+    tensor-parallel rank of a worker process, written into every event."""
 
     def __init__(
         self,
@@ -213,6 +219,7 @@ class Tracer:
         level: str | TraceLevel = TraceLevel.OFF,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
         role: str | None = None,
+        rank: int | None = None,
     ) -> None:
         self.level = TraceLevel.parse(level)
         if self.level > TraceLevel.OFF and not path:
@@ -238,7 +245,7 @@ class Tracer:
             assert path is not None
             if role is None:
                 role = part_role(path)
-            self._writer = _TraceWriter(path, self.pid, self.level, role)
+            self._writer = _TraceWriter(path, self.pid, self.level, role, rank)
             self._events = self._writer.events
             # Written out if the tracer is dropped (or the interpreter exits) unclosed.
             self._finalizer = weakref.finalize(self, self._writer.close)

@@ -35,6 +35,8 @@ from engine.tracing.events import (
     SamplerSampled,
     SamplerStage,
     SpecProposed,
+    WorkerRpcDone,
+    WorkerRpcReceived,
 )
 from engine.tracing.tensors import HostListsCopy, array_summaries
 from engine.tracing.tracer import SubsystemTrace, Tracer
@@ -631,3 +633,40 @@ def _as_dtype(host: np.ndarray, device_buffer: torch.Tensor) -> np.ndarray:
 
 
 __all__ = ["RunnerTrace", "SamplerTrace"]
+
+
+class WorkerProcTrace(SubsystemTrace):
+    """A worker process of ``MultiprocExecutor`` / ``RayWorkerWrapper``: each
+    call it takes off the broadcast queue (``worker.rpc_received``) and its
+    end with the tensor-parallel collectives it ran (``worker.rpc_done``)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__(tracer)
+        self._start = 0.0
+
+    @staticmethod
+    def _call(method: Any, args: tuple[Any, ...]) -> tuple[str, int | None]:
+        name = getattr(method, "value", None) or getattr(method, "__name__", str(method))
+        return name, getattr(args[0], "step", None) if args else None
+
+    def rpc_received(self, method: Any, args: tuple[Any, ...]) -> None:
+        self._start = time.perf_counter()
+        name, step = self._call(method, args)
+        self.tracer.record(WorkerRpcReceived(method=name, step=step))
+
+    def rpc_done(self, method: Any, args: tuple[Any, ...], tp_group: Any, replied: bool) -> None:
+        """``tp_group``: its ``take_stats()`` gives the collectives since the last call."""
+        stats = tp_group.take_stats()
+        name, step = self._call(method, args)
+        self.tracer.record(
+            WorkerRpcDone(
+                method=name,
+                step=step,
+                seconds=time.perf_counter() - self._start,
+                all_reduce_count=stats.all_reduce_count,
+                all_gather_count=stats.all_gather_count,
+                collective_seconds=stats.seconds,
+                collective_bytes=stats.nbytes,
+                replied=replied,
+            )
+        )

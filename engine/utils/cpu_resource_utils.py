@@ -163,9 +163,12 @@ def plan_cpu_threads(
     environ: Mapping[str, str] | None = None,
     allowed: list[int] | None = None,
     core_of: Callable[[int], tuple[int, int]] = physical_core_of,
+    local_world_size: int = 1,
 ) -> CpuThreadPlan:
     """EngineCore's thread count and CPU set from the settings above (pure:
-    the environment, the allowed CPUs and the topology are arguments)."""
+    the environment, the allowed CPUs and the topology are arguments).
+    ``local_world_size``: how many tensor-parallel ranks of this machine share
+    the cores; under ``auto`` each gets an equal share (at least one)."""
     environ = os.environ if environ is None else environ
     allowed = get_allowed_cpu_list() if allowed is None else sorted(allowed)
     bind = bind_setting(environ)
@@ -191,11 +194,12 @@ def plan_cpu_threads(
     reserve = DEFAULT_RESERVED_CPUS if reserved is None else reserved
     if reserve >= len(cores):
         reserve = 0  # nothing would be left: use every core (vLLM does the same)
+    share = f", shared by {local_world_size} ranks" if local_world_size > 1 else ""
     return CpuThreadPlan(
-        len(cores) - reserve,
+        max(1, (len(cores) - reserve) // local_world_size),
         None,
         f"auto: {len(cores)} physical core(s) among allowed CPUs {_spans(allowed)}, "
-        f"{reserve} reserved ({RESERVED_CPU_ENV})",
+        f"{reserve} reserved ({RESERVED_CPU_ENV}){share}",
     )
 
 

@@ -78,9 +78,9 @@ glassbox_lib = torch.library.Library("glassbox", "FRAGMENT")
 
 def direct_register_custom_op(
     op_name: str,
-    op_func: Callable[..., None],
+    op_func: Callable[..., Any],
     mutates_args: list[str],
-    fake_impl: Callable[..., None],
+    fake_impl: Callable[..., Any],
 ) -> None:
     """Register ``op_func`` as ``torch.ops.glassbox.<op_name>`` (vLLM's helper of
     the same name). Dynamo records a call to it as one opaque node instead of

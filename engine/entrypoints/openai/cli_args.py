@@ -132,6 +132,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif field.name == "optimization_level":
             # vLLM's spellings: -O3, -O 3, -O=3, --optimization-level 3.
             group.add_argument(flag, "-O", type=optimization_level, metavar="{0,1,2,3}", **kwargs)
+        elif field.name == "tensor_parallel_size":
+            group.add_argument(flag, "-tp", type=kind, **kwargs)  # vLLM's short form
         elif _is_list(hints[field.name]):
             # logits_processors: one or more "module:Class" names.
             group.add_argument(flag, nargs="+", **kwargs)
@@ -251,13 +253,13 @@ def add_http_limit_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_executor_backend(value: Any) -> Any:
-    """``module.Class`` (or ``module:Class``) -> the class; ``"uni"`` unchanged."""
-    if not isinstance(value, str) or value == "uni":
+    """``module.Class`` (or ``module:Class``) -> the class; a backend name unchanged."""
+    if not isinstance(value, str) or value in ("uni", "mp", "ray"):
         return value
     module_name, sep, class_name = value.replace(":", ".").rpartition(".")
     if not sep:
         raise ValueError(
-            "distributed_executor_backend must be 'uni' or an importable class path "
+            "distributed_executor_backend must be 'uni', 'mp', 'ray' or an importable class path "
             f"such as 'my_pkg.my_module.MyExecutor', got {value!r}"
         )
     try:

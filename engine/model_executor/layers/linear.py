@@ -27,10 +27,17 @@ output; without one it is ``UnquantizedLinearMethod``. The weight loaders
 hand a GGUF layer's tensors over whole (``_maybe_load_gguf``): its method
 stacks them once the file is read (session 06).
 
-Simpler than vLLM: tensor parallel size is always 1. ``tp_rank``/``tp_size``
-are still used in the slicing arithmetic so the seams read like vLLM's, but
-every slice is the whole tensor and no all-reduce or all-gather runs. vLLM
-keeps the CPU GEMM dispatch in ``layers/utils.py`` and drops the unpacked
+Under tensor parallelism (session 07) each rank builds the same layers with
+``tp_rank`` / ``tp_size`` from ``get_tp_group()`` and ends up holding its
+slice: the weight loaders narrow every checkpoint tensor to that slice before
+copying it (the full tensor is never copied to the device), a column-parallel
+layer's output stays split (``gather_output`` all-gathers it), and a
+row-parallel layer's partial products are summed by one all-reduce
+(``reduce_results``).
+
+Simpler than vLLM: no pipeline parallelism, no sequence-parallel
+reduce-scatter, and a GGUF layer is never split (GGUF runs with one rank).
+vLLM keeps the CPU GEMM dispatch in ``layers/utils.py`` and drops the unpacked
 ``W``; ours lives here and keeps ``W`` (prefill-sized calls and the weight
 loaders still read it), so the CPU holds the linear weights twice.
 """
@@ -44,6 +51,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
+
+from engine.distributed.communication_op import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from engine.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 if TYPE_CHECKING:
     from engine.model_executor.layers.quantization import QuantizationConfig
@@ -232,9 +248,9 @@ class LinearBase(nn.Module):
         self.quant_method = method or UnquantizedLinearMethod()
         self.return_bias = return_bias
         self.disable_tp = disable_tp
-        # Glassbox runs one worker: rank 0 of a group of 1.
-        self.tp_rank = 0
-        self.tp_size = 1
+        # This rank's place in the tensor-parallel group (0 of 1 without TP).
+        self.tp_rank = 0 if disable_tp else get_tensor_model_parallel_rank()
+        self.tp_size = 1 if disable_tp else get_tensor_model_parallel_world_size()
 
     def _make_bias(self, size: int, attrs: dict[str, Any]) -> None:
         if self.has_bias:
@@ -365,7 +381,8 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         output = self.quant_method.apply(self, x, bias)  # [T, out / tp]
-        # With tp_size > 1 and gather_output, an all-gather would rebuild [T, out].
+        if self.gather_output and self.tp_size > 1:
+            output = tensor_model_parallel_all_gather(output)  # [T, out]
         return self._finish(output)
 
 
@@ -463,7 +480,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
-        tp_size = 1  # as LinearBase: one worker
+        tp_size = 1 if disable_tp else get_tensor_model_parallel_world_size()
+        if tp_size > self.total_num_kv_heads and tp_size % self.total_num_kv_heads != 0:
+            raise ValueError(
+                f"{prefix or 'qkv_proj'}: tensor_parallel_size {tp_size} must be a multiple of "
+                f"the number of KV heads ({self.total_num_kv_heads}) when it exceeds them"
+            )
         self.num_heads = divide(self.total_num_heads, tp_size)
         if tp_size >= self.total_num_kv_heads:
             self.num_kv_heads = 1
@@ -509,11 +531,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         if _maybe_load_gguf(param, loaded_weight, loaded_shard_id):
             return
         output_dim = param.output_dim
+        # What the checkpoint holds for q, k and v (all heads, once each).
+        checkpoint_sizes = [
+            self.total_num_heads * self.head_size,
+            self.total_num_kv_heads * self.head_size,
+            self.total_num_kv_heads * self.head_size,
+        ]
         if loaded_shard_id is None:
             # A fused qkv tensor in the checkpoint: split it by the full sizes.
-            _check_fused_size(self.prefix, loaded_weight, output_dim, self.output_sizes)
+            _check_fused_size(self.prefix, loaded_weight, output_dim, checkpoint_sizes)
             offset = 0
-            for shard_id, size in zip(("q", "k", "v"), self.output_sizes):
+            for shard_id, size in zip(("q", "k", "v"), checkpoint_sizes):
                 self.weight_loader(param, loaded_weight.narrow(output_dim, offset, size), shard_id)
                 offset += size
             return
@@ -529,7 +557,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         shard_rank = (
             self.tp_rank if loaded_shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
         )
-        full_size = self.output_sizes[("q", "k", "v").index(loaded_shard_id)]
+        full_size = checkpoint_sizes[("q", "k", "v").index(loaded_shard_id)]
         loaded_weight = _rank_slice(loaded_weight, output_dim, shard_size, shard_rank, full_size)
         _copy_checked(self.prefix, f"shard {loaded_shard_id!r}", param_data, loaded_weight)
 
@@ -598,8 +626,14 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor):
         # x is [T, in / tp] when input_is_parallel (the previous column-parallel
-        # layer left it split); tp_size is 1 here, so it is the whole input.
+        # layer left it split); otherwise this rank takes its columns of x.
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = x.narrow(
+                -1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition
+            )
+        # The bias is added once, by rank 0, so the sum counts it once.
         bias = None if (self.tp_rank > 0 or self.skip_bias_add) else self.bias
-        output = self.quant_method.apply(self, x, bias)
-        # With tp_size > 1 and reduce_results, an all-reduce would sum partials.
+        output = self.quant_method.apply(self, x, bias)  # [T, out]: a partial sum
+        if self.reduce_results and self.tp_size > 1:
+            output = tensor_model_parallel_all_reduce(output)
         return self._finish(output)

@@ -9,7 +9,13 @@ LM head, drop the vocabulary padding rows, then apply the optional soft cap
 (``logit_scale`` in some configs).
 Sessions: 04, 05 (sampling starts from its output).
 
-Simpler than vLLM: no tensor-parallel gather (one worker).
+Under tensor parallelism each rank's LM head computes its slice of the
+vocabulary and ``_gather_logits`` all-gathers the slices, so every rank holds
+all the logits and samples the same tokens (vLLM all-gathers too on most
+platforms; every rank runs the sampler and only the output rank's result
+goes back to the engine).
+
+Simpler than vLLM: always an all-gather (vLLM may gather to rank 0 only).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.distributed.communication_op import tensor_model_parallel_all_gather
 from engine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
@@ -61,8 +68,13 @@ class LogitsProcessor(nn.Module):
         embedding_bias: torch.Tensor | None,
     ) -> torch.Tensor:
         logits = lm_head.quant_method.apply(lm_head, hidden_states, bias=embedding_bias)
+        logits = self._gather_logits(logits)
         # [N, vocab_padded] -> [N, org_vocab_size]: padding rows are not tokens.
         return logits[..., : self.org_vocab_size]
+
+    def _gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, vocab_padded / tp] on each rank -> [N, vocab_padded] on every rank."""
+        return tensor_model_parallel_all_gather(logits)
 
     def extra_repr(self) -> str:
         return (

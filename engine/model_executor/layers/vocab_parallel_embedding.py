@@ -17,8 +17,16 @@ With a ``quant_config`` the table may be quantized (GGUF: the rows stay in
 their block format and only the looked-up rows are dequantized); a tied LM
 head is then the embedding module itself, since its method does both jobs.
 
-Simpler than vLLM: tensor parallel size 1, so each rank's shard is the whole
-vocabulary and no masking / all-reduce is needed; no LoRA-added vocabulary.
+Under tensor parallelism (session 07) rank r holds rows ``[r * V/tp, (r+1) *
+V/tp)`` of the padded table: the embedding looks up only the ids in its range
+(the others give zero rows) and an all-reduce adds the ranks' rows together;
+the LM head computes its slice of the logits, which ``LogitsProcessor``
+all-gathers.
+
+Simpler than vLLM: no LoRA-added vocabulary (so no second, added-vocabulary
+range per rank); a vocabulary whose padded size does not split evenly is
+padded further, to a multiple of ``padding_size * tp_size``, where vLLM
+refuses it; a GGUF table is never split.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
 
+from engine.distributed.communication_op import tensor_model_parallel_all_reduce
+from engine.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from engine.model_executor.layers.linear import (
     _maybe_load_gguf,
     cpu_unquantized_gemm,
@@ -101,12 +114,18 @@ class VocabParallelEmbedding(nn.Module):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = 0, 1  # one worker
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.num_embeddings = num_embeddings
         self.org_vocab_size = org_num_embeddings or num_embeddings  # rows the checkpoint has
         self.padding_size = padding_size
         self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size)
+        if self.num_embeddings_padded % self.tp_size:
+            self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        # This rank's rows of the padded table: [vocab_start_index, vocab_end_index).
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.embedding_dim = embedding_dim
         self.prefix = prefix
         self.params_dtype = params_dtype or torch.get_default_dtype()
@@ -142,15 +161,23 @@ class VocabParallelEmbedding(nn.Module):
                 f"{tuple(expected)} "
                 f"(vocab_size x hidden_size), got {tuple(loaded_weight.shape)}"
             )
-        # Real rows first, padding rows zeroed.
-        param.data[: self.org_vocab_size].copy_(loaded_weight)
-        param.data[self.org_vocab_size :].fill_(0)
+        # This rank's real rows first, padding rows (past the checkpoint's) zeroed.
+        start = min(self.vocab_start_index, self.org_vocab_size)
+        end = min(self.vocab_end_index, self.org_vocab_size)
+        param.data[: end - start].copy_(loaded_weight.narrow(0, start, end - start))
+        param.data[end - start :].fill_(0)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        # input_: [T] token ids -> [T, embedding_dim]. With tp_size > 1, ids
-        # outside this rank's vocab range would be masked and the partial
-        # embeddings all-reduced.
-        return self.quant_method.embedding(self, input_.long())
+        # input_: [T] token ids -> [T, embedding_dim].
+        if self.tp_size == 1:
+            return self.quant_method.embedding(self, input_.long())
+        # Ids outside this rank's rows look up row 0 and are zeroed; the
+        # all-reduce then adds the one rank that holds each id.
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        local_ids = (input_.long() - self.vocab_start_index).masked_fill(outside, 0)
+        output = self.quant_method.embedding(self, local_ids)
+        output = output.masked_fill(outside.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(output)
 
     def extra_repr(self) -> str:
         return (

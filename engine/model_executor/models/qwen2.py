@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine.compilation.decorators import support_torch_compile
+from engine.distributed.parallel_state import get_tensor_model_parallel_world_size
 from engine.model_executor.layers.activation import SiluAndMul
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.layernorm import RMSNorm
@@ -34,6 +35,7 @@ from engine.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    divide,
 )
 from engine.model_executor.layers.logits_processor import LogitsProcessor
 from engine.model_executor.layers.rotary_embedding import get_rope
@@ -107,10 +109,12 @@ class Qwen2Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
+        tp_size = get_tensor_model_parallel_world_size()
         self.total_num_heads = num_heads
-        self.num_heads = num_heads  # per tensor-parallel rank; tp_size is 1
+        self.num_heads = divide(num_heads, tp_size)  # this rank's query heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_kv_heads = num_kv_heads
+        # Fewer KV heads than ranks: each rank keeps one (QKVParallelLinear replicates it).
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.head_dim = hidden_size // num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.distributed.parallel_state import get_tensor_model_parallel_world_size
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.layernorm import RMSNorm
-from engine.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear, divide
 from engine.model_executor.layers.rotary_embedding import get_rope
 from engine.model_executor.models.qwen2 import (
     QWEN_DEFAULT_ROPE_THETA,
@@ -74,10 +75,12 @@ class Qwen3Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
+        tp_size = get_tensor_model_parallel_world_size()
         self.total_num_heads = num_heads
-        self.num_heads = num_heads  # per tensor-parallel rank; tp_size is 1
+        self.num_heads = divide(num_heads, tp_size)  # this rank's query heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_kv_heads = num_kv_heads
+        # Fewer KV heads than ranks: each rank keeps one (QKVParallelLinear replicates it).
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.head_dim = head_dim or hidden_size // num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

@@ -142,17 +142,17 @@ class EngineCoreRequestType(enum.Enum):
     """First frame of every message to EngineCore says what follows.
 
     ADD carries an ``EngineCoreRequest``; ABORT a list of request ids; UTILITY
-    ``(client_index, call_id, method_name, args)``. WAKEUP never crosses the
-    socket: the core puts it on its own input queue to wake the idle busy
-    loop when a shutdown is requested. vLLM's ``b"\\x02"`` (START_DP_WAVE,
-    data parallel) and ``b"\\x04"`` (EXECUTOR_FAILED, from its multi-process
-    executor's failure callback) have no twin: Glassbox's in-process executor
-    raises inside the step instead.
+    ``(client_index, call_id, method_name, args)``. WAKEUP and EXECUTOR_FAILED
+    never cross the socket: the core puts WAKEUP on its own input queue to
+    wake the idle busy loop when a shutdown is requested, and the executor's
+    failure callback puts EXECUTOR_FAILED there when a worker process dies.
+    vLLM's ``b"\\x02"`` (START_DP_WAVE, data parallel) has no twin.
     """
 
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
+    EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"
 
 

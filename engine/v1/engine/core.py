@@ -381,6 +381,8 @@ class EngineCoreProc(EngineCore):
         try:
             with self._perform_handshake(handshake_address, identity) as addresses:
                 super().__init__(glassbox_config, executor_class, log_stats, tracer)
+                # A worker process that dies wakes the busy loop, which then fails.
+                self.model_executor.register_failure_callback(self._executor_failed)
                 ready_event = threading.Event()
                 input_thread = threading.Thread(
                     target=self.process_input_sockets,
@@ -583,9 +585,14 @@ class EngineCoreProc(EngineCore):
         # Aborted requests still need one step to reach the worker; then exit.
         return self.has_work()
 
+    def _executor_failed(self) -> None:
+        self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, b""))
+
     def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:
         if request_type == EngineCoreRequestType.WAKEUP:
             return
+        if request_type == EngineCoreRequestType.EXECUTOR_FAILED:
+            raise RuntimeError("the executor failed: a worker process died")
         if request_type == EngineCoreRequestType.ADD:
             if not self.is_running():
                 logger.info("Rejecting request %s: shutting down.", request.request_id)

@@ -14,9 +14,10 @@ Read it for the four things EngineCore asks of the model side:
   5. ``max_concurrent_batches`` -- 2 with async scheduling: EngineCore keeps
      two steps in flight (its batch queue).
 ``Executor.get_class`` picks the implementation from
-``distributed_executor_backend``: ``"uni"`` (one in-process worker) or any
-``Executor`` subclass passed in directly, which is how tests and experiments
-plug in their own.
+``distributed_executor_backend``: ``"uni"`` (one in-process worker),
+``"mp"`` (a worker process per rank, ``multiproc_executor.py``), ``"ray"``
+(a Ray actor per rank, ``ray_executor.py``), or any ``Executor`` subclass
+passed in directly, which is how tests and experiments plug in their own.
 Sessions: 04 (worker), 07 (executor).
 """
 
@@ -57,7 +58,17 @@ class Executor(ABC):
             from engine.v1.executor.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor
-        raise ValueError(f"unknown distributed_executor_backend {backend!r}; use 'uni'")
+        if backend == "mp":
+            from engine.v1.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from engine.v1.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
+        raise ValueError(
+            f"unknown distributed_executor_backend {backend!r}; use 'uni', 'mp' or 'ray'"
+        )
 
     @abstractmethod
     def _init_executor(self) -> None:
@@ -93,6 +104,11 @@ class Executor(ABC):
         """Speculative decoding: the drafts the worker proposed after the last
         step (None when it proposed none)."""
         return None
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
+        """``callback`` runs (once, on another thread) if the executor fails
+        outside a call, e.g. when a worker process dies. An in-process
+        executor never does: its failures raise inside the call."""
 
     def shutdown(self) -> None:
         """Release workers and device memory. Safe to call twice."""

@@ -27,9 +27,15 @@ import os
 import torch
 
 from engine.config import GlassboxConfig
+from engine.distributed.parallel_state import (
+    cleanup_dist_env_and_memory,
+    default_backend,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from engine.tracing import NULL_TRACER, Tracer
 from engine.tracing.worker_trace import RunnerTrace
-from engine.utils.cpu_resource_utils import init_cpu_threads_env
+from engine.utils.cpu_resource_utils import init_cpu_threads_env, plan_cpu_threads
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
 from engine.v1.worker.worker_base import WorkerBase
 
@@ -56,9 +62,17 @@ class Worker(WorkerBase):
         local_rank: int = 0,
         rank: int = 0,
         tracer: Tracer = NULL_TRACER,
+        distributed_init_method: str | None = None,
+        is_driver_worker: bool = True,
+        local_world_size: int = 1,
     ) -> None:
         super().__init__(glassbox_config, local_rank, rank)
         self.tracer = tracer
+        # Where the ranks meet (tcp://ip:port); None with a single rank.
+        self.distributed_init_method = distributed_init_method
+        # The rank whose output goes back to EngineCore (rank 0).
+        self.is_driver_worker = is_driver_worker
+        self.local_world_size = local_world_size
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
 
@@ -72,11 +86,31 @@ class Worker(WorkerBase):
             torch.cuda.empty_cache()
         else:
             self.device = torch.device("cpu")
-            # This process runs the model: size torch's threads to its cores.
-            init_cpu_threads_env()
+            # This process runs the model: size torch's threads to its share
+            # of the cores (the ranks of one machine split them).
+            init_cpu_threads_env(plan_cpu_threads(local_world_size=self.local_world_size))
+        self.init_worker_distributed_environment()
         torch.manual_seed(self.glassbox_config.model_config.seed)
-        trace = RunnerTrace.create(self.tracer)
+        # Only the output rank records the runner's events: the others run
+        # the same batch on their slices (their calls: worker.rpc_* events).
+        trace = RunnerTrace.create(self.tracer if self.is_driver_worker else NULL_TRACER)
         self.model_runner = GPUModelRunner(self.glassbox_config, self.device, trace=trace)
+
+    def init_worker_distributed_environment(self) -> None:
+        """Join the other ranks (nothing to do for a single rank)."""
+        parallel_config = self.glassbox_config.parallel_config
+        if parallel_config.world_size == 1:
+            return
+        assert self.device is not None and self.distributed_init_method is not None
+        backend = default_backend(self.device)
+        init_distributed_environment(
+            parallel_config.world_size,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            backend,
+        )
+        initialize_model_parallel(parallel_config.tensor_parallel_size, backend)
 
     def load_model(self) -> None:
         assert self.model_runner is not None, "init_device() first"
@@ -142,6 +176,8 @@ class Worker(WorkerBase):
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.glassbox_config.parallel_config.world_size > 1:
+            cleanup_dist_env_and_memory()
         if self.device is not None and self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()

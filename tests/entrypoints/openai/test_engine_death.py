@@ -98,3 +98,29 @@ def test_killed_engine_core_fails_requests_fast_and_health_turns_503(model_dir, 
         # The HTTP side keeps answering.
         assert httpx.get(server.url_for("v1/models")).status_code == 200
         assert pid_exited(pid)
+
+
+def test_killed_tensor_parallel_worker_turns_the_server_unhealthy():
+    """The default model at -tp 3 (its 9 heads): SIGKILL one worker process;
+    the engine fails within 5 s (the executor's monitor), requests get 503,
+    /health 503, no process is left."""
+    import psutil
+
+    from tests.helpers.hf_checkpoints import default_model_path
+
+    model = default_model_path()
+    with RemoteOpenAIServer(model, ["-tp", "3", "--max-model-len", "256"]) as server:
+        client = server.get_client()
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+        engine_core = psutil.Process(server.engine_core_pid)
+        workers = [p for p in engine_core.children() if "resource_tracker" not in p.cmdline()[-1]]
+        assert len(workers) == 3
+        workers[1].kill()
+        killed_at = time.monotonic()
+        assert wait_until(lambda: httpx.get(server.url_for("health")).status_code == 503, 5)
+        assert time.monotonic() - killed_at < 5
+        with pytest.raises(openai.APIStatusError) as excinfo:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2)
+        assert excinfo.value.status_code == 503
+    gone, alive = psutil.wait_procs([engine_core, *workers], timeout=15)
+    assert not alive
