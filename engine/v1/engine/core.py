@@ -331,6 +331,8 @@ class EngineCore:
         self.scheduler.shutdown()
 
 
+# How often an idle busy loop wakes to let pending signal handlers run.
+IDLE_WAKE_S = 0.1
 # How long EngineCore waits for the front end to answer its HELLO.
 HANDSHAKE_TIMEOUT_MINS = 5
 # After the parent dies, how long a clean exit may take before a hard one.
@@ -545,7 +547,13 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_queue(self) -> None:
         while not self.has_work() and self.is_running():
-            request_type, request = self.input_queue.get()
+            try:
+                # Wake now and then: a SIGTERM the kernel delivered to another
+                # thread runs its Python handler only when this thread runs
+                # bytecode, and a get() without timeout never would.
+                request_type, request = self.input_queue.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                continue
             self._handle_client_request(request_type, request)
         # Take everything else that arrived during the last step, without waiting.
         while not self.input_queue.empty():

@@ -268,6 +268,14 @@ class CoreEngineProcManager:
         return {p.name: p.exitcode for p in self.processes if p.exitcode is not None}
 
 
+def process_ended(proc: BaseProcess) -> bool:
+    """Whether ``proc`` has exited. Its sentinel turns readable when it does;
+    ``is_alive()`` alone can answer True for a process that another thread
+    (the liveness monitor, reading ``exitcode``) is reaping at that moment,
+    which made shutdown SIGKILL an engine that had already exited."""
+    return proc.exitcode is not None or bool(connection.wait([proc.sentinel], timeout=0))
+
+
 def shutdown(
     procs: list[BaseProcess], death_writer: Any = None, timeout: float | None = None
 ) -> None:
@@ -287,7 +295,7 @@ def shutdown(
     notice_at = started + (timeout or 0.0) + SHUTDOWN_NOTICE_AFTER_S
     for proc in procs:
         proc.join(timeout=max(0.0, min(notice_at, deadline) - time.monotonic()))
-        if proc.is_alive() and time.monotonic() < deadline:
+        if not process_ended(proc) and time.monotonic() < deadline:
             logger.info(
                 "Waiting up to %.0f s more for EngineCore (pid %s) to finish its current step "
                 "(%s).",
@@ -296,7 +304,7 @@ def shutdown(
                 ENGINE_ITERATION_TIMEOUT_S_ENV,
             )
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
+        if not process_ended(proc):
             logger.warning(
                 "EngineCore (pid %s) did not exit %.0f s after SIGTERM; killing it",
                 proc.pid,

@@ -52,6 +52,7 @@ from engine.utils.network_utils import (
     get_open_port,
 )
 from engine.utils.system_utils import get_mp_context
+from engine.v1.engine.utils import process_ended
 from engine.v1.executor.abstract import Executor
 from engine.v1.outputs import AsyncModelRunnerOutput
 
@@ -367,7 +368,7 @@ def _shutdown_workers(workers: list[WorkerProcHandle], rpc_mq: MessageQueue | No
     deadline = WORKER_TERMINATE_GRACE_S
     for proc in procs:
         proc.join(timeout=deadline)
-        if proc.is_alive():
+        if not process_ended(proc):
             logger.warning("worker %s did not exit after SIGTERM; killing it", proc.name)
             proc.kill()
             proc.join(timeout=5)
