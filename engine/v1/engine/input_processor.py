@@ -194,7 +194,17 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             lora_request=lora_request,
+            cache_salt=self._cache_salt(prompt),
         )
+
+    @staticmethod
+    def _cache_salt(prompt: PromptType) -> str | None:
+        """A dict prompt's ``cache_salt``: mixed into its first block's hash, so
+        only requests with the same salt share cached blocks (vLLM's field)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
 
     def _validate_lora_request(self, lora_request: LoRARequest | None) -> None:
         """The adapter must be usable before the request enters the engine:

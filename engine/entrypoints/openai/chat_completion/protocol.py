@@ -48,6 +48,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # vLLM extension: mixed into the first KV block's hash, so only requests
+    # with the same salt share cached prefix blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM's chat-template extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

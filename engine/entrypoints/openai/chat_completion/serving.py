@@ -102,7 +102,13 @@ class OpenAIServingChat(OpenAIServing):
         lora_request = self._maybe_get_adapters(request)
         result_generator = merge_async_iterators(
             self.engine_client.generate(
-                rendered, params, request_id, priority=request.priority, lora_request=lora_request
+                rendered
+                if request.cache_salt is None
+                else {**rendered, "cache_salt": request.cache_salt},
+                params,
+                request_id,
+                priority=request.priority,
+                lora_request=lora_request,
             )
         )
         model_name = self.models.model_name(lora_request)

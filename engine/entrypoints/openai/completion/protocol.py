@@ -36,6 +36,9 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM extension: mixed into the first KV block's hash, so only requests
+    # with the same salt share cached prefix blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class CompletionLogProbs(OpenAIBaseModel):

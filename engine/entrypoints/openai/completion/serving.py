@@ -85,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         lora_request = self._maybe_get_adapters(request)
         generators = [
             self.engine_client.generate(
-                prompt,
+                _salted(prompt, request.cache_salt),
                 params,
                 f"{request_id}-{i}",
                 priority=request.priority,
@@ -250,3 +250,7 @@ def _normalize_prompts(prompt: Any) -> list[Any]:
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     return [{"prompt_token_ids": list(p)} for p in prompt]
+
+
+def _salted(prompt: dict, cache_salt: str | None) -> dict:
+    return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
