@@ -37,8 +37,13 @@
 #    with a batch queue — and sets the two runs side by side: the order of
 #    the phases, the steps in flight, the time per step and the host time the
 #    forward pass hides;
-# 5. answers the session's exercise from the trace's numbers;
-# 6. ends with self-checks you can edit and re-run.
+# 5. puts an HTTP server in front of a third engine and follows one streamed
+#    chat completion from the `POST` to the last server-sent event;
+# 6. answers the session's exercise from the trace's numbers;
+# 7. ends with self-checks you can edit and re-run.
+#
+# Where a cell says **Predict, then run**, write your answer down first: the
+# cell after it shows what happened.
 #
 # It runs on CUDA when torch sees a GPU and on the CPU otherwise — same code.
 # The model is the default one (`LLM()` / `EngineArgs()` with no model name):
@@ -50,9 +55,9 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | `vllm/v1/engine/core.py` | `EngineCore.step()` (schedule → execute → sample → update, inside `log_error_detail`) and `EngineCoreProc`, the process wrapper: its busy loop, its input and output threads |
-# | `vllm/v1/engine/async_llm.py` | `AsyncLLM`: `generate()` is an async generator per request; `output_handler` is the one background task that feeds all of them |
-# | `vllm/v1/engine/core_client.py` | the front end's side of the sockets: `AsyncMPClient` sends requests and reads outputs |
+# | [`vllm/v1/engine/core.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L94) | `EngineCore.step()` (schedule → execute → sample → update, inside `log_error_detail`) and `EngineCoreProc`, the process wrapper: its busy loop, its input and output threads |
+# | [`vllm/v1/engine/async_llm.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/async_llm.py#L70) | `AsyncLLM`: `generate()` is an async generator per request; `output_handler` is the one background task that feeds all of them |
+# | [`vllm/v1/engine/core_client.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core_client.py#L919) | the front end's side of the sockets: `AsyncMPClient` sends requests and reads outputs |
 #
 # The table below is computed, not typed: vLLM's line numbers come from the
 # symbol index committed in `docs/data/vllm_twins_52a31cc.json` (extracted
@@ -69,7 +74,7 @@ import engine
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
-from lab import reading_table, vllm_line  # noqa: E402
+from lab import reading_table, show_vllm, vllm_line  # noqa: E402
 
 
 SESSION_FILES = {
@@ -108,25 +113,35 @@ display(Markdown(reading_table(SESSION_FILES)))
 # The reading plan was written against an older layout. At `52a31cc`:
 #
 # * **`run_engine_core` is not a module-level function**; it is a
-#   `@staticmethod` of `EngineCoreProc` (line 1103). Glassbox keeps that shape.
+#   `@staticmethod` of `EngineCoreProc` ([line 1103](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L1103)). Glassbox
+#   keeps that shape.
 # * **The line hints for `generate` (~315) and `output_handler` (~366) are
-#   stale**: they are at 524 and 656. `output_handler` is a coroutine defined
-#   *inside* `_run_output_handler` (637) and started once as a background task.
+#   stale**: they are at [524](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/async_llm.py#L524) and [656](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/async_llm.py#L656).
+#   `output_handler` is a coroutine defined *inside* `_run_output_handler`
+#   ([637](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/async_llm.py#L637)) and started once as a background task.
 # * **`step()` does not get tokens back from `execute_model`.** vLLM calls
-#   `execute_model(scheduler_output, non_block=True)` (line 440), which
-#   returns a future; once the forward pass is done its result is `None`,
-#   and the tokens come from a second call, `sample_tokens(grammar_output)`
-#   (448). Both waits happen inside `log_error_detail`, which reports what
+#   `execute_model(scheduler_output, non_block=True)`
+#   ([line 440](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L440)), which returns a future; once the forward pass
+#   is done its result is `None`, and the tokens come from a second call,
+#   `sample_tokens(grammar_output)` ([448](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L448)). Both waits happen inside `log_error_detail`, which reports what
 #   the step was doing if the model fails. Glassbox's `step()` makes the same
 #   calls in the same order; its executor runs the worker in this process, so
 #   the future it hands back is already done.
-# * **By default vLLM's busy loop calls `step_with_batch_queue` (469), not
-#   `step`.** Async scheduling is on unless something incompatible is
+# * **By default vLLM's busy loop calls `step_with_batch_queue`
+#   ([469](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L469)), not `step`.** Async scheduling is on unless something incompatible is
 #   configured, the executor then holds two batches in flight
 #   (`max_concurrent_batches`), and the next step is scheduled while the
 #   current one runs. Glassbox does the same. Sections 2 and 3 turn it off
 #   (`async_scheduling=False`) to show the plain `step` the reading plan
 #   describes, a clean alternation; section 4 runs the default and compares.
+#
+# The busy loop itself is a few lines. `show_vllm` (in `sessions/lab.py`)
+# prints cited lines from your own vLLM checkout when the environment variable
+# `GLASSBOX_VLLM_SRC` points at one (it warns if the checkout is not at
+# `52a31cc`), and otherwise only the permalink:
+
+# %%
+show_vllm("vllm/v1/engine/core.py", "EngineCoreProc.run_busy_loop", 8)
 
 # %% [markdown]
 # ## 2. Run it: two processes, tracing on, the serial loop
@@ -252,7 +267,11 @@ print(f"model {runner_init.architecture} on {runner_init.device} ({runner_init.d
 
 # %% [markdown]
 # Which process writes which kind of event (only the kinds this session is
-# about; the list of kinds is fixed, so is this answer):
+# about; the list of kinds is fixed, so is this answer).
+#
+# **Predict, then run.** Which of the two processes writes `sched.step`,
+# `sampler.sampled`, `output.sent` and `request.output`? Is there a kind that
+# both write?
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -429,7 +448,11 @@ for p in sorted({" -> ".join(p) for p in rhythm.values()}, key=len, reverse=True
 #
 # Now the request that arrived while the core was busy. `req-2` was sent after
 # `req-1` had its second token, so when it reached the core, a step was
-# running:
+# running.
+#
+# **Predict, then run.** Does `schedule()` see `req-2` in the step that is
+# running when it arrives, in the next step, or later? What is the longest
+# it can wait in `input_queue`?
 
 # %%
 def core_step_windows():
@@ -719,8 +742,8 @@ display(SVG(g.pipe(format="svg")))
 # | vLLM file | read it for |
 # |---|---|
 # | [`vllm/v1/engine/core.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L469) | `step_with_batch_queue`: launch a step without waiting for it; read the oldest step only when the queue is full or nothing else can be launched |
-# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py) | `AsyncScheduler`: a placeholder for every token still being sampled, so the next step can be scheduled before it is known (session 02 reads it from a trace) |
-# | [`vllm/v1/worker/gpu_model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py) | `AsyncGPUModelRunnerOutput` and `_prepare_input_ids`: the sampled ids go to the host on a side stream, and into the next step's input on the device (session 04) |
+# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L12) | `AsyncScheduler`: a placeholder for every token still being sampled, so the next step can be scheduled before it is known (session 02 reads it from a trace) |
+# | [`vllm/v1/worker/gpu_model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L236) | `AsyncGPUModelRunnerOutput` and `_prepare_input_ids`: the sampled ids go to the host on a side stream, and into the next step's input on the device (session 04) |
 
 # %%
 display(Markdown(reading_table({
@@ -783,7 +806,11 @@ print("req-0 alone, same greedy tokens on both loops:",
 # ### 4.1 The order of the phases
 #
 # Each loop's core events in the order the core wrote them, for three decode
-# steps of `req-0` (the phases carry the number of the step they belong to):
+# steps of `req-0` (the phases carry the number of the step they belong to).
+#
+# **Predict, then run.** On the async loop, is step N+1 scheduled before or
+# after `update_from_output` applies step N's tokens? How many steps are in
+# flight at most?
 
 # %%
 LOOP_PHASE = {
@@ -964,7 +991,218 @@ fig.tight_layout(rect=(0, 0.07, 1, 1))
 plt.show()
 
 # %% [markdown]
-# ## 5. Exercise
+# ## 5. One request over HTTP, to server-sent events
+#
+# The reading plan's lifecycle starts one step earlier than `generate()`: an
+# HTTP `POST /v1/chat/completions` reaches the API server, which applies the
+# chat template, calls `AsyncLLM.generate`, and streams each delta back as a
+# server-sent event (SSE): one `data: {...}` line per chunk, then
+# `data: [DONE]`.
+#
+# | vLLM file | read it for |
+# |---|---|
+# | [`vllm/entrypoints/openai/chat_completion/api_router.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/api_router.py#L53) | the route: `create_chat_completion` asks the handler for a generator and wraps it in a `StreamingResponse` (`text/event-stream`). Glassbox keeps its routes in `api_server.py` |
+# | [`vllm/entrypoints/openai/chat_completion/serving.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/serving.py#L228) | `OpenAIServingChat`: `create_chat_completion` renders the chat template and calls `engine_client.generate` ([L350](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/serving.py#L350)); with `stream=true` it returns `chat_completion_stream_generator` ([L371](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/serving.py#L371)), which sends the role first ([L508](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/serving.py#L508)), one chunk per `RequestOutput`, and `[DONE]` last ([L1004](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/serving.py#L1004)) |
+# | [`vllm/entrypoints/openai/api_server.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/api_server.py#L157) | `build_app` and `init_app_state`: the FastAPI app and the handlers around one engine client |
+
+# %%
+display(Markdown(reading_table({
+    "vllm/entrypoints/openai/chat_completion/serving.py": [
+        "OpenAIServingChat.create_chat_completion",
+        "OpenAIServingChat.chat_completion_stream_generator",
+    ],
+    "vllm/entrypoints/openai/api_server.py": ["build_app", "init_app_state"],
+})))
+
+# %% [markdown]
+# `glassbox serve` is that app around an `AsyncLLM`. Rather than start it as a
+# program of its own, the notebook does what its `run_server` does, minus the
+# signal handling and the graceful drain: a third engine (the default, async
+# loop), the FastAPI app and its handlers around it, and uvicorn on a free
+# local port, running in this notebook's own event loop. The client is
+# `httpx`, over a real socket.
+# The server writes two event kinds of its own into the trace: `api.request`
+# when the request comes in, `api.chunk` for every SSE chunk it writes. (The
+# recorded trace behind `docs/architecture.md`, in
+# `docs/data/architecture_trace.jsonl`, is the same path taken through a
+# separate `glassbox serve` process; `load_trace` reads it too.)
+
+# %%
+import argparse
+import json
+
+import httpx
+
+from engine.entrypoints.openai.api_server import build_app, build_server, create_server_socket, init_app_state
+from engine.entrypoints.openai.cli_args import make_arg_parser
+
+TRACE_HTTP = TRACE.with_name("run-http.jsonl")
+llm = AsyncLLM.from_engine_args(
+    EngineArgs(trace_path=str(TRACE_HTTP), trace_level="lifecycle", disable_log_stats=True)
+)
+serve_args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--uvicorn-log-level", "warning"])
+app = build_app(serve_args)
+await init_app_state(llm, app.state, serve_args)
+sock = create_server_socket("127.0.0.1", 0)  # port 0: the OS picks a free one
+server = build_server(app, serve_args)
+serving = asyncio.create_task(server.serve(sockets=[sock]))
+while not server.started:
+    await asyncio.sleep(0.01)
+
+QUESTION = "Name one primary colour."
+sse = []  # (client clock in ns, payload) of every `data:` line the client read
+async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as client:
+    model_name = (await client.get("/v1/models")).json()["data"][0]["id"]
+    body = {"model": model_name, "stream": True, "temperature": 0, "max_tokens": 4,
+            "messages": [{"role": "user", "content": QUESTION}]}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        status, content_type = response.status_code, response.headers["content-type"]
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                sse.append((time.time_ns(), line.removeprefix("data: ")))
+server.should_exit = True
+await serving
+llm.shutdown()
+events_http = load_trace(str(TRACE_HTTP))
+print(f"HTTP {status}, {content_type}; {len(sse)} SSE events read; trace: {TRACE_HTTP}")
+
+# %% [markdown]
+# **Predict, then run.** The request asks for `max_tokens=4`. How many
+# `data:` events does the client read, and what do the first and the last
+# carry?
+
+# %%
+for _, payload in sse:
+    if payload == "[DONE]":
+        print("data: [DONE]")
+        continue
+    choice = json.loads(payload)["choices"][0]
+    print(f"data: {{delta: {choice['delta']}, finish_reason: {choice['finish_reason']}}}")
+
+# %% [markdown]
+# The role goes out first, with empty content, once the first output is in
+# (vLLM waits for it too: an error in the engine must be the stream's first
+# event). Then one chunk per `RequestOutput` (`output_kind=DELTA`: only the
+# new text), the last one with the finish reason, and `[DONE]`. Here that is
+# one chunk per token. Not always: if the server falls behind, the request's
+# queue hands `generate()` the outputs that piled up as one, and one chunk
+# carries several tokens. So the facts that hold on every run are these:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+role, *text_events, done = [payload for _, payload in sse]
+choices = [json.loads(p)["choices"][0] for p in text_events]
+print("first event:", json.loads(role)["choices"][0]["delta"])
+print("text events, joined:", repr("".join(c["delta"]["content"] for c in choices)))
+print("finish_reason 'length' on the last text event, None before it:",
+      [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"])
+print("last event:", done)
+#
+# The same request through both processes, from the trace, up to its first
+# token. The API server is the front end: the process that holds `AsyncLLM`.
+# The HTTP request has the id `chatcmpl-…`; `AsyncLLM.generate` was called
+# with it, so it is the engine request's external id (`request.added`
+# carries both).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+api_request = next(e for e in events_http if e.kind == "api.request")
+http_id = api_request.request_id
+http_internal = next(e.request_id for e in events_http if e.kind == "request.added" and e.external_req_id == http_id)
+API, CORE_HTTP = api_request.pid, next(e.pid for e in events_http if e.kind == "kv.init")
+# The busy loop's own events. The runner's (runner.forward, sampler.sampled) are left
+# out: when they are written depends on the device, not on the loop.
+CORE_KINDS = {"request.received", "sched.queued", "kv.cache_hit", "kv.allocated", "sched.admitted", "sched.step",
+              "engine.step_launched", "engine.output_ready", "sched.update", "output.sent"}
+
+
+def of_http(e):
+    """Whether ``e`` names the HTTP request, by its HTTP id or its internal id."""
+    return (getattr(e, "request_id", None) in (http_id, http_internal)
+            or http_internal in (getattr(e, "request_ids", None) or []))
+
+
+def ordered(pid):
+    return sorted((e for e in events_http if e.pid == pid), key=lambda e: e.seq)
+
+
+def label(e):
+    if e.kind == "api.request":
+        return f"api.request ({api_request.endpoint}, stream={api_request.stream})"
+    if e.kind == "request.output":
+        return f"request.output ({e.text_delta!r})"
+    if e.kind == "api.chunk":
+        return "api.chunk"
+    return e.kind if e.step is None else f"{e.kind} {e.step}"
+
+
+api_events, core_events = ordered(API), ordered(CORE_HTTP)
+sent_at = next(i for i, e in enumerate(api_events) if e.kind == "request.sent" and of_http(e))
+core_from = next(i for i, e in enumerate(core_events) if e.kind == "request.received" and of_http(e))
+core_to = next(i for i, e in enumerate(core_events) if e.kind == "output.sent" and of_http(e))
+back_at = next(i for i, e in enumerate(api_events) if e.kind == "output.received" and of_http(e))
+# The step machinery writes events that name no request: keep those of the steps it ran in.
+its_steps = {e.step for e in core_events if e.kind == "sched.step" and http_internal in e.num_scheduled_tokens}
+print("API server :", " -> ".join(label(e) for e in api_events[: sent_at + 1] if of_http(e)))
+print("  ~~ ZMQ ROUTER -> DEALER ~~")
+core_part = [e for e in core_events[core_from : core_to + 1]
+             if e.kind in CORE_KINDS and (of_http(e) or e.step in its_steps)]
+for i in range(0, len(core_part), 5):
+    print("engine core:" if i == 0 else "           ", " -> ".join(label(e) for e in core_part[i : i + 5]))
+print("  ~~ ZMQ PUSH -> PULL ~~")
+# The first output's arrival, its detokenized text, then the two chunks it lets out:
+# causally ordered, whatever else the event loop interleaves.
+first_back = [next(e for e in api_events[back_at:] if e.kind == kind and of_http(e))
+              for kind in ("output.received", "request.output")]
+first_back += [e for e in api_events[back_at:] if e.kind == "api.chunk" and of_http(e)][:2]
+assert [e.seq for e in first_back] == sorted(e.seq for e in first_back)
+print("API server :", " -> ".join(label(e) for e in first_back))
+
+# %% [markdown]
+# Read it against sections 3 and 4:
+#
+# * `api.request` → `request.added`: the handler rendered the chat template,
+#   tokenized the prompt and `AsyncLLM.add_request` built the
+#   `EngineCoreRequest` (section 3.1 goes on from here).
+# * The core's part is the async loop of section 4: step 1 is the prefill;
+#   step 2 is scheduled and launched on a placeholder before step 1's token
+#   is read (`engine.output_ready 1`); only then does step 1's output leave
+#   the core.
+# * Back in the API server, `output_handler` detokenized the token
+#   (`request.output`), and `chat_completion_stream_generator`, which was
+#   awaiting it, wrote the role chunk and the first text chunk
+#   (`api.chunk`).
+#
+# Where the time went, this run (measured: it changes run to run):
+
+# %%
+def first_http(kind):
+    return next(e for e in events_http if e.kind == kind and of_http(e))
+
+
+outputs_http = [e for e in events_http if e.kind == "request.output" and of_http(e)]
+chunks_http = [e for e in events_http if e.kind == "api.chunk" and of_http(e)]
+first_text_chunk = chunks_http[1]  # chunks_http[0] is the role
+first_forward = next(e for e in events_http if e.kind == "runner.forward" and e.step == min(its_steps))
+stages_http = [
+    ("API server: template, tokenize, add_request", api_request, first_http("request.added")),
+    ("ZMQ in", first_http("request.sent"), first_http("request.received")),
+    ("engine core: input thread -> scheduler", first_http("request.received"), first_http("sched.queued")),
+    # On a CPU this includes step 2's forward too: launching a step runs it (section 4.2).
+    (f"engine core: queued -> step {min(its_steps)}'s output sent (its forward {first_forward.duration_ns / 1e6:.1f} ms)",
+     first_http("sched.queued"), first_http("output.sent")),
+    ("ZMQ out", first_http("output.sent"), first_http("output.received")),
+    ("API server: detokenize -> first text chunk written", first_http("output.received"), first_text_chunk),
+]
+for name, a, b in stages_http:
+    print(f"  {name:68} {(b.ts - a.ts) / 1e6:8.2f} ms")
+print(f"  {'time to the first text chunk (from api.request)':68} {(first_text_chunk.ts - api_request.ts) / 1e6:8.2f} ms")
+print(f"  {'the whole request, to the [DONE] chunk':68} {(chunks_http[-1].ts - api_request.ts) / 1e6:8.2f} ms")
+print(f"  client read the first text event {(sse[1][0] - api_request.ts) / 1e6:.2f} ms after api.request "
+      "(same machine, same clock)")
+
+# %% [markdown]
+# ## 6. Exercise
 #
 # > *Follow one request from `AsyncLLM.generate()` across the ZMQ hop into
 # > `EngineCore` and back. How long does each leg take, and what does the
@@ -1019,7 +1257,7 @@ print(f"req-2 arrived during step {during_2} and waited {(queued_2.ts - received
 #   there.
 
 # %% [markdown]
-# ## 6. Self-checks
+# ## 7. Self-checks
 #
 # Each cell asserts something this session claims. Change a number, or the
 # workload above, and re-run to see which claims still hold.
@@ -1069,6 +1307,16 @@ assert all(final_async.requests[INTERNAL_ASYNC[rid]].num_output_placeholders == 
 # The reading plan's line hint for generate() (~315) is stale at 52a31cc.
 assert vllm_line("vllm/v1/engine/async_llm.py", "AsyncLLM.generate") == 524
 assert vllm_line("vllm/v1/engine/core.py", "EngineCoreProc.run_busy_loop") == 1203
+
+# %%
+# Over HTTP: the server traced every chunk the client read; the role came
+# first and [DONE] last; no chunk left before the first token was detokenized;
+# and the text deltas add up to the text the front end detokenized.
+assert len(chunks_http) == len(sse) and sse[-1][1] == "[DONE]"
+assert json.loads(sse[0][1])["choices"][0]["delta"]["role"] == "assistant"
+assert all(c.ts > outputs_http[0].ts for c in chunks_http)
+deltas = [json.loads(p)["choices"][0]["delta"].get("content", "") for _, p in sse[:-1]]
+assert "".join(deltas) == "".join(e.text_delta for e in outputs_http)
 
 # %%
 # The replay model can rebuild the scheduler's state at any step of this run.

@@ -32,7 +32,10 @@
 #    them, once with FCFS and once with priority scheduling;
 # 3. rebuilds every step from the trace (`TraceReplay`) as a table: the token
 #    budget, what each request got (decode, prefill chunk, recompute), the
-#    running and waiting queues;
+#    running and waiting queues; opens the live `SchedulerOutput` of a step
+#    and what `update_from_output` made of the step's `ModelRunnerOutput`;
+#    and runs two more limits, `max_num_seqs` and
+#    `long_prefill_token_threshold`;
 # 4. answers the session's exercise — *where is preemption decided, and what
 #    did it cost?* — with numbers from the trace, beside a run of the serial
 #    loop (`async_scheduling=False`);
@@ -40,6 +43,9 @@
 #    `num_output_placeholders`, the tokens the host knows, which blocks may be
 #    hashed, and why no step is spent past `max_tokens`;
 # 6. ends with self-checks you can edit and re-run.
+#
+# Where a cell says **Predict, then run**, write your answer down first: the
+# cell after it shows what happened.
 #
 # **Why in-process, and why every table is the same on every run.** At
 # `52a31cc` vLLM schedules asynchronously by default:
@@ -63,12 +69,12 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | [`vllm/v1/core/sched/scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py) | `schedule()`: one token budget shared by running and waiting requests; `_preempt_request`; `update_from_output` |
-# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py) | `AsyncScheduler`, the scheduler vLLM runs by default: a placeholder for every token a step in flight will sample (`_update_after_schedule`), retired when the token is read, and blocks hashed only up to `num_computed_tokens - num_output_placeholders` (`_update_request_with_output`); §6 reads it from a trace |
-# | [`vllm/v1/core/sched/output.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/output.py) | `SchedulerOutput`, what one step hands the executor: new requests in full, running ones as deltas (`CachedRequestData`), tokens per request |
-# | [`vllm/v1/request.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/request.py) | `Request` (its `num_computed_tokens` cursor is the whole state machine; `num_output_placeholders` counts the tokens still on their way) and `RequestStatus` |
-# | [`vllm/v1/core/sched/request_queue.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/request_queue.py) | the waiting queue: a deque for FCFS, a heap on `(priority, arrival_time)` for priority |
-# | [`vllm/config/scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/scheduler.py) | the knobs: `max_num_batched_tokens`, `max_num_seqs`, `policy`, `enable_chunked_prefill`, `long_prefill_token_threshold`, `async_scheduling` (left at None, `VllmConfig` turns it on unless something incompatible is configured) |
+# | [`vllm/v1/core/sched/scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L329) | `schedule()`: one token budget shared by running and waiting requests; `_preempt_request`; `update_from_output` |
+# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L12) | `AsyncScheduler`, the scheduler vLLM runs by default: a placeholder for every token a step in flight will sample (`_update_after_schedule`), retired when the token is read, and blocks hashed only up to `num_computed_tokens - num_output_placeholders` (`_update_request_with_output`); §6 reads it from a trace |
+# | [`vllm/v1/core/sched/output.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/output.py#L181) | `SchedulerOutput`, what one step hands the executor: new requests in full, running ones as deltas (`CachedRequestData`), tokens per request |
+# | [`vllm/v1/request.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/request.py#L59) | `Request` (its `num_computed_tokens` cursor is the whole state machine; `num_output_placeholders` counts the tokens still on their way) and `RequestStatus` |
+# | [`vllm/v1/core/sched/request_queue.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/request_queue.py#L201) | the waiting queue: a deque for FCFS, a heap on `(priority, arrival_time)` for priority |
+# | [`vllm/config/scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/scheduler.py#L26) | the knobs: `max_num_batched_tokens`, `max_num_seqs`, `policy`, `enable_chunked_prefill`, `long_prefill_token_threshold`, `async_scheduling` (left at None, `VllmConfig` turns it on unless something incompatible is configured) |
 
 # %%
 import os
@@ -77,7 +83,7 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-# Six engines run below. Let torch's idle OpenMP threads sleep rather than
+# Nine engines run below. Let torch's idle OpenMP threads sleep rather than
 # spin: on a CPU shared with other jobs, spinning threads make every step
 # several times slower. It must be set before torch is imported; the results
 # do not depend on it.
@@ -87,7 +93,7 @@ import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
-from lab import reading_table, vllm_url  # noqa: E402
+from lab import reading_table, show_vllm, vllm_url  # noqa: E402
 
 
 SESSION_FILES = {
@@ -123,8 +129,10 @@ display(Markdown(reading_table(SESSION_FILES)))
 #
 # * **`_try_schedule_new_request` does not exist** at `52a31cc`. Admitting
 #   waiting requests is written inline in `schedule()`; preemption goes
-#   through `_preempt_request` (line 929), and only the *running* loop calls it.
-# * **`schedule` is not at "~361–438"**: it runs from line 329 to 922.
+#   through `_preempt_request` ([line 929](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L929)), and only the
+#   *running* loop calls it.
+# * **`schedule` is not at "~361–438"**: it runs from
+#   [line 329 to 922](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L329-L922).
 # * **`RequestStatus` has twelve members, not four**: `WAITING`, three
 #   `WAITING_FOR_*` states (structured-output grammar, remote KV, streaming
 #   input), `RUNNING`, `PREEMPTED`, and six `FINISHED_*` states. Glassbox has
@@ -137,7 +145,8 @@ display(Markdown(reading_table(SESSION_FILES)))
 #   does not hold up the requests queued behind it, and the waiting loop
 #   checks it again every step (`_select_waiting_queue_for_scheduling`).
 #   Glassbox has the queue and the states; structured outputs park a request
-#   there while its grammar compiles (session 06). The runs below have no
+#   there while its grammar compiles (the reading plan's session 6, which has
+#   no notebook yet). The runs below have no
 #   constrained request, so it stays empty.
 # * **"If HBM is full: preempt" applies to running requests only.** A waiting
 #   request that does not fit ends admission for that step; nobody is preempted
@@ -190,6 +199,8 @@ ORDER = [
     ("each wants `num_tokens_with_spec + num_output_placeholders - num_computed_tokens` (1 when decoding) ...", 385,
      our_line_of("num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders"
                  " - request.num_computed_tokens)")),
+    ("... capped at `long_prefill_token_threshold` when that is set (0: no cap) ...", 390,
+     our_line_of("if 0 < threshold < num_new_tokens:")),
     ("... clamped to the budget that is left", 392,
      our_line_of("num_new_tokens = min(num_new_tokens, token_budget)")),
     ("`allocate_slots`; if it returns `None`, preempt someone and retry", 444,
@@ -203,10 +214,14 @@ ORDER = [
     ("`preempted_req` was the request itself: stop scheduling running requests", 485,
      our_line_of("if preempted_req == request:")),
     ("**waiting requests second**, only if nothing was preempted this step", 545, waiting_loop),
+    ("... and only while fewer than `max_num_seqs` requests are running", 549,
+     our_line_of("if len(self.running) == self.max_num_running_reqs:", waiting_loop)),
     ("the next waiter comes from `waiting` or `skipped_waiting`; a still-blocked one is set aside", 552,
      our_line_of("request_queue = self._select_waiting_queue_for_scheduling()", waiting_loop)),
     ("fresh or preempted: look the prompt up in the prefix cache", 594,
      our_line_of("self.kv_cache_manager.get_computed_blocks(request)", waiting_loop)),
+    ("the waiter's tokens are capped at `long_prefill_token_threshold` too", 656,
+     our_line_of("if 0 < threshold < num_new_tokens:", waiting_loop)),
     ("**chunked prefill**: take as many prompt tokens as the budget allows", 669,
      our_line_of("num_new_tokens = min(num_new_tokens, token_budget)", waiting_loop)),
     ("`allocate_slots` for the waiter; `None` ends admission (no preemption)", 733,
@@ -248,6 +263,10 @@ display(Markdown("\n".join(rows)))
 # know a request only by its internal id; its outputs come back under ours.
 # `LABEL` maps each internal id back to the name we gave it, so the tables
 # below read `short`, `low`, `b` and are the same on every run.
+#
+# Given a `StepRecorder`, `run_workload` also wraps the live scheduler's
+# `schedule` and `update_from_output`, to keep a copy of what went into the
+# worker and what came back in every step (sections 3.1 and 3.2).
 
 # %%
 import tempfile
@@ -261,12 +280,15 @@ TRACE_DIR = Path(tempfile.mkdtemp(prefix="glassbox-session02-"))
 LABEL: dict[str, str] = {}  # internal request id -> the id we passed to add_request
 
 
-def run_workload(name, arrivals, **engine_kwargs):
+def run_workload(name, arrivals, recorder=None, **engine_kwargs):
     """``arrivals``: {k: [(request_id, prompt, max_tokens, priority), ...]} -- added
-    after k calls of ``step()``, so step k + 1 is the first that can schedule them."""
+    after k calls of ``step()``, so step k + 1 is the first that can schedule them.
+    ``recorder``: a ``StepRecorder`` to attach to the engine's scheduler."""
     path = TRACE_DIR / f"{name}.jsonl"
     args = EngineArgs(trace_path=str(path), trace_level="lifecycle", disable_log_stats=True, **engine_kwargs)
     llm_engine = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+    if recorder is not None:
+        recorder.attach(llm_engine)
     by_priority = llm_engine.glassbox_config.scheduler_config.policy == "priority"
     outputs, k = {}, 0
     try:
@@ -284,6 +306,70 @@ def run_workload(name, arrivals, **engine_kwargs):
     finally:
         llm_engine.shutdown()
     return TraceReplay(str(path)), outputs
+
+
+class StepRecorder:
+    """What crossed the scheduler's two doors in each step, in our names: the
+    ``SchedulerOutput`` that ``schedule()`` returned, and the ``ModelRunnerOutput``
+    that ``update_from_output`` was given, with the ``EngineCoreOutputs`` it made
+    of it. Copied to text at once: the objects are the engine's, which may change them."""
+
+    def __init__(self):
+        self.scheduled, self.updated = {}, {}  # step -> {field: text}
+
+    def attach(self, llm_engine):
+        scheduler = llm_engine.engine_core.engine_core.scheduler  # in-process: the live one
+        schedule, update = scheduler.schedule, scheduler.update_from_output
+
+        def recording_schedule():
+            out = schedule()
+            self.scheduled[out.step] = scheduler_output_fields(out)
+            return out
+
+        def recording_update(scheduler_output, model_runner_output):
+            outputs = update(scheduler_output, model_runner_output)
+            self.updated[scheduler_output.step] = update_fields(model_runner_output, outputs)
+            return outputs
+
+        # Instance attributes shadow the methods; the engine calls self.scheduler.schedule().
+        scheduler.schedule, scheduler.update_from_output = recording_schedule, recording_update
+
+
+def names(rids):
+    return sorted(LABEL.get(r, r) for r in rids)
+
+
+def scheduler_output_fields(so):
+    cached = so.scheduled_cached_reqs
+    new = [f"NewRequestData(req_id={LABEL[r.req_id]!r}, prompt_token_ids=<{len(r.prompt_token_ids)} ids>, "
+           f"block_ids={r.block_ids}, num_computed_tokens={r.num_computed_tokens})" for r in so.scheduled_new_reqs]
+    return {
+        "scheduled_new_reqs": "[" + ", ".join(new) + "]",
+        "scheduled_cached_reqs": (
+            f"CachedRequestData(req_ids={[LABEL[r] for r in cached.req_ids]}, new_block_ids={cached.new_block_ids}, "
+            f"num_computed_tokens={cached.num_computed_tokens}, num_output_tokens={cached.num_output_tokens}, "
+            f"resumed_req_ids={names(cached.resumed_req_ids)})"),
+        "num_scheduled_tokens": str({LABEL[r]: n for r, n in so.num_scheduled_tokens.items()}),
+        "total_num_scheduled_tokens": str(so.total_num_scheduled_tokens),
+        "finished_req_ids": str(names(so.finished_req_ids)),
+        "preempted_req_ids": str(names(so.preempted_req_ids)),
+    }
+
+
+def update_fields(mro, outputs):
+    engine_outputs = {
+        # str(): the finish reason as the OpenAI API spells it ("length", "stop").
+        client: [f"EngineCoreOutput(request_id={LABEL[o.request_id]!r}, new_token_ids={o.new_token_ids}, "
+                 f"finish_reason={o.finish_reason and str(o.finish_reason)!r})" for o in out.outputs]
+        for client, out in outputs.items()
+    }
+    return {
+        "req_ids": str([LABEL[r] for r in mro.req_ids]),
+        "req_id_to_index": str({LABEL[r]: i for r, i in mro.req_id_to_index.items()}),
+        "sampled_token_ids": str(mro.sampled_token_ids),
+        "logprobs": str(mro.logprobs),
+        "returns": str(engine_outputs),
+    }
 
 
 def ids_of(replay):
@@ -371,6 +457,11 @@ def show_frame(rows):
 # Budget: `max_num_batched_tokens=32`. A short request starts alone; after two
 # steps a 75-token prompt arrives. Watch the short request keep its one token
 # per step while the long prompt is fed in chunks of whatever budget is left.
+#
+# **Predict, then run.** `short` (5 prompt tokens, 10 new) is decoding when
+# `long` (75 prompt tokens) arrives. In how many chunks, of how many tokens
+# each, does `long`'s prompt go in? Which of those steps gives `long` its
+# first token?
 
 # %%
 SHORT = "Name three primary colors."
@@ -380,9 +471,11 @@ LONG = (
     "later, going the same way at eighty miles per hour. At what time does the second train catch "
     "the first, and how far from the city are they then? Explain each step."
 )
+chunked_steps = StepRecorder()
 chunked, chunked_out = run_workload(
     "chunked",
     {0: [("short", SHORT, 10, 0)], 2: [("long", LONG, 3, 0)]},
+    recorder=chunked_steps,
     max_num_batched_tokens=32,
 )
 runner_init = next(e for e in chunked.events if e.kind == "runner.init")
@@ -454,6 +547,160 @@ print("budget never exceeded:", all(
     for s in chunked.steps[1:] if chunked.view(s).sched_step))
 
 # %% [markdown]
+# ### 3.1 What one step hands the worker: `SchedulerOutput`
+#
+# [`SchedulerOutput`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/output.py#L181) is all the worker learns about a step. A
+# request the worker has never seen arrives once in full, as
+# [`NewRequestData`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/output.py#L31): prompt ids, sampling parameters, its whole
+# block table. From then on it travels as a column of
+# [`CachedRequestData`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/output.py#L112): only the block ids added this step and
+# the cursor. The worker keeps the rest in its persistent batch (session 04).
+# `finished_req_ids` tells it which rows to drop.
+#
+# `StepRecorder` (section 2) kept a copy of what `schedule()` returned in
+# every step of the run above, with our names for the requests. Steps 3 and
+# 4, when `long` arrives and then continues:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for step in (3, 4):
+    print(f"step {step}: SchedulerOutput(")
+    for field, text in chunked_steps.scheduled[step].items():
+        print(f"    {field}={text},")
+    print(")")
+print("steps whose finished_req_ids were not empty:",
+      {s: f["finished_req_ids"] for s, f in chunked_steps.scheduled.items() if f["finished_req_ids"] != "[]"})
+
+# %% [markdown]
+# * Step 3: `long` is new, so it comes whole: 75 prompt ids and blocks 2
+#   and 3, enough for its first 31 tokens (blocks of 16; block 1 is
+#   `short`'s). `num_computed_tokens=0`: nothing was in the prefix cache.
+#   `short` is a cached request: no new block, cursor at 6. (Its
+#   `num_output_tokens` counts the token still in flight, a placeholder: §6.)
+# * Step 4: `long` is now a cached request too. Its entry carries only the
+#   blocks added, 4 and 5 (positions 31–61 need four blocks in all), and its
+#   cursor, 31.
+# * `long` sampled its last token in step 7. The scheduler read it after
+#   step 8 was scheduled, so the worker is told to drop `long` in step 9.
+#   `short`, the last request, is never announced: no step follows it.
+#
+# ### 3.2 What comes back: `ModelRunnerOutput` and `update_from_output`
+#
+# The worker answers each step with a [`ModelRunnerOutput`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/outputs.py#L233):
+# the rows it ran (`req_ids`, `req_id_to_index`) and, per row, the tokens it
+# sampled. [`Scheduler.update_from_output`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L1283) walks the step's
+# `num_scheduled_tokens` and, for each request,
+#
+# 1. takes its row's tokens (none for a mid-prompt chunk);
+# 2. appends them one by one, checking the stop conditions after each
+#    (`_update_request_with_output`, below: `max_tokens`, EOS, stop ids,
+#    `max_model_len`);
+# 3. if the request stopped, frees its KV blocks and marks it finished;
+# 4. makes an `EngineCoreOutput` only if there are new tokens or a finish;
+#    they go back to the front end grouped per client as `EngineCoreOutputs`.
+#
+# Under async scheduling it also retires one placeholder per token (§6).
+
+# %%
+show_vllm("vllm/v1/core/sched/scheduler.py", "Scheduler._update_request_with_output", 17)
+
+# %% [markdown]
+# **Predict, then run.** Step 4 ran a middle chunk of `long`'s prompt. What
+# does `sampled_token_ids` hold for `long` in that step, and does
+# `update_from_output` send anything to the front end for it?
+
+# %%
+# NBVAL_CHECK_OUTPUT
+SHORT_DONE = next(e.step for e in chunked.events if e.kind == "sched.finished" and LABEL[e.request_id] == "short")
+for step in (4, 5, SHORT_DONE):
+    print(f"step {step}: update_from_output(..., ModelRunnerOutput(")
+    for field, text in chunked_steps.updated[step].items():
+        if field != "returns":
+            print(f"    {field}={text},")
+    print(f"  )) returned {chunked_steps.updated[step]['returns']}")
+
+# %% [markdown]
+# * Step 4: the runner still sampled a token for `long`'s row (a batched
+#   sampler samples every row) but threw it away, so its list is empty:
+#   `long`'s prompt is not done. No output for `long`.
+# * Step 5 is `long`'s last chunk: its first token comes back.
+# * Step 10 samples `short`'s tenth token: `update_from_output` appends it,
+#   finds `max_tokens` reached, frees `short`'s blocks and sends
+#   `finish_reason='length'`. (Every request here has `ignore_eos=True`, so
+#   only `max_tokens` ends them.)
+#
+# ### 3.3 Two more limits: `max_num_seqs` and `long_prefill_token_threshold`
+#
+# The token budget is not the only cap `schedule()` applies:
+#
+# * **`max_num_seqs`** caps the running requests. The waiting loop stops as
+#   soon as `running` holds that many ([vLLM line 549](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L549)), however
+#   much budget is left. (It also sizes the worker's persistent batch and,
+#   on a GPU, the largest CUDA graph: session 04.)
+# * **`long_prefill_token_threshold`**, when above 0, caps what one request may
+#   get in one step, in both loops ([390](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L390), [656](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L656)).
+#   Without it the oldest long prompt takes all the budget it can; with it,
+#   several prompts are prefilled side by side, and a short one behind a long
+#   one is not held up. vLLM sets it for you (4% of `max_model_len`) only
+#   when `max_num_partial_prefills > 1`
+#   ([config/scheduler.py#L244](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/scheduler.py#L244)), which
+#   Glassbox does not have; the default is 0.
+#
+# Three short requests arrive together with `max_num_seqs=2`; their three
+# prompts would fit in one step's budget:
+
+# %%
+SEQS = {"s1": "Name a colour.", "s2": "Name a fruit.", "s3": "Name a tree."}
+seqs, seqs_out = run_workload(
+    "max-num-seqs", {0: [(rid, prompt, 4, 0) for rid, prompt in SEQS.items()]},
+    max_num_seqs=2, max_num_batched_tokens=32,
+)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(text_table(step_rows(seqs, list(SEQS))))
+print("most requests running at once:",
+      max(len(seqs.view(s).state.running) for s in seqs.steps[1:] if seqs.view(s).sched_step))
+
+# %% [markdown]
+# `s3` waits although the budget has room: `running` is full. Step 4 samples
+# the last tokens of `s1` and `s2`; the scheduler reads them after step 5 has
+# been scheduled (the async loop, §6), so `s3` is admitted in step 6.
+#
+# Now a long prompt with a short one right behind it, a budget of 32, with
+# and without a threshold of 16 tokens:
+#
+# **Predict, then run.** In which step does `small` get its first token in
+# each run? What does `big` pay for it?
+
+# %%
+PAIR = {0: [("big", LONG, 2, 0), ("small", "Why does the moon show one face?", 2, 0)]}
+greedy_fill, greedy_fill_out = run_workload("threshold-off", PAIR, max_num_batched_tokens=32)
+capped, capped_out = run_workload("threshold-16", PAIR, max_num_batched_tokens=32,
+                                  long_prefill_token_threshold=16)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for title, replay in (("no threshold", greedy_fill), ("long_prefill_token_threshold=16", capped)):
+    print(f"{title}:")
+    print(text_table(compress(step_rows(replay, ["big", "small"]), ["big", "small"])))
+    first_token = {}
+    for step in replay.steps[1:]:
+        for slot in replay.view(step).batch:
+            if slot.sampled:
+                first_token.setdefault(LABEL[slot.request_id], step)
+    print("first token sampled in step:", dict(sorted(first_token.items())))
+    print()
+
+# %% [markdown]
+# Without a threshold, `big`, admitted first, takes the whole budget and
+# `small` waits behind its prompt. With it, both are admitted in step 1 and
+# `small` has its first token at once. The price is paid by `big`: alone, it
+# may take only 16 tokens a step, so half the budget goes unused and its
+# prefill takes more steps. The threshold trades throughput for the latency
+# of the requests queued behind a long prompt.
+
+# %% [markdown]
 # ## 4. Preemption under memory pressure
 #
 # Three requests of 11–13 prompt tokens and 16 new tokens each: 27–29 tokens,
@@ -469,6 +716,9 @@ print("budget never exceeded:", all(
 #   and `b` priority 0 (lower value = more important, as in vLLM);
 # * a **baseline** with the default, roomy pool — to know when each request
 #   *would* have finished.
+#
+# **Predict, then run.** Under FCFS, which request is preempted, and for
+# whom? Under priority? Which of the three finishes last in each run?
 
 # %%
 PROMPTS = {
@@ -742,14 +992,14 @@ display(block_diagram(prio, "priority: low is preempted for a"))
 # ## 5. Exercise: where is preemption decided, and what did it cost?
 #
 # **Where.** In the *running* loop of `Scheduler.schedule()` (vLLM
-# `scheduler.py` lines 442–487, ours in the table of §1): when
+# `scheduler.py` [lines 442–487](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L442-L487), ours in the table of §1): when
 # `kv_cache_manager.allocate_slots()` returns `None` for a running request.
-# The strategy is **recompute**: `_preempt_request` (929) frees all the
+# The strategy is **recompute**: `_preempt_request` ([929](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L929)) frees all the
 # victim's blocks, sets its cursor `num_computed_tokens` back to 0 and puts it
 # at the front of the waiting queue; when it is admitted again its prompt *and*
 # the tokens it had generated are fed through the model again. (V1 has no
 # swapping to CPU memory.) The victim rule is the policy's; a waiting request
-# that does not fit never preempts anybody — it waits (line 733).
+# that does not fit never preempts anybody — it waits ([line 733](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/scheduler.py#L733)).
 # `AsyncScheduler` does not override any of this; it only receives, after the
 # preemption, the token the victim had in flight.
 #
@@ -904,7 +1154,7 @@ for name, replay in (("FCFS", fcfs), ("priority", prio), ("FCFS, no prefix cache
 # With the batch queue, step N+1 is scheduled while step N runs, so step N's
 # sampled token is not in the request yet — and step N+1 must feed it to the
 # model. `AsyncScheduler`
-# ([`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py);
+# ([`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L12);
 # ours `engine/v1/core/sched/async_scheduler.py`, lines in §1's table)
 # bridges the gap with a count, `Request.num_output_placeholders`:
 #
@@ -1146,6 +1396,21 @@ for replay, budget in ((chunked, 32), (fcfs, None), (prio, None), (serial, None)
         if sched:
             assert sched.total_num_scheduled_tokens <= sched.token_budget
             assert budget is None or sched.token_budget == budget
+
+# %%
+# max_num_seqs caps the running requests; long_prefill_token_threshold caps one
+# request's tokens in a step, and the chunks still add up to the whole prompt.
+assert all(len(seqs.view(s).state.running) <= 2 for s in seqs.steps[1:])
+for replay, cap in ((capped, 16), (greedy_fill, 32)):
+    got = {}
+    for step in replay.steps[1:]:
+        sched = replay.view(step).sched_step
+        if sched:
+            assert max(sched.num_scheduled_tokens.values(), default=0) <= cap
+            for rid, n in sched.num_scheduled_tokens.items():
+                got[rid] = got.get(rid, 0) + n
+    prompts = {e.request_id: e.num_prompt_tokens + e.max_tokens - 1 for e in replay.events if e.kind == "sched.queued"}
+    assert got == prompts  # every prompt token once, plus one decode per token after the first
 
 # %%
 # A step that preempts admits nobody from the waiting queue.

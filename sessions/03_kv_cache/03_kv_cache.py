@@ -37,11 +37,16 @@
 # 4. the trace read back with `load_trace` and replayed with `TraceReplay`:
 #    block tables, the hash chain, the free queue, reference counts, evictions,
 #    and (on two small engines, one async, one serial) the step at which a
-#    block filled by a *generated* token becomes a prefix-cache hit;
+#    block filled by a *generated* token becomes a prefix-cache hit; then
+#    `allocate_slots`' arithmetic call by call, and what besides the tokens
+#    goes into a block's hash (a LoRA adapter's name, a `cache_salt`);
 # 5. the session's exercise — *exactly how many prefill FLOPs did the shared
 #    prompt skip, and what time did that save?* — answered with numbers from
 #    the run;
 # 6. self-checks you can edit and re-run.
+#
+# Where a cell says **Predict, then run**, write your answer down first: the
+# cell after it shows what happened.
 #
 # It runs on CUDA when torch sees a GPU and on the CPU otherwise; the code is
 # the same. The model is the default one (`LLM()` with no model name):
@@ -52,12 +57,12 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | [`vllm/v1/core/kv_cache_manager.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_manager.py) | the scheduler's only door into the cache: `get_computed_blocks` (the prefix-cache lookup), `allocate_slots` (which also caches every full block whose tokens are known), `free` |
-# | [`vllm/v1/core/kv_cache_coordinator.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_coordinator.py) | the layer between the manager and the per-type managers (one per KV cache group) |
-# | [`vllm/v1/core/single_type_kv_cache_manager.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/single_type_kv_cache_manager.py) | per-request block lists; `free` hands a request's blocks to the pool tail first; `find_longest_cache_hit` walks the hash chain |
-# | [`vllm/v1/core/block_pool.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/block_pool.py) | the physical pool: `get_new_blocks` pops the free queue, `touch` revives a cached block, `free_blocks` appends blocks to the free queue in the order it is given, `cache_full_blocks` registers hashes |
-# | [`vllm/v1/core/kv_cache_utils.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py) | `KVCacheBlock`, `FreeKVCacheBlockQueue` (the LRU list), `hash_block_tokens`, `get_request_block_hasher` |
-# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py) | `_update_request_with_output`: with async scheduling, caches a request's blocks after each update, but only up to `num_computed_tokens - num_output_placeholders` (§3h) |
+# | [`vllm/v1/core/kv_cache_manager.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_manager.py#L110) | the scheduler's only door into the cache: `get_computed_blocks` (the prefix-cache lookup), `allocate_slots` (which also caches every full block whose tokens are known), `free` |
+# | [`vllm/v1/core/kv_cache_coordinator.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_coordinator.py#L28) | the layer between the manager and the per-type managers (one per KV cache group) |
+# | [`vllm/v1/core/single_type_kv_cache_manager.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/single_type_kv_cache_manager.py#L31) | per-request block lists; `free` hands a request's blocks to the pool tail first; `find_longest_cache_hit` walks the hash chain |
+# | [`vllm/v1/core/block_pool.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/block_pool.py#L130) | the physical pool: `get_new_blocks` pops the free queue, `touch` revives a cached block, `free_blocks` appends blocks to the free queue in the order it is given, `cache_full_blocks` registers hashes |
+# | [`vllm/v1/core/kv_cache_utils.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py#L164) | `KVCacheBlock`, `FreeKVCacheBlockQueue` (the LRU list), `hash_block_tokens`, `get_request_block_hasher` |
+# | [`vllm/v1/core/sched/async_scheduler.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/sched/async_scheduler.py#L37) | `_update_request_with_output`: with async scheduling, caches a request's blocks after each update, but only up to `num_computed_tokens - num_output_placeholders` (§3h) |
 #
 # The table below is computed: vLLM's lines come from `docs/data/vllm_twins_52a31cc.json`
 # (extracted from vLLM at `52a31cc` by `scripts/gen_source_map.py`), ours from
@@ -83,7 +88,7 @@ import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
-from lab import reading_table, vllm_line  # noqa: E402
+from lab import reading_table, show_vllm, vllm_line  # noqa: E402
 
 
 SESSION_FILES = {
@@ -181,6 +186,45 @@ llm = LLM(
 print(f"engine ready in {time.perf_counter() - t0:.1f} s on {'cuda' if torch.cuda.is_available() else 'cpu'}")
 tokenizer = llm.get_tokenizer()
 greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)  # same step count on any device
+
+# %% [markdown]
+# One more thing before the run: a wrapper around the live KV cache manager's
+# `allocate_slots` that writes down, for every call, what it was asked and
+# what it gave (section 3i does the arithmetic with it). It changes nothing
+# the method computes.
+
+# %%
+def record_allocations(an_llm) -> list[dict]:
+    """Wrap ``an_llm``'s KV cache manager's allocate_slots; returns the list
+    each call appends to (its arguments, the blocks held before, the new blocks)."""
+    core = an_llm.llm_engine.engine_core.engine_core  # EngineCore, in this process
+    manager = core.scheduler.kv_cache_manager
+    blocks_of = manager.coordinator.single_type_managers[0].req_to_blocks  # request -> its blocks
+    calls, allocate_slots = [], manager.allocate_slots
+
+    def recording_allocate_slots(request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                                 num_lookahead_tokens=0, **kwargs):
+        call = {
+            "step": core.scheduler.step_counter,
+            "request_id": request.request_id,
+            "num_computed_tokens": request.num_computed_tokens,
+            "num_new_computed_tokens": num_new_computed_tokens,  # the prefix hit, on admission
+            "num_hit_blocks": len(new_computed_blocks.blocks[0]) if new_computed_blocks is not None else 0,
+            "num_new_tokens": num_new_tokens,
+            "num_lookahead_tokens": num_lookahead_tokens,
+            "held": len(blocks_of.get(request.request_id, ())),
+        }
+        result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                num_lookahead_tokens, **kwargs)
+        call["new_blocks"] = None if result is None else [b.block_id for b in result.blocks[0]]
+        calls.append(call)
+        return result
+
+    manager.allocate_slots = recording_allocate_slots  # an instance attribute shadows the method
+    return calls
+
+
+allocations = record_allocations(llm)
 
 # %% [markdown]
 # The shared system prompt: the house rules of a library help-desk bot.
@@ -332,6 +376,9 @@ print(f"{len(events)} events, {replay.last_step} steps; kinds:",
 # `kv.cache_hit` is written by `KVCacheManager.get_computed_blocks` each time
 # the scheduler looks a waiting request up. `num_cached_tokens` is what the
 # prefill skips; `block_ids` are the blocks it will share.
+#
+# **Predict, then run.** B's prompt shares its first 504 tokens with A's.
+# How many tokens will B's lookup find cached? (Section 2 printed the hint.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -599,11 +646,9 @@ dot_svg(pool_dot(s, f"KV pool after step {step_cd}: C and D running"))
 #   *deepest* first, since `SingleTypeKVCacheManager.free` hands a block
 #   table to the pool reversed, and `free_blocks` queues it in that order.
 #
-# So E eats the conversations' private tail blocks, then the trunk from its
-# end backwards. The start of the system prompt survives, and F still gets a
-# (shorter) hit. A hit must start at block 0 and follow the chain without a
-# gap, so a trunk that lost its end is still useful; one that lost its
-# beginning would not be — which is exactly why freeing tail first is right.
+# **Predict, then run.** So which of the shared trunk's blocks go first: its
+# first ones (the start of the system prompt) or its last ones? Will F, which
+# comes after E, still find a hit?
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -628,6 +673,13 @@ print(f"F's prefix hit: {first('kv.cache_hit', BY_LABEL['F']).num_cached_tokens}
 later = [e for e in events if e.kind == "kv.evicted" and e.step > step_e]
 print(f"(F's own new blocks then evicted {len(later)} of E's cached blocks, "
       f"E#{min(int(where[e.block_hash][0].split('#')[1]) for e in later)} and up)")
+
+# %% [markdown]
+# E ate the conversations' private tail blocks, then the trunk from its end
+# backwards. The start of the system prompt survived, and F still got a
+# (shorter) hit. A hit must start at block 0 and follow the chain without a
+# gap, so a trunk that lost its end is still useful; one that lost its
+# beginning would not be — which is exactly why freeing tail first is right.
 
 # %%
 evicted_ids = {e.block_id for e in evicted}
@@ -752,11 +804,12 @@ def g_then_h(engine, h_ids: list[int] | None = None) -> tuple[list[int], int]:
     return h_ids, first_turn
 
 
-h_ids, first_turn = {}, {}
+h_ids, first_turn, small_allocations = {}, {}, {}
 for loop in ("serial", "async"):  # serial first: it has G's first token after one turn
     small = LLM(trace_path=str(TRACE_3H[loop]), trace_level="full", num_gpu_blocks_override=16,
                 max_model_len=128, block_size=BLOCK_SIZE, disable_log_stats=True,
                 async_scheduling=loop == "async")
+    small_allocations[loop] = record_allocations(small)  # for section 3i
     h_ids[loop], first_turn[loop] = g_then_h(small.llm_engine, h_ids.get("serial"))
     small.llm_engine.tracer.flush()
     small.shutdown()
@@ -789,6 +842,196 @@ print("same H prompt in both loops:", h_ids["serial"] == h_ids["async"])
 # the async loop that token also comes out one loop turn later, H is then
 # looked up in step 3, and step 3's `schedule()` caches G's block #1 before it
 # looks at H.
+
+# %% [markdown]
+# ### 3i. `allocate_slots`, call by call
+#
+# For every request it schedules, `schedule()` asks
+# [`KVCacheManager.allocate_slots`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_manager.py#L236) for room. The arithmetic:
+#
+# 1. **computed** = the request's cursor `num_computed_tokens` + the tokens
+#    of a prefix hit (`num_new_computed_tokens`: only when it is admitted);
+# 2. **slots** = computed + `num_new_tokens` (this step's) +
+#    `num_lookahead_tokens`, capped at `max_model_len`. Lookahead slots are for
+#    draft tokens (speculative decoding: one per draft); 0 here;
+# 3. **new blocks** = ⌈slots / block_size⌉ − the blocks the request already
+#    holds − the hit blocks it is about to adopt
+#    ([`get_num_blocks_to_allocate`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/single_type_kv_cache_manager.py#L89),
+#    [line 120](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/single_type_kv_cache_manager.py#L120));
+# 4. if those, plus any hit block that sits in the free queue (adopting it
+#    takes it out), are more than the free blocks, the call returns `None`
+#    and changes nothing: the scheduler then preempts (a running request) or
+#    stops admitting (a waiting one), session 02.
+#
+# Then it caches every full block whose tokens are known. Steps 1 and 2 in
+# vLLM (its `num_external_computed_tokens` are tokens a KV connector brings
+# from another instance; Glassbox has no connector):
+
+# %%
+show_vllm("vllm/v1/core/kv_cache_manager.py", 336, 9)
+show_vllm("vllm/v1/core/kv_cache_manager.py", 362, 4)
+
+# %% [markdown]
+# The wrapper of section 2 kept every call. First the library run: A and B's
+# admissions, and one decode. Then G from section 3h, in the async run:
+# 31 prompt tokens, so its third token needs a third block.
+#
+# **Predict, then run.** B is admitted with 496 of its prompt's tokens
+# cached, in 31 blocks. How many new blocks does `allocate_slots` give it?
+# When G decodes the token at position 32, how many?
+
+# %%
+# NBVAL_CHECK_OUTPUT
+MAX_MODEL_LEN = llm.llm_engine.model_config.max_model_len
+
+
+def slots_arithmetic(call: dict, who: str, max_model_len: int) -> str:
+    computed = call["num_computed_tokens"] + call["num_new_computed_tokens"]
+    slots = min(computed + call["num_new_tokens"] + call["num_lookahead_tokens"], max_model_len)
+    need = max(-(-slots // BLOCK_SIZE) - call["held"] - call["num_hit_blocks"], 0)
+    got = "None (no room)" if call["new_blocks"] is None else f"{len(call['new_blocks'])} {call['new_blocks']}"
+    return (f"{who:>3} step {call['step']:>2}: computed {call['num_computed_tokens']} + hit "
+            f"{call['num_new_computed_tokens']} + new {call['num_new_tokens']} + lookahead "
+            f"{call['num_lookahead_tokens']} = {slots} slots -> ceil({slots}/{BLOCK_SIZE}) - {call['held']} held "
+            f"- {call['num_hit_blocks']} hit = {need} new; got {got}")
+
+
+calls_of = {}
+for call in allocations:
+    calls_of.setdefault(ROLE[call["request_id"]], []).append(call)
+for who, call in [("A", calls_of["A"][0]), ("B", calls_of["B"][0]), ("B", calls_of["B"][1])]:
+    print(slots_arithmetic(call, who, MAX_MODEL_LEN))
+g_internal = next(e.request_id for e in load_trace(str(TRACE_3H["async"]))
+                  if e.kind == "request.added" and e.external_req_id == "G")
+for call in small_allocations["async"]:
+    if call["request_id"] == g_internal:
+        print(slots_arithmetic(call, "G", 128))
+
+# %% [markdown]
+# * A's prefill needs every slot of its prompt: 33 blocks, all new.
+# * B's lookup found 31 blocks; it adopts them (`touch`, §3b) and gets new
+#   blocks only for the rest of its prompt.
+# * A decode needs one slot; a block has room for 16, so most decodes get
+#   nothing. Under the async loop the decode's one new token is a
+#   placeholder: `num_computed_tokens` already counts the position the step
+#   in flight is computing.
+# * G's decode at position 32 is the first that does not fit in the 2 blocks
+#   of its prompt (slots 0–31): one new block.
+#
+# The same arithmetic holds for every call of the run:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def formula(call: dict, max_model_len: int) -> int:
+    computed = call["num_computed_tokens"] + call["num_new_computed_tokens"]
+    slots = min(computed + call["num_new_tokens"] + call["num_lookahead_tokens"], max_model_len)
+    return max(-(-slots // BLOCK_SIZE) - call["held"] - call["num_hit_blocks"], 0)
+
+
+runs_of_calls = [(allocations, MAX_MODEL_LEN), (small_allocations["serial"], 128), (small_allocations["async"], 128)]
+n_calls = sum(len(calls) for calls, _ in runs_of_calls)
+agree = all(call["new_blocks"] is not None and len(call["new_blocks"]) == formula(call, m)
+            for calls, m in runs_of_calls for call in calls)
+print(f"{n_calls} allocate_slots calls in the three engines; every one got exactly the blocks the formula says: {agree}")
+print("calls that got a new block although the request was decoding:",
+      sum(1 for calls, _ in runs_of_calls for c in calls if c["num_new_tokens"] == 1 and c["new_blocks"]))
+
+# %% [markdown]
+# ### 3j. What else goes into a block's hash: LoRA and `cache_salt`
+#
+# §3c hashed each block as `hash(parent, 16 token ids, extra keys)` and the
+# extra keys were always `None`. They are not always: two blocks with the same
+# tokens must not be shared when their keys and values differ, or when their
+# owners must not see each other's. `generate_block_hash_extra_keys` collects
+# what else identifies a block:
+#
+# * the **LoRA adapter's name**, on every block: the same tokens under another
+#   adapter give other keys and values;
+# * the request's **`cache_salt`**, on the first block only: the chain
+#   carries it into every later hash. Requests with different salts never
+#   share a block, even with equal prompts, so one tenant cannot find out
+#   from the timing of a cache hit what another one sent;
+# * in vLLM also multimodal inputs' hashes and prompt embeddings; Glassbox
+#   has neither.
+
+# %%
+show_vllm("vllm/v1/core/kv_cache_utils.py", "generate_block_hash_extra_keys", 33)
+
+# %% [markdown]
+# **LoRA.** Two `Request`s with the same 40 token ids, one of them naming an
+# adapter, hashed by the live engine's own block hasher (the one the core
+# gives every request). The adapter does not need to exist to be hashed, and
+# nothing is run.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from engine.lora.request import LoRARequest
+from engine.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+from engine.v1.request import Request
+
+ids_40 = prompts["A"][:40]
+hasher = llm.llm_engine.engine_core.engine_core.request_block_hasher
+base = Request("base", ids_40, SamplingParams(max_tokens=1), block_hasher=hasher)
+sql = Request("sql", ids_40, SamplingParams(max_tokens=1), lora_request=LoRARequest("sql-adapter", 1),
+              block_hasher=hasher)
+for name, req in (("base model ", base), ("sql-adapter", sql)):
+    keys = [generate_block_hash_extra_keys(req, i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE, 0)[0] for i in range(2)]
+    print(f"{name}: extra keys per block {keys}; hashes {[h.hex()[:8] for h in req.block_hashes]}")
+print("no block hash in common:", not set(base.block_hashes) & set(sql.block_hashes))
+print("the base request's hashes are the chain of §3c:", [h.hex() for h in base.block_hashes] == chains["A"][:2])
+
+# %% [markdown]
+# **`cache_salt`, live.** vLLM takes the salt from the prompt
+# (`{"prompt": ..., "cache_salt": "..."}`, or the `cache_salt` field of an
+# OpenAI request, [protocol.py#L386](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/openai/chat_completion/protocol.py#L386)) and its `InputProcessor` puts
+# it on the `EngineCoreRequest` ([input_processor.py#L372](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/input_processor.py#L372)).
+# Glassbox's `InputProcessor` does the same (`_cache_salt`), and the
+# `EngineCoreRequest`, `Request` and block hasher carry it on.
+#
+# Four requests with the same 64-token prompt, one after another: salt
+# `alice`, salt `bob`, `alice` again, and no salt.
+#
+# **Predict, then run.** Which of the four find cached blocks, and how many?
+
+# %%
+SALT_IDS = tokenizer.encode(G_TEXT + " " + G_TEXT)[:64]  # four full blocks
+salted = {}
+for label, salt in (("alice", "alice"), ("bob", "bob"), ("alice again", "alice"), ("no salt", None)):
+    prompt = {"prompt_token_ids": SALT_IDS} | ({"cache_salt": salt} if salt else {})
+    salted[label] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+llm.llm_engine.tracer.flush()
+salt_events = load_trace(str(TRACE))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+salt_internal = {e.external_req_id: e.request_id for e in salt_events if e.kind == "request.added"}
+for label, out in salted.items():
+    rid = salt_internal[out.request_id]
+    hit = next(e for e in salt_events if e.kind == "kv.cache_hit" and e.request_id == rid)
+    hashes = [e.block_hash[:8] for e in salt_events if e.kind == "kv.cached" and e.request_id == rid]
+    print(f"{label:>11}: {hit.num_cached_tokens:>2} of {hit.num_tokens} tokens cached "
+          f"(blocks {hit.block_ids}); blocks it cached itself, hashes: {hashes}")
+salt_of = {"alice": "alice", "bob": "bob", "alice again": "alice", "no salt": None}
+first_keys = {label: generate_block_hash_extra_keys(
+    Request("k", SALT_IDS, SamplingParams(max_tokens=1), cache_salt=salt), 0, BLOCK_SIZE, 0)[0]
+    for label, salt in salt_of.items()}
+alice_hashes = {e.block_hash for e in salt_events if e.kind == "kv.cached" and e.request_id == salt_internal[salted["alice"].request_id]}
+bob_lookup = next(e for e in salt_events if e.kind == "kv.cache_hit" and e.request_id == salt_internal[salted["bob"].request_id])
+print("alice's blocks evicted before bob's lookup:",
+      sum(1 for e in salt_events if e.kind == "kv.evicted" and e.block_hash in alice_hashes and e.seq < bob_lookup.seq))
+print("extra keys of block 0:", first_keys)
+print("of block 1 (alice):   ", generate_block_hash_extra_keys(
+    Request("k", SALT_IDS, SamplingParams(max_tokens=1), cache_salt="alice"), BLOCK_SIZE, 2 * BLOCK_SIZE, 0)[0])
+
+# %% [markdown]
+# `bob` and the unsalted request computed the whole prompt although `alice`'s
+# four blocks were still cached (none had been evicted): their first block's
+# extra keys differ, so every hash of the chain differs. The second `alice`
+# hit three blocks, as any repeat of a 64-token prompt would: a lookup never
+# covers the whole prompt, since at least its last token must be computed to
+# sample from, and here that costs the whole fourth block. Requests share
+# blocks only with requests of the same salt. On the server the salt is the
+# `cache_salt` field of a completion or chat request, as in vLLM.
 
 # %% [markdown]
 # ## 4. Exercise: what did the shared prompt save?
@@ -957,6 +1200,16 @@ assert decoded["async"]["cached_step"] == decoded["serial"]["cached_step"] + 1
 assert decoded["async"]["hit_step"] == decoded["serial"]["hit_step"]
 assert decoded["serial"]["hit"] == 2 * BLOCK_SIZE and decoded["async"]["hit"] == BLOCK_SIZE
 print("one empty step per phase; a generated token's block cached one step later: ok")
+
+# %%
+# cache_salt: only a request with the same salt hits; any other salt, or none, misses
+# although the blocks are cached.
+salt_hits = {label: next(e.num_cached_tokens for e in salt_events if e.kind == "kv.cache_hit"
+                         and e.request_id == salt_internal[out.request_id]) for label, out in salted.items()}
+assert salt_hits == {"alice": 0, "bob": 0, "alice again": 3 * BLOCK_SIZE, "no salt": 0}, salt_hits
+# allocate_slots: every call got ceil(slots / block_size) - held - hit new blocks.
+assert agree and n_calls > 0
+print("cache_salt and allocate_slots arithmetic: ok")
 
 # %%
 # The skipped-FLOPs arithmetic: linear part = 2 x layer weights x tokens.

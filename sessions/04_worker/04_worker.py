@@ -37,7 +37,9 @@
 #    the live runner's own tensors (the notebook wraps `_prepare_inputs` to
 #    keep a copy of what it built), and recomputed by hand; then which input
 #    ids were not on the host at all, but taken on the device from the
-#    previous step's samples;
+#    previous step's samples; the `ModelRunnerOutput` the step handed back;
+#    and what happened before the first step: the profiling run,
+#    `_dummy_run`, and how many KV blocks fit in this machine's memory;
 # 4. CUDA graphs: the dispatcher's decision for a range of batch sizes (the
 #    same code the runner calls), the H200 numbers committed in
 #    `benchmarks/results/`, and — when this notebook runs on a GPU — a live
@@ -45,6 +47,9 @@
 # 5. the exercise — *why is padding to a captured size cheaper than launching
 #    the kernels eagerly?* — answered with numbers;
 # 6. self-checks.
+#
+# Where a cell says **Predict, then run**, write your answer down first: the
+# cell after it shows what happened.
 #
 # It runs on CUDA when torch sees a GPU and on the CPU otherwise; the code is
 # the same. The model is the default one, SmolLM2-135M-Instruct.
@@ -54,12 +59,14 @@
 #
 # | vLLM file | read it for |
 # |---|---|
-# | [`vllm/v1/worker/gpu_worker.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_worker.py) | `Worker`: one device, one runner; `determine_available_memory` sizes the KV cache, `initialize_from_config` allocates it, `compile_or_warm_up_model` captures graphs |
-# | [`vllm/v1/worker/gpu_model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py) | `GPUModelRunner`: `_update_states` → `_prepare_inputs` → `execute_model` → `sample_tokens`; `_determine_batch_execution_and_padding`, `_dummy_run`, `capture_model`; async scheduling: `_prepare_input_ids` and `AsyncGPUModelRunnerOutput` |
-# | [`vllm/v1/worker/gpu_input_batch.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_input_batch.py) | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`); rows are added, removed, swapped and condensed, and every change is passed on to the logits processors; `prev_sampled_token_ids` / `prev_req_id_to_index`: the last step's samples, still on the device |
-# | [`vllm/v1/worker/block_table.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/block_table.py) | block ids per row, and positions → slots |
-# | [`vllm/v1/attention/backend.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/attention/backend.py) | `CommonAttentionMetadata`: what every attention backend gets |
-# | [`vllm/v1/cudagraph_dispatcher.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/cudagraph_dispatcher.py), [`vllm/config/compilation.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/compilation.py) | which graph runs a batch; the graph modes and capture sizes |
+# | [`vllm/v1/worker/gpu_worker.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_worker.py#L109) | `Worker`: one device, one runner; `determine_available_memory` sizes the KV cache, `initialize_from_config` allocates it, `compile_or_warm_up_model` captures graphs |
+# | [`vllm/v1/worker/gpu_model_runner.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L415) | `GPUModelRunner`: `_update_states` → `_prepare_inputs` → `execute_model` → `sample_tokens`; `_determine_batch_execution_and_padding`, `_dummy_run`, `capture_model`; async scheduling: `_prepare_input_ids` and `AsyncGPUModelRunnerOutput` |
+# | [`vllm/v1/worker/gpu_input_batch.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_input_batch.py#L91) | the persistent batch (`InputBatch`) and per-request state (`CachedRequestState`); rows are added, removed, swapped and condensed, and every change is passed on to the logits processors; `prev_sampled_token_ids` / `prev_req_id_to_index`: the last step's samples, still on the device |
+# | [`vllm/v1/worker/block_table.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/block_table.py#L18) | block ids per row, and positions → slots |
+# | [`vllm/v1/attention/backend.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/attention/backend.py#L353) | `CommonAttentionMetadata`: what every attention backend gets |
+# | [`vllm/v1/outputs.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/outputs.py#L233) | `ModelRunnerOutput`: what a step hands back to the scheduler; `AsyncModelRunnerOutput`, its async wrapper |
+# | [`vllm/v1/engine/core.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L235), [`vllm/v1/core/kv_cache_utils.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py#L1945), [`vllm/v1/kv_cache_interface.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/kv_cache_interface.py#L152) | `_initialize_kv_caches`: memory → blocks at start-up; `get_kv_cache_configs`, `get_num_blocks`; a block's bytes per layer (`page_size_bytes`) |
+# | [`vllm/v1/cudagraph_dispatcher.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/cudagraph_dispatcher.py#L15), [`vllm/config/compilation.py`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/compilation.py#L390) | which graph runs a batch; the graph modes and capture sizes |
 #
 # At `52a31cc` vLLM has two GPU model runners. `Worker.init_device`
 # ([gpu_worker.py#L313](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_worker.py#L313)) builds model
@@ -88,7 +95,7 @@ import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
-from lab import reading_table, vllm_line  # noqa: E402
+from lab import reading_table, show_vllm, vllm_line  # noqa: E402
 
 
 SESSION_FILES = {
@@ -101,7 +108,7 @@ SESSION_FILES = {
         "GPUModelRunner._prepare_inputs", "GPUModelRunner._prepare_input_ids",
         "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens",
         "GPUModelRunner._determine_batch_execution_and_padding", "GPUModelRunner._dummy_run",
-        "GPUModelRunner.capture_model", "GPUModelRunner.initialize_kv_cache",
+        "GPUModelRunner.profile_run", "GPUModelRunner.capture_model", "GPUModelRunner.initialize_kv_cache",
         "AsyncGPUModelRunnerOutput", "AsyncGPUModelRunnerOutput.get_output",
     ],
     "vllm/v1/worker/gpu_input_batch.py": [
@@ -110,6 +117,10 @@ SESSION_FILES = {
     ],
     "vllm/v1/worker/block_table.py": ["BlockTable", "BlockTable.compute_slot_mapping", "BlockTable.commit_block_table"],
     "vllm/v1/attention/backend.py": ["CommonAttentionMetadata", "AttentionMetadataBuilder.build"],
+    "vllm/v1/outputs.py": ["ModelRunnerOutput", "AsyncModelRunnerOutput"],
+    "vllm/v1/engine/core.py": ["EngineCore._initialize_kv_caches"],
+    "vllm/v1/core/kv_cache_utils.py": ["get_kv_cache_configs", "get_num_blocks"],
+    "vllm/v1/kv_cache_interface.py": ["AttentionSpec.page_size_bytes"],
     "vllm/v1/cudagraph_dispatcher.py": ["CudagraphDispatcher", "CudagraphDispatcher.dispatch"],
     "vllm/config/compilation.py": ["CUDAGraphMode", "CompilationConfig"],
 }
@@ -240,6 +251,35 @@ def recording_prepare_inputs(scheduler_output):
 
 runner._prepare_inputs = recording_prepare_inputs  # an instance attribute shadows the method
 
+# What each step handed back: sample_tokens' return value (the engine keeps it
+# until the next loop turn), and the ModelRunnerOutput update_from_output reads.
+runner_outputs = {}  # step -> the fields of its ModelRunnerOutput, requests by our names
+returned = set()  # type names sample_tokens returned
+_sample_tokens, _update_from_output = runner.sample_tokens, core.scheduler.update_from_output
+
+
+def recording_sample_tokens(*args, **kwargs):
+    out = _sample_tokens(*args, **kwargs)
+    returned.add(type(out).__name__)
+    return out
+
+
+def recording_update_from_output(scheduler_output, model_runner_output):
+    mro = model_runner_output
+    runner_outputs[scheduler_output.step] = {
+        "type": type(mro).__name__,
+        "req_ids": [LABEL[r] for r in mro.req_ids],
+        "req_id_to_index": {LABEL[r]: i for r, i in mro.req_id_to_index.items()},
+        "sampled_token_ids": [list(t) for t in mro.sampled_token_ids],
+        "logprobs": mro.logprobs,
+        "prompt_logprobs_dict": dict(mro.prompt_logprobs_dict),
+    }
+    return _update_from_output(scheduler_output, model_runner_output)
+
+
+runner.sample_tokens = recording_sample_tokens
+core.scheduler.update_from_output = recording_update_from_output
+
 # %%
 PROMPTS = {
     "r0": "The three primary colours of light are",
@@ -329,6 +369,10 @@ for step, b in sorted(batches.items()):
 # * the row's block table (padded with zeros; block 0 is the null block);
 # * `logits_indices` — the last token of each row, the only ones whose hidden
 #   state goes through the LM head.
+#
+# **Predict, then run.** In step 3, `r0` (7 prompt tokens, 2 sampled so far,
+# the second still in flight) feeds one token. At which position, and into
+# which KV slot, if `r0`'s only block is block 1? What is `query_start_loc`?
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -572,6 +616,153 @@ print(f"input ids in steps 1-{max(batches)}: {n_inputs}; taken on the device: {n
 # step: no -1, and `prev_sampled_token_ids` stays `None`.
 
 # %% [markdown]
+# ### 3e. What the step hands back: `ModelRunnerOutput`
+#
+# `sample_tokens` ends the step on the worker's side. Under async scheduling
+# it returns an `AsyncGPUModelRunnerOutput` at once; one loop turn later the
+# engine calls its `get_output()`, which waits for the device→host copy of
+# the sampled ids and gives the plain
+# [`ModelRunnerOutput`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/outputs.py#L233) that `Scheduler.update_from_output`
+# reads (session 02 follows it from there). The notebook wrapped both ends
+# before the run.
+#
+# **Predict, then run.** In the mixed step, `r2` ran 30 prompt tokens and
+# its sample was thrown away. What is `r2`'s entry in `sampled_token_ids`?
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import dataclasses
+
+from engine.v1.outputs import ModelRunnerOutput
+
+print("sample_tokens returned:", sorted(returned))
+print("fields of ModelRunnerOutput:", [f.name for f in dataclasses.fields(ModelRunnerOutput)])
+print(f"step {MIXED}, as update_from_output received it:")
+for field, value in runner_outputs[MIXED].items():
+    print(f"  {field}: {value}")
+kept = [e for e in events if e.kind == "sampler.sampled" and e.request_id not in batches[e.step].discard_req_ids]
+same = all(runner_outputs[e.step]["sampled_token_ids"][runner_outputs[e.step]["req_id_to_index"][LABEL[e.request_id]]]
+           == [e.token_id] for e in kept)
+print("every kept sample in the trace's sampler.sampled events is in its step's ModelRunnerOutput:", same)
+
+# %% [markdown]
+# One row per request of the batch, in the batch's order (`req_id_to_index`
+# finds a request's row); one list of tokens per row: one token for a
+# decode or a prompt's last chunk, none for `r2`'s mid-prompt chunk (the
+# runner sampled the row with the others, then dropped it). With speculative
+# decoding a row holds every accepted draft plus one. `logprobs` is `None`
+# because no request asked for any. vLLM's dataclass has more fields
+# (pooling outputs, KV-connector state, NaN counts, CUDA graph statistics,
+# routed experts) for features Glassbox does not have.
+#
+# ### 3f. Before the first step: the profiling run, `_dummy_run`, and the KV cache's size
+#
+# Everything above ran on a KV cache of 64 blocks because the engine was told
+# so (`num_gpu_blocks_override=64`). Without that, the number of blocks is
+# decided once, at start-up, by
+# [`EngineCore._initialize_kv_caches`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/core.py#L235):
+#
+# 1. **How many bytes may the KV cache have?**
+#    [`Worker.determine_available_memory`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_worker.py#L358). On a GPU it runs the
+#    model once on a dummy batch of `max_num_batched_tokens` tokens with no
+#    KV cache (`profile_run`), reads the peak memory torch allocated (the
+#    weights plus the largest activations), and returns
+#    `total × gpu_memory_utilization − peak − memory others hold`. On a CPU
+#    Glassbox does not profile: the answer is a setting,
+#    `GLASSBOX_CPU_KVCACHE_SPACE` GiB (default 1). vLLM's CPU worker
+#    ([cpu_worker.py#L169](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/cpu_worker.py#L169)) takes an explicit size when given one
+#    (`VLLM_CPU_KVCACHE_SPACE`) and otherwise what its memory share leaves
+#    after the process's own use.
+# 2. **How many bytes does one block cost?** Per layer,
+#    `page_size_bytes` = 2 (K and V) × `block_size` × KV heads × head size ×
+#    bytes per element; a block id names one page in every layer.
+# 3. **Divide** ([`get_num_blocks`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py#L935)): `available // page_size // num_layers`.
+#
+# The profiling run, the compile warm-up and the capture of piecewise graphs
+# (section 4) run the model through `_dummy_run`: a forward over the first
+# `n` entries of the runner's input buffers with no attention metadata, so
+# attention writes no KV and returns zeros. vLLM's `_dummy_run`
+# ([L5538](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L5538)) does more (it can
+# build attention metadata, pick a graph mode, pad). The sizing itself, in
+# vLLM:
+
+# %%
+show_vllm("vllm/v1/worker/gpu_worker.py", "Worker.determine_available_memory", 40)
+
+# %% [markdown]
+# The same calls, on this notebook's live worker and runner. First the
+# arithmetic (on CUDA `determine_available_memory` profiles this engine, which
+# already holds its 64-block cache and its graphs, so the figure comes out a
+# little smaller than at start-up):
+#
+# **Predict, then run.** SmolLM2 has 30 layers and 3 KV heads of 64 dims; on a
+# CPU it runs in float32. How many 16-token blocks fit in 1 GiB? How many
+# 512-token requests is that?
+
+# %%
+# NBVAL_CHECK_OUTPUT
+spec = worker.get_kv_cache_spec()  # one spec per attention layer, all equal here
+layer_spec = next(iter(spec.values()))
+dtype_bytes = torch.tensor([], dtype=getattr(torch, layer_spec.dtype)).element_size()
+page = layer_spec.page_size_bytes
+print(f"{len(spec)} layers x {type(layer_spec).__name__}(block_size={layer_spec.block_size}, "
+      f"num_kv_heads={layer_spec.num_kv_heads}, head_size={layer_spec.head_size}, dtype={layer_spec.dtype})")
+print(f"one block, one layer:  2 x {layer_spec.block_size} x {layer_spec.num_kv_heads} x {layer_spec.head_size} "
+      f"x {dtype_bytes} = {page:,} bytes")
+print(f"one block, all layers: {page * len(spec):,} bytes")
+
+# %%
+import copy
+import os
+
+from engine.v1.core.kv_cache_utils import get_kv_cache_configs
+
+t0 = time.perf_counter()
+available = worker.determine_available_memory()
+seconds = time.perf_counter() - t0
+# The same config without the override, so the engine's own sizing answers.
+config = copy.copy(llm.llm_engine.glassbox_config)
+config.cache_config = copy.copy(config.cache_config)
+config.cache_config.num_gpu_blocks_override = None
+num_blocks = get_kv_cache_configs(config, [spec], [available])[0].num_blocks
+space = os.environ.get("GLASSBOX_CPU_KVCACHE_SPACE")
+source = (f"GLASSBOX_CPU_KVCACHE_SPACE={space or 'unset, so 1'} GiB, no profiling" if DEVICE == "cpu"
+          else f"profiled in {seconds:.1f} s")
+print(f"available for the KV cache on this {DEVICE}: {available:,} bytes ({available / 2**30:.2f} GiB; {source})")
+print(f"num_blocks = {available:,} // {page:,} // {len(spec)} = {available // page // len(spec)}; "
+      f"get_kv_cache_configs says {num_blocks}")
+max_len = llm.llm_engine.model_config.max_model_len
+print(f"= {num_blocks * BLOCK_SIZE:,} token slots; a {max_len}-token request needs {-(-max_len // BLOCK_SIZE)} blocks, "
+      f"so {num_blocks / -(-max_len // BLOCK_SIZE):.1f} of them fit at once")
+assert num_blocks == available // page // len(spec)
+
+# %% [markdown]
+# Then `_dummy_run`, the way `profile_run` calls it (it runs the whole dummy
+# batch, then the LM head on one row per possible request). The wrapper
+# counts its calls; the KV cache is compared before and after.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+dummy_calls = []
+_dummy_run = runner._dummy_run
+
+
+def counting_dummy_run(num_tokens):
+    dummy_calls.append(num_tokens)
+    return _dummy_run(num_tokens)
+
+
+kv_before = [t.clone() for t in runner.kv_caches]
+runner._dummy_run = counting_dummy_run
+runner.profile_run()
+hidden = runner._dummy_run(5)
+runner._dummy_run = _dummy_run
+print(f"profile_run called _dummy_run({dummy_calls[0]}): max_num_batched_tokens = {runner.max_num_tokens}")
+print(f"_dummy_run(5) -> hidden states of shape {tuple(hidden.shape)} (tokens x hidden size)")
+print("the KV cache is untouched by both:", all(torch.equal(a, b) for a, b in zip(kv_before, runner.kv_caches)))
+del kv_before
+
+# %% [markdown]
 # ## 4. CUDA graphs: capture sizes and padding
 #
 # A CUDA graph records a sequence of kernel launches once and replays it
@@ -602,6 +793,10 @@ print("graph mode the trace recorded per step:", sorted({b.cudagraph_mode for b 
 # runner's own `CudagraphDispatcher`, built from a `CompilationConfig` as it
 # would be for `max_num_seqs=64` on a GPU, with every decode size marked as
 # captured the way `capture_model()` does.
+#
+# **Predict, then run.** Under `FULL_DECODE_ONLY`, what runs a step of 13
+# decodes: which graph size, or eager? A mixed step of 13 tokens? And under
+# `FULL_AND_PIECEWISE`?
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -646,15 +841,17 @@ for n, uniform in [(1, True), (3, True), (13, True), (57, True), (64, True),
 # except attention is captured per token count, attention runs eagerly
 # between the pieces, and padding adds tokens only, never requests. That needs
 # the model compiled and split at its attention ops (`engine/compilation/`,
-# session 06). `FULL_AND_PIECEWISE` (vLLM's default, `-O2`) gives pure decodes
+# `docs/compilation.md`). `FULL_AND_PIECEWISE` (vLLM's default, `-O2`) gives pure decodes
 # the full graph and everything else the pieces; `PIECEWISE` (`-O1`) gives
 # everyone the pieces. Past the largest size (128 here: twice `max_num_seqs`,
 # capped by the token budget) every mode runs eagerly.
 #
 # ### 4a. What graphs buy: the committed H200 numbers
 #
-# `benchmarks/gpu_throughput.py` ran on an H200 with the Qwen3-0.6B
-# architecture (dummy weights, bf16): decode steps at a 512-token context,
+# These are **Glassbox's** numbers, not vLLM's: Glassbox's own engine and
+# kernels, measured by its own benchmarks. `benchmarks/gpu_throughput.py` ran
+# Glassbox on an H200 with the Qwen3-0.6B architecture (dummy weights,
+# bf16): decode steps at a 512-token context,
 # timed as whole `EngineCore.step()` calls — the serial loop, each step
 # waiting for its own tokens — once with CUDA graphs and once with
 # `enforce_eager=True`. That run is committed as
@@ -708,7 +905,8 @@ ax.plot(x, [floor_ms[n] for n in sizes], "k_", markersize=22, label="memory-band
 ax.set_xticks(x, [str(n) for n in sizes])
 ax.set_xlabel("decode batch size (requests)")
 ax.set_ylabel("ms per engine step")
-ax.set_title("H200, Qwen3-0.6B shape: decode step time (committed benchmark)")
+ax.set_title("Glassbox (not vLLM) on an H200, Qwen3-0.6B shape: decode step time\n"
+             "(benchmarks/results/gpu_throughput_h200.json)", fontsize=10)
 ax.legend(fontsize=8)
 fig.tight_layout()
 show(fig)
@@ -798,7 +996,7 @@ print("most frequent:", sorted(launching.items(), key=lambda kv: -kv[1])[:8])
 # Which is cheaper, by how much, and up to how much padding would that stay
 # true?*
 #
-# From the committed H200 numbers (linear interpolation between the measured
+# From Glassbox's committed H200 numbers (linear interpolation between the measured
 # batch sizes 1 and 16 — an assumption, stated):
 
 # %%

@@ -92,7 +92,7 @@ import engine  # noqa: E402
 
 REPO = Path(engine.__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sessions"))  # sessions/lab.py: helpers shared by the notebooks
-from lab import reading_table, vllm_line, vllm_url  # noqa: E402
+from lab import reading_table, show_vllm, vllm_line, vllm_url  # noqa: E402
 
 
 SESSION_FILES = {
@@ -761,6 +761,15 @@ for (backend, step), (path, out, cache) in results.items():
 # size, `top_p` = 1, `min_p` = 0, penalties 1/0/0), so it passes through
 # unchanged.
 #
+# The first 32 lines of vLLM's `Sampler.forward` are steps 1–3 and the call
+# to `sample`, which does 4–7 (`show_vllm` prints them from
+# `$GLASSBOX_VLLM_SRC` when that points at a vLLM checkout, the permalink
+# otherwise):
+
+# %%
+show_vllm("vllm/v1/sample/sampler.py", "Sampler.forward", 32)
+
+# %% [markdown]
 # ### 4b. Eight requests, one prompt, eight settings
 #
 # All eight share one prompt of 9 tokens, so in the first step every row
