@@ -15,7 +15,8 @@ move and sampling step -- so that a run can be replayed). The modules:
   * ``reader.py``   -- ``load_trace``, ``merge_trace_parts``, version checks,
     ``find_truncation`` (a writer that did not finish its file);
   * ``replay.py`` / ``replay_state.py`` -- ``TraceReplay``: the engine's state
-    at any step; ``perfetto.py`` -- ``export_perfetto``.
+    at any step; ``replay_ranks.py`` -- each tensor-parallel rank's share of a
+    step (``RankStep``); ``perfetto.py`` -- ``export_perfetto``.
 
 This package is a leaf: it imports no other Glassbox module. It only
 re-exports; the replay model, the Perfetto export and the worker's trace
@@ -56,9 +57,11 @@ _LAZY = {
     "BatchSlot": "engine.tracing.replay",
     "EngineState": "engine.tracing.replay",
     "GrammarMaskEffect": "engine.tracing.replay",
+    "RankStep": "engine.tracing.replay_ranks",
     "ReplayBlock": "engine.tracing.replay",
     "ReplayError": "engine.tracing.replay",
     "ReplayRequest": "engine.tracing.replay",
+    "RpcCall": "engine.tracing.replay_ranks",
     "SpecDecodeRow": "engine.tracing.replay",
     "SpecDecodeStep": "engine.tracing.replay",
     "StepPhases": "engine.tracing.replay",
@@ -69,6 +72,7 @@ _LAZY = {
     "WAITING_FOR_GRAMMAR": "engine.tracing.replay",
     "build_perfetto": "engine.tracing.perfetto",
     "export_perfetto": "engine.tracing.perfetto",
+    "rpc_calls": "engine.tracing.replay_ranks",
 }
 
 

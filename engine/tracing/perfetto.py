@@ -47,6 +47,15 @@ Read it for how engine events map onto a timeline:
     the request's core span in a ``waiting for grammar`` phase from
     ``sched.queued`` to ``so.ready``, and each step's ``so.bitmask`` (and
     ``so.advanced``, ``so.rollback``) as instants on the ``scheduler`` thread;
+  * tensor parallelism: a process track per worker rank, ``worker TP<rank>
+    (pid N)``, whose ``rpcs`` thread has a slice per call the rank took off
+    the broadcast ring (``worker.rpc_received`` to ``seconds`` later,
+    ``worker.rpc_done``), named by method and step (``execute_model step
+    3``), its args the collectives it ran; rank 0's track also holds the
+    model runner. Flows: ``SchedulerOutput`` from the end of the step's
+    ``schedule()`` to each rank's ``execute_model``, and ``ModelRunnerOutput``
+    from the answering rank's last call of the step to the engine's
+    ``engine.output_ready`` (both on the ``engine core io`` thread);
   * names for every process and thread (``ph`` M).
 
 Timestamps are microseconds since the first event. Slices on one thread are
@@ -67,6 +76,7 @@ import msgspec
 
 from engine.tracing.events import TraceEvent, TraceHeader
 from engine.tracing.reader import load_trace
+from engine.tracing.replay_ranks import EXECUTE_MODEL, SAMPLE_TOKENS, RpcCall, rpc_calls
 from engine.tracing.replay_state import STATE_KINDS, EngineState
 
 # Thread ids of the logical tracks inside one process.
@@ -78,6 +88,8 @@ TID_CORE_IO = 5
 TID_API = 6
 # The "steps in flight" threads: 7, 8, ... (two with async scheduling).
 TID_IN_FLIGHT = 7
+# A worker rank's calls off the broadcast ring (tensor parallelism).
+TID_WORKER_RPC = 24
 # The "grammar compile" threads: 32, 33, ... (one per compile running at once).
 TID_GRAMMAR = 32
 _THREAD_NAMES = {
@@ -88,6 +100,7 @@ _THREAD_NAMES = {
     TID_CORE_IO: "engine core io",
     TID_API: "API server",
     TID_IN_FLIGHT: "steps in flight",
+    TID_WORKER_RPC: "rpcs",
 }
 _FRONTEND_KINDS = ("request.added", "request.output", "request.finished")
 # Worker events drawn as instants on the model runner's thread.
@@ -138,6 +151,12 @@ class _Builder:
         self.async_ids: dict[tuple[str, str], int] = {}
         self.threads_used: set[tuple[int, int]] = set()
         self.roles: dict[int, set[str]] = defaultdict(set)
+        # pid -> tensor-parallel rank of each worker process.
+        self.tp_ranks: dict[int, int] = {
+            e.pid: e.tp_rank for e in self.events if e.tp_rank is not None
+        }
+        # Worker calls: (start, end) µs of each one's slice (see _worker_rpcs).
+        self.rpc_spans: list[tuple[RpcCall, float, float]] = []
 
     def us(self, ts_ns: int) -> float:
         return (ts_ns - self.t0) / 1000.0
@@ -170,6 +189,7 @@ class _Builder:
                 self.roles[e.pid].add("API server")
         self._steps()
         self._runner()
+        self._worker_rpcs()
         self._grammar()
         self._kv_instants()
         self._counters()
@@ -309,6 +329,43 @@ class _Builder:
                 start, end = start + shift, end + shift
                 previous_end = end
                 self.add_slice(pid, TID_RUNNER, start, end, "forward", args)
+
+    def _worker_rpcs(self) -> None:
+        """Tensor parallelism: each call a worker rank took off the broadcast
+        ring, as a slice on its ``rpcs`` thread (one call at a time per rank)."""
+        last_us: dict[int, float] = {}
+        for e in self.events:
+            last_us[e.pid] = self.us(e.ts)
+        by_pid: dict[int, list[RpcCall]] = defaultdict(list)
+        for call in rpc_calls(self.events):
+            by_pid[call.pid].append(call)
+        for pid, calls in by_pid.items():
+            for i, call in enumerate(calls):
+                start = self.us(call.received_ts)
+                done = call.done
+                end = start + done.seconds * 1e6 if done is not None else last_us[pid]
+                if i + 1 < len(calls):  # never into the next call (clocks of µs)
+                    end = min(end, self.us(calls[i + 1].received_ts))
+                end = max(start, end)
+                name = call.method if call.step is None else f"{call.method} step {call.step}"
+                args: dict[str, Any] = {
+                    "method": call.method,
+                    "step": call.step,
+                    "tp_rank": call.tp_rank,
+                }
+                if done is None:
+                    args["unfinished"] = True
+                else:
+                    args.update(
+                        seconds=done.seconds,
+                        all_reduce_count=done.all_reduce_count,
+                        all_gather_count=done.all_gather_count,
+                        collective_ms=done.collective_seconds * 1e3,
+                        collective_bytes=done.collective_bytes,
+                        replied=done.replied,
+                    )
+                self.add_slice(pid, TID_WORKER_RPC, start, end, name, args)
+                self.rpc_spans.append((call, start, end))
 
     def _grammar(self) -> None:
         """Compiles as slices (the compiler's time, ending at ``so.compiled``)
@@ -695,6 +752,69 @@ class _Builder:
                     pair(
                         waiting_output[e.request_id].pop(0), e, "output", TID_CORE_IO, TID_FRONTEND
                     )
+        self._rank_flows(flow_id)
+
+    def _rank_flows(self, flow_id: int) -> None:
+        """Tensor parallelism: ``SchedulerOutput`` from the end of each step's
+        ``schedule()`` (it goes on the ring right after) to every rank's
+        ``execute_model``, and ``ModelRunnerOutput`` from the answering rank's
+        last call of the step (``sample_tokens`` when it sampled) to the
+        engine's ``engine.output_ready``. The engine's ends bind to point
+        slices on its ``engine core io`` thread, the ranks' to their calls."""
+        if not self.rpc_spans:
+            return
+        scheduled: dict[int, TraceEvent] = {}
+        ready: dict[int, TraceEvent] = {}
+        for e in self.events:
+            if e.step is not None and e.tp_rank is None:
+                if e.kind == "sched.step":
+                    scheduled.setdefault(e.step, e)
+                elif e.kind == "engine.output_ready":
+                    ready.setdefault(e.step, e)
+        answers: dict[int, tuple[RpcCall, float, float]] = {}
+        for call, start, end in self.rpc_spans:
+            if call.step is None or call.method not in (EXECUTE_MODEL, SAMPLE_TOKENS):
+                continue
+            if call.done is not None and call.done.replied:
+                answers[call.step] = (call, start, end)  # the step's last answer wins
+            sched = scheduled.get(call.step)
+            if call.method != EXECUTE_MODEL or sched is None:
+                continue
+            flow_id += 1
+            # The receive is on the rank's clock (one machine: the same clock).
+            src_ts = min(self.us(sched.ts), start)
+            self._rank_flow(flow_id, "SchedulerOutput", sched, src_ts, call.pid, start, False)
+        for step, (call, start, end) in sorted(answers.items()):
+            out = ready.get(step)
+            if out is None:
+                continue
+            flow_id += 1
+            src_ts = max(start, end - min(_POINT_US, (end - start) / 2))
+            dst_ts = max(self.us(out.ts), src_ts)
+            self._rank_flow(flow_id, "ModelRunnerOutput", out, dst_ts, call.pid, src_ts, True)
+
+    def _rank_flow(
+        self,
+        flow_id: int,
+        name: str,
+        engine_event: TraceEvent,
+        engine_ts: float,
+        rank_pid: int,
+        rank_ts: float,
+        to_engine: bool,
+    ) -> None:
+        """One flow between the engine (a point slice on its io thread) and a
+        rank's call (bound to its slice)."""
+        base = {"name": name, "cat": "rpc", "id": flow_id}
+        engine_end = {**base, "ts": engine_ts, "pid": engine_event.pid, "tid": TID_CORE_IO}
+        rank_end = {**base, "ts": rank_ts, "pid": rank_pid, "tid": TID_WORKER_RPC}
+        start, finish = (rank_end, engine_end) if to_engine else (engine_end, rank_end)
+        start["ph"] = "s"
+        finish.update(ph="f", bp="e")
+        self.out.append(rank_end)
+        self.point_events[(engine_event.pid, TID_CORE_IO)].append(
+            (engine_ts, engine_end, engine_event.kind)
+        )
 
     def _api(self) -> None:
         for e in self.events:
@@ -749,6 +869,8 @@ class _Builder:
             roles = self.roles.get(pid) or {"process"}
             order = ["API server", "front end", "engine core", "worker", "process"]
             label = " + ".join(r for r in order if r in roles)
+            if pid in self.tp_ranks:
+                label = f"worker TP{self.tp_ranks[pid]}"
             self.out.append(
                 {
                     "name": "process_name",
@@ -777,10 +899,12 @@ def _thread_name(tid: int) -> str:
     if tid >= TID_GRAMMAR:
         lane = tid - TID_GRAMMAR
         return "grammar compile" + (f" ({lane + 1})" if lane else "")
+    if tid in _THREAD_NAMES:
+        return _THREAD_NAMES[tid]
     if tid > TID_IN_FLIGHT:
         # The second lane holds the steps launched while another was in flight.
         return f"steps in flight ({tid - TID_IN_FLIGHT + 1})"
-    return _THREAD_NAMES.get(tid, f"track {tid}")
+    return f"track {tid}"
 
 
 def _event_args(event: TraceEvent) -> dict[str, Any]:

@@ -59,6 +59,12 @@ constrained request (``StructuredOutputRow``), whether it waits for its
 grammar, the compile, and the step's mask and its effect
 (``GrammarMaskEffect``).
 
+Tensor parallelism: the worker processes' calls (``worker.rpc_received`` /
+``worker.rpc_done``) give ``StepView.ranks``, one ``RankStep`` per rank
+(``replay_ranks.py``): when it took the step off the broadcast ring, its
+forward and sampling time, its all-reduces and all-gathers. Only rank 0
+records the runner's events; its ``runner.forward`` gives the phases' forward.
+
 Ids: the engine's events name a request by its internal id (the id it was
 sent under, ``-`` and 8 random hex digits, as vLLM's ``assign_request_id``
 makes it); ``external_req_ids`` finds the internal ids of a user's id.
@@ -92,6 +98,7 @@ from engine.tracing.events import (
     TraceEvent,
 )
 from engine.tracing.reader import gc_paused, load_trace
+from engine.tracing.replay_ranks import RankStep, rank_steps, rpc_calls
 from engine.tracing.replay_state import (
     PREEMPTED,
     RUNNING,
@@ -343,6 +350,8 @@ class StepView:
     # Structured outputs: the constrained requests alive in this step, their
     # grammars and masks; None when there is none (always, without them).
     structured_output: StructuredOutputStep | None = None
+    # Tensor parallelism: each rank's share of the step, by rank ([] with one rank).
+    ranks: list[RankStep] = field(default_factory=list)
 
     @property
     def waiting(self) -> list[str]:
@@ -408,10 +417,13 @@ class TraceReplay:
         # Every event of a step, any process (for views and exports).
         all_events: dict[int, list[TraceEvent]] = {}
         step_of = self.step_of
+        phases = self.step_phases
         for e in events:
             step = e.step
             if step is None:
                 step = step_of(e)
+            elif e.tp_rank == 0 and type(e) is RunnerForward and step in phases:
+                _set_forward(phases[step], e)  # the runner of a TP run: rank 0's process
             group = all_events.get(step)
             if group is None:
                 group = all_events[step] = []
@@ -448,8 +460,7 @@ class TraceReplay:
                 p.launched_ts = e.ts
                 p.num_in_flight = e.num_in_flight
             elif t is RunnerForward:
-                p.forward_ns = e.duration_ns
-                p.forward_start_ts = e.start_ts if e.start_ts is not None else e.ts - e.duration_ns
+                _set_forward(p, e)
             elif t is EngineOutputReady:
                 p.output_ready_ts = e.ts
                 p.wait_ns = e.wait_ns
@@ -508,6 +519,22 @@ class TraceReplay:
         """The steps in flight right after ``step`` was launched, oldest first,
         ``step`` included ([] for a step that was never launched)."""
         return list(self._in_flight_after_launch.get(step, ()))
+
+    @cached_property
+    def _rank_steps(self) -> dict[int, list[RankStep]]:
+        launched = {s: p.launched_ts for s, p in self.step_phases.items() if p.launched_ts}
+        return rank_steps(rpc_calls(self.events), launched)
+
+    @cached_property
+    def tp_ranks(self) -> list[int]:
+        """The tensor-parallel ranks whose worker processes wrote events ([]: one rank)."""
+        return sorted({e.tp_rank for e in self.events if e.tp_rank is not None})
+
+    def ranks_at(self, step: int) -> list[RankStep]:
+        """Each tensor-parallel rank's share of ``step``, by rank ([] with one
+        rank, or for a step no rank ran)."""
+        self._check_step(step)
+        return list(self._rank_steps.get(step, ()))
 
     def in_flight_at(self, ts: int) -> list[int]:
         """The steps in flight at wall-clock time ``ts`` (ns), oldest first:
@@ -647,6 +674,7 @@ class TraceReplay:
             structured_output=(
                 _structured_output_step(step, state, events) if self.structured_outputs else None
             ),
+            ranks=self.ranks_at(step),
         )
 
     def _proposals(self, step: int) -> dict[str, list[int]]:
@@ -816,6 +844,11 @@ def _structured_output_step(
     return out if out.requests else None
 
 
+def _set_forward(p: StepPhases, e: RunnerForward) -> None:
+    p.forward_ns = e.duration_ns
+    p.forward_start_ts = e.start_ts if e.start_ts is not None else e.ts - e.duration_ns
+
+
 def _seq(event: TraceEvent) -> int:
     return event.seq
 
@@ -843,6 +876,7 @@ __all__ = [
     "BatchSlot",
     "EngineState",
     "GrammarMaskEffect",
+    "RankStep",
     "ReplayBlock",
     "ReplayError",
     "ReplayRequest",

@@ -643,11 +643,16 @@ class WorkerProcTrace(SubsystemTrace):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__(tracer)
         self._start = 0.0
+        # The step of the last execute_model: the one a sample_tokens call
+        # (whose argument names no step) samples.
+        self._step: int | None = None
 
-    @staticmethod
-    def _call(method: Any, args: tuple[Any, ...]) -> tuple[str, int | None]:
+    def _call(self, method: Any, args: tuple[Any, ...]) -> tuple[str, int | None]:
         name = getattr(method, "value", None) or getattr(method, "__name__", str(method))
-        return name, getattr(args[0], "step", None) if args else None
+        step = getattr(args[0], "step", None) if args else None
+        if step is not None:
+            self._step = step
+        return name, self._step
 
     def rpc_received(self, method: Any, args: tuple[Any, ...]) -> None:
         self._start = time.perf_counter()

@@ -10,8 +10,12 @@ token is thrown away. On CUDA, the batch is padded up to a captured CUDA
 graph size. Fields come from the ``runner.batch`` event (or, without one,
 from the scheduler's decision and the block tables). Under the batch, the
 engine loop around the step (``loop.py``): with async scheduling the next
-step is scheduled and launched while this one is in flight.
-Sessions: 01 (engine loop), 04 (worker), 05 (attention).
+step is scheduled and launched while this one is in flight. With tensor
+parallelism, one line per rank (``StepView.ranks``): when it took the step's
+``execute_model`` off the broadcast ring (after the launch), its time, the
+all-reduces and all-gathers it ran and their host time; only the output
+rank answers the executor (vLLM twin: ``vllm/v1/executor/multiproc_executor.py``).
+Sessions: 01 (engine loop), 04 (worker), 05 (attention), 07 (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
-from engine.tracing import RunnerForward
+from engine.tracing import RankStep, RunnerForward
 from tui.widgets.common import DIM, Panel, StepContext, request_chip
 from tui.widgets.loop import render_engine_loop
 
@@ -44,9 +48,72 @@ def _slots(runs: list[list[int]]) -> str:
 
 
 def render_runner(ctx: StepContext, width: int) -> RenderableType:
-    batch = render_batch(ctx, width)
-    loop = render_engine_loop(ctx, width)
-    return batch if loop is None else Group(batch, Text(""), loop)
+    parts = [render_batch(ctx, width)]
+    for extra in (render_ranks(ctx, width), render_engine_loop(ctx, width)):
+        if extra is not None:
+            parts += [Text(""), extra]
+    return parts[0] if len(parts) == 1 else Group(*parts)
+
+
+def rank_line(rank: RankStep) -> Text:
+    """``TP0 recv +0.04 ms  exec 31.3 ms  5 all-reduce / 1 all-gather 23.5 ms  (answered)``"""
+    line = Text()
+    line.append(f"TP{rank.tp_rank}", style=Style(bold=True))
+    line.append(f" recv {rank.received_after_launch_ms:+.2f} ms")
+    seconds = rank.execute_seconds
+    line.append(f"  exec {seconds * 1e3:.1f} ms" if seconds is not None else "  exec ?")
+    line.append(
+        f"  {rank.all_reduce_count} all-reduce / {rank.all_gather_count} all-gather"
+        f" {rank.collective_seconds * 1e3:.1f} ms"
+    )
+    if rank.replied:
+        line.append("  (answered)", style=Style(bold=True))
+    return line
+
+
+def render_ranks(ctx: StepContext, width: int) -> RenderableType | None:
+    """The tensor-parallel ranks' lines, or None with one rank (or none ran).
+    A panel too narrow for the lines gets a table of the same numbers."""
+    ranks = ctx.view.ranks
+    if not ranks:
+        return None
+    head = Text()
+    head.append(f"Tensor parallel · {len(ranks)} ranks", style=Style(bold=True))
+    answering = [f"TP{r.tp_rank}" for r in ranks if r.replied]
+    head.append(
+        " · SchedulerOutput broadcast to every rank, ModelRunnerOutput from "
+        + (", ".join(answering) if answering else "no rank"),
+        style=DIM,
+    )
+    lines = [rank_line(r) for r in ranks]
+    if max(len(line) for line in lines) <= width:
+        legend = Text(
+            "recv: when the rank took execute_model off the ring, after the step's launch · "
+            "exec: its execute_model · the collectives over the TP group and their host time "
+            "(waiting for the other ranks included)",
+            style=DIM,
+        )
+        return Group(head, *lines, legend)
+    table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, header_style=DIM)
+    for name in ("", "recv", "exec", "AR/AG", "coll"):
+        table.add_column(name, justify="right" if name else "left", no_wrap=True)
+    for r in ranks:
+        label = Text(f"TP{r.tp_rank}", style=Style(bold=True))
+        label.append("✓" if r.replied else " ")
+        table.add_row(
+            label,
+            f"{r.received_after_launch_ms:+.2f}",
+            f"{r.execute_seconds * 1e3:.1f}" if r.execute_seconds is not None else "?",
+            f"{r.all_reduce_count}/{r.all_gather_count}",
+            f"{r.collective_seconds * 1e3:.1f}",
+        )
+    legend = Text(
+        "ms · recv: when the rank took execute_model off the ring, after the step's launch · "
+        "exec: its execute_model · AR/AG: all-reduces/all-gathers over the TP group, coll: "
+        "their host time · ✓ answered",
+        style=DIM,
+    )
+    return Group(head, table, legend)
 
 
 def render_batch(ctx: StepContext, width: int) -> RenderableType:

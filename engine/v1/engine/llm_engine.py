@@ -117,7 +117,8 @@ class LLMEngine:
             _shutdown_engine,
             self.engine_core,
             self.tracer,
-            obs.trace_path if tracing and multiprocess_mode else None,
+            # Worker processes (tensor parallelism) write parts even in-process.
+            obs.trace_path if tracing else None,
         )
 
     @classmethod
