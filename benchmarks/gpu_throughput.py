@@ -29,6 +29,11 @@ process, and writes one JSON with everything the docs table needs:
   compiled + FULL_DECODE_ONLY, and O0 + FULL_DECODE_ONLY, the engine before
   compilation), and the batch-1 and batch-64 decode steps of the last
   (``decode_latency_o0_full_decode_only``) beside the default's;
+* ``--parts lora`` (not in the default set): the workload with LoRA on
+  (eager, as Glassbox runs LoRA), once with every request on the base model
+  (``throughput_lora_engine_base_only``) and once spread over 4 random
+  rank-16 adapters on all seven projections plus the base model
+  (``throughput_mixed_lora``).
 * ``--parts fp8`` (not in the default set): the default engine with
   ``quantization="fp8"`` (online W8A8, per-tensor scales) on the same
   workload (``throughput_fp8``) and its batch-1 and batch-64 decode steps
@@ -48,6 +53,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -97,7 +103,11 @@ TARGETS = {
     "ratio_to_transformers": 20,
     "decode_step_batch1_ms": 1.0,
 }
-ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes", "fp8")
+ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes", "fp8", "lora")
+# The ``lora`` part: adapters of this rank over the seven projections.
+LORA_RANK = 16
+NUM_ADAPTERS = 4
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The ``modes`` part: the compiled model (CompilationMode.VLLM_COMPILE) under
 # each CUDA-graph mode, on the same workload, and its batch-1 decode step.
 # name -> (optimization level, compilation_config): the default O2 is
@@ -116,6 +126,106 @@ def model_dir(config: dict | None = None) -> str:
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(QWEN3_0_6B if config is None else config, f)
     return d
+
+
+def write_random_adapter(
+    config: dict, out_dir: str, seed: int, rank: int = LORA_RANK, scale: float = 0.01
+) -> str:
+    """A PEFT LoRA folder for ``config``'s model with random A and B (small, so
+    the outputs stay finite) over ``LORA_TARGETS``: what a real adapter costs,
+    without peft on the GPU machine."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    shapes = {  # module -> (in, out)
+        "self_attn.q_proj": (hidden, q),
+        "self_attn.k_proj": (hidden, kv),
+        "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (q, hidden),
+        "mlp.gate_proj": (hidden, inter),
+        "mlp.up_proj": (hidden, inter),
+        "mlp.down_proj": (inter, hidden),
+    }
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (n_in, n_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * scale
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+        os.path.join(out_dir, "adapter_model.safetensors"),
+    )
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(LORA_TARGETS),
+                "bias": "none",
+            },
+            f,
+        )
+    return out_dir
+
+
+def run_mixed_lora(requests: list, args: EngineArgs, adapter_dirs: list[str]) -> dict:
+    """The workload with request i on adapter i % (len + 1) (the last share: the
+    base model), on an engine with LoRA on."""
+    import dataclasses
+
+    from engine import LLM, SamplingParams
+    from engine.lora.request import LoRARequest
+
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    start = time.perf_counter()
+    llm = LLM(**fields)
+    startup = time.perf_counter() - start
+    adapters = [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(adapter_dirs)] + [None]
+    try:
+        warm = [{"prompt_token_ids": requests[0].prompt_token_ids[:16]}] * len(adapters)
+        llm.generate(
+            warm,
+            SamplingParams(max_tokens=8, ignore_eos=True),
+            lora_request=adapters,
+            use_tqdm=False,
+        )
+        params = [
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.expected_output_len)
+            for r in requests
+        ]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        per_request = [adapters[i % len(adapters)] for i in range(len(requests))]
+        torch_sync()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, lora_request=per_request, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "elapsed_time": elapsed,
+        "num_requests": len(requests),
+        "total_output_tokens": out_tokens,
+        "output_tokens_per_second": out_tokens / elapsed,
+        "engine_startup_seconds": startup,
+        "num_adapters": len(adapter_dirs),
+        "lora_rank": LORA_RANK,
+        "requests_on_base_model": sum(1 for a in per_request if a is None),
+    }
+
+
+def torch_sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def engine_args(path: str, enforce_eager: bool, **overrides) -> EngineArgs:
@@ -348,6 +458,24 @@ def main() -> int:
                 num_iters=32,
                 num_iters_warmup=4,
             ),
+        )
+
+    if "lora" in parts:
+        root = tempfile.mkdtemp(prefix="lora-adapters-")
+        dirs = [
+            write_random_adapter(QWEN3_0_6B, os.path.join(root, f"a{i}"), seed=i)
+            for i in range(NUM_ADAPTERS)
+        ]
+        lora = {"enable_lora": True, "max_loras": NUM_ADAPTERS, "max_lora_rank": LORA_RANK}
+        # LoRA runs eagerly in Glassbox: the base model on the same eager engine
+        # (no adapters requested) separates the adapters' cost from the graphs'.
+        attempt(
+            "throughput_lora_engine_base_only",
+            lambda: run_mixed_lora(requests, engine_args(path, True, **lora), []),
+        )
+        attempt(
+            "throughput_mixed_lora",
+            lambda: run_mixed_lora(requests, engine_args(path, True, **lora), dirs),
         )
 
     save()
