@@ -169,7 +169,7 @@ class MultiprocExecutor(Executor):
     def _start_workers(self, handle: Handle, init_method: str) -> None:
         context = get_mp_context()
         obs = self.glassbox_config.observability_config
-        unready = []
+        ready_readers = []
         # A forked worker starts with copies of our ends of the death pipes
         # made so far; it closes them, or it would never see EOF on its own.
         death_writer_fds: list[int] = []
@@ -199,13 +199,11 @@ class MultiprocExecutor(Executor):
             proc.start()
             ready_writer.close()
             death_reader.close()
-            unready.append((proc, rank, ready_reader, death_writer))
-        for proc, rank, _, death_writer in unready:
-            # Register before waiting, so a failed start-up still stops every worker.
-            placeholder = WorkerProcHandle(proc, rank, None, death_writer)  # type: ignore[arg-type]
-            self.workers.append(placeholder)
-        for worker, (proc, rank, ready_reader, _) in zip(self.workers, unready):
-            response_handle = _wait_for_ready(proc, rank, ready_reader)
+            # Registered at once, so a failed start-up still stops every worker.
+            self.workers.append(WorkerProcHandle(proc, rank, None, death_writer))  # type: ignore[arg-type]
+            ready_readers.append(ready_reader)
+        for worker, ready_reader in zip(self.workers, ready_readers):
+            response_handle = _wait_for_ready(worker.proc, worker.rank, ready_reader)
             worker.worker_response_mq = MessageQueue.create_from_handle(response_handle, 0)
 
     # -- failure ----------------------------------------------------------------------
