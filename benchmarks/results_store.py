@@ -23,7 +23,9 @@ Series names (``current_name``):
 * ``cpu_vs_transformers_cpu``
 * ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``; ``gpu_throughput_modes_<gpu>`` for a
   run of the compiled CUDA-graph modes alone (``gpu_run.sh compile``)
-* ``broadcast_<machine>`` (the executor's shared-memory broadcast and gloo's all-reduce).
+* ``broadcast_<machine>`` (the executor's shared-memory broadcast of a step to the workers).
+* ``tensor_parallel_<machine>`` (gloo's all-reduce and all-gather alone, decode throughput and
+  step time at TP 1/2/3/4 with the collectives per step from a trace, each rank's memory).
 * ``gpu_profile_step_b<batch>_<gpu>``
 * ``tracing_overhead_cpu_<model>`` (``smollm2``: the default model; ``tiny``) and
   ``tracing_overhead_gpu_<gpu>`` (SmolLM2 shapes with dummy weights; another
@@ -122,6 +124,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"gpu_throughput_{'modes_' if modes_only else ''}{machine}"
     if benchmark == "broadcast":
         return f"broadcast_{machine}"
+    if benchmark == "tensor_parallel":
+        return f"tensor_parallel_{machine}"
     if benchmark == "async_scheduling":
         return f"async_scheduling_{machine}"
     if benchmark == "cpu_threads":

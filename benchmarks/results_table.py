@@ -1,8 +1,9 @@
 """The tables of benchmark figures in the docs, generated from benchmarks/results.
 
 Every table of measured figures in README.md, benchmarks/README.md,
-docs/gpu.md, docs/trace_format.md, docs/reliability.md and docs/spec_decode.md
-sits between two marker comments::
+docs/gpu.md, docs/trace_format.md, docs/reliability.md, docs/spec_decode.md
+and the other docs in ``DOCS`` (docs/parallelism.md among them) sits
+between two marker comments::
 
     <!-- results-table:NAME -->
     ...generated...
@@ -53,6 +54,7 @@ DOCS = (
     "docs/structured_outputs.md",
     "docs/quantization.md",
     "docs/compilation.md",
+    "docs/parallelism.md",
 )
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
@@ -724,6 +726,10 @@ def _file_says(res: Results, name: str) -> str:
         )
     if benchmark == "tracing_profile":
         return f"where `{r['level']}`'s host time goes (cProfile, `off` against `{r['level']}`)"
+    if benchmark == "broadcast":
+        return broadcast_says(r)
+    if benchmark == "tensor_parallel":
+        return tensor_parallel_says(r)
     if benchmark == "quantization":
         q, f = r["variants"]["gguf_q4_1"], r["variants"]["float32"]
         return (
@@ -885,6 +891,217 @@ def quantization_table(res: Results) -> str:
     return "\n".join(parts) if parts else "(no run recorded yet)\n"
 
 
+# --- tensor parallelism (docs/parallelism.md) ------------------------------------------
+
+
+def _us(x: float) -> str:
+    return f"{x:,.0f} µs"
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:,.1f} MB"
+
+
+STAR = r"\*"  # a literal * in Markdown: more processes than CPUs
+
+
+def _over(oversubscribed: bool) -> str:
+    return STAR if oversubscribed else ""
+
+
+def _engine_rows(r: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(row["model"], row["tp"]): row for row in r["engine"]}
+
+
+def tensor_parallel_says(r: dict[str, Any]) -> str:
+    rows = _engine_rows(r)
+    cpus = r["machine"]["cpus_usable"]
+    parts = []
+    for model in dict.fromkeys(m for m, _ in rows):
+        tps = sorted(tp for m, tp in rows if m == model)
+        figures = " / ".join(f"{rows[model, tp]['output_tokens_per_second']:,.1f}" for tp in tps)
+        parts.append(f"{model} at TP {'/'.join(map(str, tps))}: {figures} tok/s")
+    top = max(rows.values(), key=lambda row: row["ranks"][0]["param_bytes"] * (row["tp"] > 1))
+    frac = top["ranks"][0].get("fraction_of_tp1", {})
+    memory = (
+        f"; {top['model']} at TP={top['tp']}: parameters {frac['param_bytes']:.2f}, peak RSS "
+        f"growth {max(k['fraction_of_tp1']['peak_rss'] for k in top['ranks']):.2f} of TP=1 "
+        "per rank"
+        if "peak_rss" in frac
+        else ""
+    )
+    return f"{'; '.join(parts)} ({cpus} CPUs: more ranks share them){memory}"
+
+
+def broadcast_says(r: dict[str, Any]) -> str:
+    rows = {
+        (x["readers"], x["batch"]): x
+        for x in r["results"]
+        if x["payload"] == "decode" and not x["gap_ms"]
+    }
+    readers = sorted({k for k, _ in rows})
+    batch = 8 if any(b == 8 for _, b in rows) else max(b for _, b in rows)
+    figures = " / ".join(
+        f"{rows[k, batch]['median_us']:.1f}" for k in readers if (k, batch) in rows
+    )
+    return (
+        f"one step's `SchedulerOutput` through the shared-memory ring: decode batch {batch} to "
+        f"{'/'.join(map(str, readers))} readers {figures} µs (median)"
+    )
+
+
+def tensor_parallel_table(res: Results) -> str:
+    """docs/parallelism.md: collectives alone, decode at each TP, memory per rank."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("tensor_parallel_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        m = r["machine"]
+        w = r["workload"]
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {m['cpu_model']}, "
+            f"{m['cpus_usable']} CPUs; one torch thread per process or rank; {STAR} = more "
+            "processes than CPUs; TCP round trip on loopback "
+            f"{m['tcp_loopback_round_trip_us']:.0f} µs). Collectives alone, gloo over loopback, "
+            "median µs per call back to back (rank 0):"
+        )
+        parts.append("")
+        worlds = sorted({c["world"] for c in r["collectives"]})
+        over = {c["world"]: c["oversubscribed"] for c in r["collectives"]}
+        parts.append(
+            "| collective, fp32 | bytes per rank | "
+            + " | ".join(f"{n} processes{_over(over[n])}" for n in worlds)
+            + " |"
+        )
+        parts.append("|---|---|" + "---|" * len(worlds))
+        cells: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+        for c in r["collectives"]:
+            if c["op"] == "all_reduce":
+                label = f"all-reduce [{c['shape'][0]}, {c['shape'][1]}]"
+            else:
+                label = f"all-gather [{c['shape'][0]}, 49152/N] (logits)"
+            cells.setdefault((label, c["op"]), {})[c["world"]] = c
+        for (label, op), by_world in cells.items():
+            first = next(iter(by_world.values()))
+            nbytes = (
+                f"{first['bytes_per_rank']:,}"
+                if op == "all_reduce"
+                else f"{first['shape'][0] * 49152 * 4:,} / N"
+            )
+            parts.append(
+                f"| {label} | {nbytes} | "
+                + " | ".join(_us(by_world[n]["median_us"]) if n in by_world else "" for n in worlds)
+                + " |"
+            )
+        parts.append("")
+        parts.append(
+            f"Decode, {w['num_prompts']} prompts of {w['input_len']} tokens, {w['output_len']} "
+            f"greedy tokens each, one batch, fp32, `mp` executor at every TP (median of "
+            f"{w['repeats']} runs); collectives per decode step from the workers' "
+            "`worker.rpc_done` events (a second, traced run):"
+        )
+        parts.append("")
+        parts.append(
+            "| model | TP | output tok/s | decode step | all-reduces + all-gathers per step | "
+            "in collectives per step (rank 0) | `execute_model` per step (rank 0) |"
+        )
+        parts.append("|---|---|---|---|---|---|---|")
+        rows = _engine_rows(r)
+        for (model, tp), row in rows.items():
+            ref = rows.get((model, 1))
+            step = f"{row['decode_step_mean_ms']:.1f} ms"
+            if ref is not None and tp != 1:
+                step += f" ({row['decode_step_mean_ms'] / ref['decode_step_mean_ms']:.1f}x)"
+            ranks = row["traced"]["per_rank"]
+            t = ranks[0] if ranks else {}
+            parts.append(
+                f"| {model} | {tp}{_over(row['oversubscribed'])} | "
+                f"{row['output_tokens_per_second']:,.1f} | {step} | "
+                f"{t.get('all_reduce_per_step', 0):g} + {t.get('all_gather_per_step', 0):g} | "
+                f"{t.get('collective_ms_per_step', 0):.1f} ms | "
+                f"{t.get('execute_model_ms_per_step', 0):.1f} ms |"
+            )
+        parts.append("")
+        parts.append(
+            "Memory per rank (rank 0; the peak: the highest rank), and its fraction of the same "
+            "model's one rank. Weights: parameters and the oneDNN-packed copy of each linear "
+            "weight that the CPU layers keep. Growth: over the worker's resident memory right "
+            "before `load_model`; private = `RssAnon` after the runs (weights, packed copies, KV "
+            "cache, activations); peak = `VmHWM`, which also counts the checkpoint pages a rank "
+            "maps while it loads (page cache, shared by the ranks):"
+        )
+        parts.append("")
+        parts.append(
+            "| model | TP | parameters | weights in memory | KV cache | before loading | "
+            "private growth | peak growth | checkpoint pages mapped while loading |"
+        )
+        parts.append("|---|---|---|---|---|---|---|---|---|")
+        for (model, tp), row in rows.items():
+            k = row["ranks"][0]
+            if "growth_bytes" not in k:
+                continue
+            frac = k.get("fraction_of_tp1", {})
+
+            def cell(value: float, key: str, frac: dict = frac, one: bool = tp == 1) -> str:
+                return _mb(value) + (f" ({frac[key]:.2f})" if key in frac and not one else "")
+
+            peak = max(row["ranks"], key=lambda x: x["growth_bytes"]["peak_rss"])
+            peak_frac = peak.get("fraction_of_tp1", {})
+            parts.append(
+                f"| {model} | {tp}{_over(row['oversubscribed'])} | "
+                f"{cell(k['param_bytes'], 'param_bytes')} | "
+                f"{cell(k['weight_bytes'], 'weight_bytes')} | {_mb(k['kv_cache_bytes'])} | "
+                f"{_mb(k['before_load']['VmRSS'])} | "
+                f"{cell(k['growth_bytes']['anon_after_runs'], 'anon_after_runs')} | "
+                + _mb(peak["growth_bytes"]["peak_rss"])
+                + (f" ({peak_frac['peak_rss']:.2f})" if "peak_rss" in peak_frac and tp != 1 else "")
+                + f" | {_mb(k['growth_bytes']['file_pages_during_load'])} |"
+            )
+        parts.append("")
+    return "\n".join(parts).strip() or "No result stored yet."
+
+
+def broadcast_table(res: Results) -> str:
+    """docs/parallelism.md: one decode step's broadcast to 1/2/4 readers."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("broadcast_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        m = r["machine"]
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {m['cpu_model']}, "
+            f"{m['cpus_usable']} CPUs; median µs from `enqueue` until every reader has the "
+            f"message, over {r['results'][0]['iters']} broadcasts):"
+        )
+        parts.append("")
+        rows: dict[tuple[str, int, float], dict[int, dict[str, Any]]] = {}
+        for x in r["results"]:
+            rows.setdefault((x["payload"], x["batch"], x["gap_ms"]), {})[x["readers"]] = x
+        readers = sorted({x["readers"] for x in r["results"]})
+        parts.append(
+            "| step | requests | pickled | "
+            + " | ".join(f"{n} reader{'s' if n > 1 else ''}" for n in readers)
+            + " |"
+        )
+        parts.append("|---|---|---|" + "---|" * len(readers))
+        for (payload, batch, gap), by_readers in sorted(
+            rows.items(), key=lambda kv: (kv[0][0] != "decode", kv[0][2], kv[0][1])
+        ):
+            if payload != "decode" and batch not in (8, 256):
+                continue
+            first = next(iter(by_readers.values()))
+            label = f"{payload}, after {gap:g} ms idle" if gap else f"{payload}, back to back"
+            parts.append(
+                f"| {label} | {batch} | {first['payload_bytes']:,} B | "
+                + " | ".join(
+                    _us(by_readers[n]["median_us"]) if n in by_readers else "" for n in readers
+                )
+                + " |"
+            )
+        parts.append("")
+    return "\n".join(parts).strip() or "No result stored yet."
+
+
 def spec_verify_table(res: Results) -> str:
     """docs/spec_decode.md: step time per mode and batch, and the ratio to graphed decode."""
     parts = []
@@ -984,6 +1201,15 @@ def spec_decode_says(r: dict[str, Any]) -> str:
     return f"against off: {'; '.join(figures)}; greedy outputs {identical}"
 
 
+def _script(benchmark: str) -> str:
+    """The script of a benchmark: ``<benchmark>.py``, or ``<benchmark>_cpu.py`` where only
+    that one exists (``broadcast_cpu.py``, ``quantization_cpu.py``, ...)."""
+    for name in (f"{benchmark}.py", f"{benchmark}_cpu.py"):
+        if (REPO_ROOT / "benchmarks" / name).exists():
+            return name
+    return f"{benchmark}.py"
+
+
 def results_files_table(res: Results) -> str:
     """benchmarks/README.md: every file in benchmarks/results."""
     lines = [
@@ -999,7 +1225,7 @@ def results_files_table(res: Results) -> str:
             continue
         line = res.line_of(name.rsplit(".", 1)[0] + ".json")
         lines.append(
-            f"| `{name}` | `{line['benchmark']}.py` | {_day(line['date'])}, "
+            f"| `{name}` | `{_script(line['benchmark'])}` | {_day(line['date'])}, "
             f"{_short(line['commit'])} | {_file_says(res, name)} |"
         )
     return "\n".join(lines)
@@ -1031,6 +1257,8 @@ BLOCKS = (
     Block("spec-verify", "docs/spec_decode.md", spec_verify_table),
     Block("structured-output-cost", "docs/structured_outputs.md", structured_output_cost_table),
     Block("quantization", "docs/quantization.md", quantization_table),
+    Block("tensor-parallel", "docs/parallelism.md", tensor_parallel_table),
+    Block("broadcast", "docs/parallelism.md", broadcast_table),
 )
 
 
