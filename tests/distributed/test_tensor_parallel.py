@@ -276,3 +276,35 @@ def test_ray_backend_without_ray_names_the_fix(checkpoints, monkeypatch) -> None
             distributed_executor_backend="ray",
             **ENGINE,
         )
+
+
+def test_a_function_the_workers_cannot_load_fails_the_call_not_the_worker(checkpoints) -> None:
+    """collective_rpc pickles a function by reference: one defined after the
+    workers started (a notebook cell, here a module made now) cannot be
+    loaded there. That call fails, naming the function; the workers go on."""
+    import sys
+    import types
+
+    llm = LLM(checkpoints["llama"], tensor_parallel_size=2, **ENGINE)
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        late = types.ModuleType("made_after_the_workers_started")
+
+        def probe(worker):
+            return worker.rank
+
+        with pytest.raises(ValueError, match="cannot send .*probe to the workers"):
+            executor.collective_rpc(probe)  # a local function: not picklable at all
+        probe.__module__, probe.__qualname__ = late.__name__, "probe"
+        late.probe = probe
+        sys.modules[late.__name__] = late
+        try:
+            with pytest.raises(RuntimeError, match="cannot load .*probe"):
+                executor.collective_rpc(probe)
+        finally:
+            del sys.modules[late.__name__]
+        assert executor.collective_rpc(_pid) and not executor.is_failed
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)[0].outputs[0]
+        assert len(out.token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()

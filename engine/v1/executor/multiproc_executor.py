@@ -32,6 +32,7 @@ import contextlib
 import enum
 import logging
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -94,12 +95,43 @@ class ResponseStatus(enum.Enum):
 
 @dataclass
 class WorkerRequest:
-    """One message on the broadcast ring."""
+    """One message on the broadcast ring. A function call travels as
+    ``function``: its pickled ``(function, args)``, unpickled by the worker
+    inside the call, so one it cannot load fails that call, not the worker."""
 
-    method: WorkerMethod | Callable[..., Any]
+    method: WorkerMethod | str  # a WorkerMethod, or the function's name
     args: tuple[Any, ...]
     # The one rank that answers; None: every rank answers.
     unique_reply_rank: int | None
+    function: bytes | None = None
+
+    @classmethod
+    def make(
+        cls, method: WorkerMethod | Callable[..., Any], args: tuple[Any, ...], reply: int | None
+    ) -> WorkerRequest:
+        if isinstance(method, WorkerMethod):
+            return cls(method, args, reply)
+        try:
+            payload = pickle.dumps((method, args), protocol=5)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(
+                f"collective_rpc cannot send {method.__qualname__} to the workers ({e}); "
+                "pass a top-level function of an importable module"
+            ) from e
+        return cls(method.__qualname__, (), reply, payload)
+
+    def call(self, handlers: dict[WorkerMethod, Callable[..., Any]], worker: Any) -> Any:
+        if isinstance(self.method, WorkerMethod):
+            return handlers[self.method](*self.args)
+        assert self.function is not None
+        try:
+            function, args = pickle.loads(self.function)
+        except Exception as e:
+            raise RuntimeError(
+                f"the worker cannot load {self.method} ({type(e).__name__}: {e}); a function "
+                "run by collective_rpc must be importable from a module the workers can import"
+            ) from e
+        return function(worker, *args)
 
 
 @dataclass
@@ -217,6 +249,7 @@ class MultiprocExecutor(Executor):
             if self.shutdown_event.is_set():
                 return
             dead = sentinels[died[0]]
+            dead.proc.join(timeout=1)  # reap it, so its exit code is known
             self.is_failed = True
             logger.error(
                 "Worker TP%d (pid %s) died unexpectedly (exit code %s); shutting down the "
@@ -257,7 +290,7 @@ class MultiprocExecutor(Executor):
         result, or only ``unique_reply_rank``'s."""
         if self.is_failed or self.shutdown_event.is_set():
             raise RuntimeError("the executor is failed or shut down; no call can run")
-        self.rpc_broadcast_mq.enqueue(WorkerRequest(method, args, unique_reply_rank))
+        self.rpc_broadcast_mq.enqueue(WorkerRequest.make(method, args, unique_reply_rank))
         if unique_reply_rank is not None:
             response_mqs = [self.workers[unique_reply_rank].worker_response_mq]
         else:
@@ -265,18 +298,20 @@ class MultiprocExecutor(Executor):
         name = getattr(method, "value", getattr(method, "__name__", repr(method)))
 
         def get_response() -> Any:
-            results = []
+            answers = []
+            # Every answer is read, failed or not, so none is left for the next call.
             for mq in response_mqs:
                 try:
-                    status, result = mq.dequeue(timeout=timeout, cancel=self.shutdown_event)
+                    answers.append(mq.dequeue(timeout=timeout, cancel=self.shutdown_event))
                 except RuntimeError as e:
                     raise RuntimeError(
                         f"{name}: no answer from the workers ({e}); a worker process died "
                         "or the executor was shut down"
                     ) from None
+            for status, result in answers:
                 if status != ResponseStatus.SUCCESS:
                     raise RuntimeError(f"worker failed in {name}: {result}")
-                results.append(result)
+            results = [result for _, result in answers]
             return results[0] if unique_reply_rank is not None else results
 
         if non_block:
@@ -519,10 +554,7 @@ class WorkerProc:
             replies = request.unique_reply_rank in (None, self.rank)
             self.trace.rpc_received(request.method, request.args)
             try:
-                if isinstance(request.method, WorkerMethod):
-                    answer = (ResponseStatus.SUCCESS, self.handlers[request.method](*request.args))
-                else:
-                    answer = (ResponseStatus.SUCCESS, request.method(self.worker, *request.args))
+                answer = (ResponseStatus.SUCCESS, request.call(self.handlers, self.worker))
             except Exception as e:
                 logger.exception("worker TP%d: %s failed", self.rank, request.method)
                 answer = (ResponseStatus.FAILURE, f"{type(e).__name__}: {e}")

@@ -1,9 +1,9 @@
 """RayDistributedExecutor: one Ray actor per tensor-parallel rank, on any machine.
 
 vLLM twin: ``vllm/v1/executor/ray_executor.py`` (``RayDistributedExecutor``).
-The reading plan names ``vllm/executor/ray_distributed_executor.py``: that
-file was removed in 2026-04, when the V0 executors went; its V1 successor is
-this one (with ``ray_utils.py`` beside it).
+The reading plan names ``vllm/v1/executor/ray_distributed_executor.py``: in
+2025-10 (#27142) the executor moved to this file and that one became an
+alias, which #38842 deleted in 2026-04; read this one (with ``ray_utils.py``).
 Read it for the path to more than one machine: the executor joins a Ray
 cluster (``RAY_ADDRESS``, or a local one it starts), reserves a placement
 group of one bundle per rank, starts a ``RayWorkerWrapper`` actor in each

@@ -52,7 +52,11 @@ def initialize_ray_cluster(world_size: int, device_type: str) -> tuple[Any, bool
             # A local cluster of this machine. Ray counts logical CPUs: give it
             # at least one per rank, so TP=4 starts on a 2-core machine too.
             num_cpus = max(os.cpu_count() or 1, world_size)
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            # address="local": always a cluster of our own, never one that
+            # happens to run on this machine (another user's, stopped any time).
+            ray.init(
+                address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False
+            )
             started_here = True
     resource = "GPU" if device_type == "cuda" else "CPU"
     available = ray.cluster_resources().get(resource, 0)
