@@ -23,6 +23,7 @@ Sessions: 04 (worker), 07 (executor).
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,6 +36,18 @@ if TYPE_CHECKING:
     from engine.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+
+class WorkerMethod(str, enum.Enum):
+    """What an executor may ask its workers to do: the ``Worker`` method of
+    the same name (vLLM passes the name as a string)."""
+
+    GET_KV_CACHE_SPEC = "get_kv_cache_spec"
+    DETERMINE_AVAILABLE_MEMORY = "determine_available_memory"
+    INITIALIZE_FROM_CONFIG = "initialize_from_config"
+    EXECUTE_MODEL = "execute_model"
+    SAMPLE_TOKENS = "sample_tokens"
+    TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
 
 
 class Executor(ABC):
@@ -74,36 +87,67 @@ class Executor(ABC):
     def _init_executor(self) -> None:
         """Start the worker(s) and load the model."""
 
-    @abstractmethod
+    # The executor's calls, as vLLM's base class writes them: each one is a
+    # collective_rpc to the workers; an in-process executor overrides them
+    # with direct calls.
+    output_rank = 0  # the rank whose answer a step's calls wait for
+
+    def collective_rpc(
+        self,
+        method: WorkerMethod | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Run ``method`` on every worker: a ``WorkerMethod`` names a ``Worker``
+        method, a function is called as ``method(worker, *args)``. Returns every
+        rank's result, or only ``unique_reply_rank``'s (a future if ``non_block``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no collective_rpc")
+
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        """Attention layer name -> its KV cache spec."""
+        """Attention layer name -> its KV cache spec (every rank has the same
+        layers, each with its share of the heads: rank 0's)."""
+        return self.collective_rpc(WorkerMethod.GET_KV_CACHE_SPEC, unique_reply_rank=0)
 
-    @abstractmethod
     def determine_available_memory(self) -> int:
-        """Bytes the KV cache may use."""
+        """Bytes the KV cache may use: the same block count on every rank, so
+        the rank with the least memory decides."""
+        return min(self.collective_rpc(WorkerMethod.DETERMINE_AVAILABLE_MEMORY))
 
-    @abstractmethod
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache tensors (and capture graphs, warm up)."""
+        self.collective_rpc(WorkerMethod.INITIALIZE_FROM_CONFIG, (kv_cache_config,))
 
-    @abstractmethod
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
         """Run the forward pass. May return the sampled output directly, or
         None, in which case ``sample_tokens`` finishes the step."""
+        return self.collective_rpc(
+            WorkerMethod.EXECUTE_MODEL,
+            (scheduler_output,),
+            non_block=non_block,
+            unique_reply_rank=self.output_rank,
+        )
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None = None, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Sample the step ``execute_model`` ran, masking the constrained
         rows with ``grammar_output`` (structured outputs) first."""
-        raise NotImplementedError(f"{type(self).__name__} samples inside execute_model")
+        return self.collective_rpc(
+            WorkerMethod.SAMPLE_TOKENS,
+            (grammar_output,),
+            non_block=non_block,
+            unique_reply_rank=self.output_rank,
+        )
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """Speculative decoding: the drafts the worker proposed after the last
         step (None when it proposed none)."""
-        return None
+        return self.collective_rpc(
+            WorkerMethod.TAKE_DRAFT_TOKEN_IDS, unique_reply_rank=self.output_rank
+        )
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """``callback`` runs (once, on another thread) if the executor fails

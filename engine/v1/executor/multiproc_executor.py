@@ -54,7 +54,7 @@ from engine.utils.network_utils import (
 )
 from engine.utils.system_utils import get_mp_context
 from engine.v1.engine.utils import process_ended
-from engine.v1.executor.abstract import Executor
+from engine.v1.executor.abstract import Executor, WorkerMethod
 from engine.v1.outputs import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -63,17 +63,6 @@ logger = logging.getLogger(__name__)
 WORKER_READY_TIMEOUT_S = float(os.environ.get("GLASSBOX_WORKER_READY_TIMEOUT_S", "600"))
 # After SIGTERM, how long workers get to exit before SIGKILL (vLLM: 4 s).
 WORKER_TERMINATE_GRACE_S = 4.0
-
-
-class WorkerMethod(str, enum.Enum):
-    """What the executor may ask a worker to do: the ``Worker`` method of the same name."""
-
-    GET_KV_CACHE_SPEC = "get_kv_cache_spec"
-    DETERMINE_AVAILABLE_MEMORY = "determine_available_memory"
-    INITIALIZE_FROM_CONFIG = "initialize_from_config"
-    EXECUTE_MODEL = "execute_model"
-    SAMPLE_TOKENS = "sample_tokens"
-    TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
 
 
 def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
@@ -319,38 +308,6 @@ class MultiprocExecutor(Executor):
         if self.futures_queue:  # older answers come first
             return FutureWrapper(self.futures_queue, get_response).result()
         return get_response()
-
-    def get_kv_cache_specs(self):
-        # Every rank has the same layers (each with its share of the heads).
-        return self.collective_rpc(WorkerMethod.GET_KV_CACHE_SPEC, unique_reply_rank=0)
-
-    def determine_available_memory(self) -> int:
-        # The same block count on every rank: the one with the least memory decides.
-        return min(self.collective_rpc(WorkerMethod.DETERMINE_AVAILABLE_MEMORY))
-
-    def initialize_from_config(self, kv_cache_config) -> None:
-        self.collective_rpc(WorkerMethod.INITIALIZE_FROM_CONFIG, (kv_cache_config,))
-
-    def execute_model(self, scheduler_output, non_block=False):
-        return self.collective_rpc(
-            WorkerMethod.EXECUTE_MODEL,
-            (scheduler_output,),
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
-
-    def sample_tokens(self, grammar_output=None, non_block=False):
-        return self.collective_rpc(
-            WorkerMethod.SAMPLE_TOKENS,
-            (grammar_output,),
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
-
-    def take_draft_token_ids(self):
-        return self.collective_rpc(
-            WorkerMethod.TAKE_DRAFT_TOKEN_IDS, unique_reply_rank=self.output_rank
-        )
 
     @property
     def max_concurrent_batches(self) -> int:

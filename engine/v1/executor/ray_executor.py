@@ -32,8 +32,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.utils.network_utils import get_distributed_init_method
-from engine.v1.executor.abstract import Executor
-from engine.v1.executor.multiproc_executor import WorkerMethod
+from engine.v1.executor.abstract import Executor, WorkerMethod
 from engine.v1.executor.ray_utils import (
     RayWorkerWrapper,
     assert_ray_available,
@@ -120,36 +119,6 @@ class RayDistributedExecutor(Executor):
         if non_block:
             return RayFuture(refs, name)
         return wait_for(refs, name)
-
-    def get_kv_cache_specs(self):
-        return self.collective_rpc(WorkerMethod.GET_KV_CACHE_SPEC, unique_reply_rank=0)
-
-    def determine_available_memory(self) -> int:
-        return min(self.collective_rpc(WorkerMethod.DETERMINE_AVAILABLE_MEMORY))
-
-    def initialize_from_config(self, kv_cache_config) -> None:
-        self.collective_rpc(WorkerMethod.INITIALIZE_FROM_CONFIG, (kv_cache_config,))
-
-    def execute_model(self, scheduler_output, non_block=False):
-        return self.collective_rpc(
-            WorkerMethod.EXECUTE_MODEL,
-            (scheduler_output,),
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
-
-    def sample_tokens(self, grammar_output=None, non_block=False):
-        return self.collective_rpc(
-            WorkerMethod.SAMPLE_TOKENS,
-            (grammar_output,),
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
-
-    def take_draft_token_ids(self):
-        return self.collective_rpc(
-            WorkerMethod.TAKE_DRAFT_TOKEN_IDS, unique_reply_rank=self.output_rank
-        )
 
     @property
     def max_concurrent_batches(self) -> int:
