@@ -26,6 +26,8 @@ dl .whl msgspec==0.23.0 pyzmq==27.1.0 xgrammar==0.2.9
 dl .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   uvicorn==0.55.0 annotated-types==0.8.0 typing-inspection==0.4.5 openai==3.60.0 jiter==0.19.0 \
   sniffio==1.3.1 distro==1.9.0 opentelemetry-api==1.45.2
+# tests/gpu/test_gpu_gguf.py writes its GGUF files with the gguf package (pure Python).
+dl .whl gguf==0.19.0
 tmp=$(mktemp -d)
 dl "$tmp/wheels" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.11
 mkdir -p "$tmp/site" .gpu_carry

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.gpu
 # hidden states drift apart by a few bf16 steps over the layers; on this
 # random model's logits (~10, bf16 steps of 1/16) that moved the chosen
 # token's logprob by up to 0.28 on the H200 (2026-12-05), against 0.16 between
-# two eager attention backends. Twice the eager bound.
+# two eager attention backends. Twice the eager bound, for the chosen
+# token's logprob and for the gap under which two candidates may swap (a
+# rerun swapped two tokens exactly 0.25 apart).
 COMPILED_LOGPROB_MAX = 0.5
 __all__ = ["tiny_llama_head64"]  # the fixture, shared with test_flashinfer
 
@@ -61,7 +63,9 @@ def test_compiled_matches_eager(backend, cudagraph_mode, tiny_llama_head64, tmp_
         - (before.num_piecewise_capturable_graphs_seen)
         == 3
     )  # 2 layers + 1
-    assert_same_greedy(eager, compiled, max_diff=COMPILED_LOGPROB_MAX)
+    assert_same_greedy(
+        eager, compiled, max_diff=COMPILED_LOGPROB_MAX, near_tie=COMPILED_LOGPROB_MAX
+    )
     events = load_trace(str(trace))
     (captured,) = [e for e in events if isinstance(e, RunnerCudagraphs)]
     assert captured.mode == cudagraph_mode and captured.seconds > 0

@@ -9,6 +9,7 @@ import torch
 
 from engine.model_executor.layers.quantization.fp8 import apply_fp8_linear
 from engine.model_executor.layers.quantization.input_quant_fp8 import QuantFP8, scaled_fp8_quant
+from tests.gpu.test_flashinfer import assert_same_greedy
 from tests.helpers.gpu import decode_graphs
 from tests.helpers.hf_checkpoints import TINY_CONFIG, save_tiny_checkpoint
 
@@ -23,7 +24,11 @@ def test_scaled_mm_equals_the_reference(dtype) -> None:
     out = apply_fp8_linear(x, qw.t(), sw, None, None, QuantFP8(static=False))
     qx, sx = scaled_fp8_quant(x)
     ref = ((qx.float() * sx) @ (qw.float() * sw).t()).to(dtype)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    # bf16: the output's rounding. float32: Hopper's fp8 tensor cores keep
+    # about 14 bits of the running sum (DeepSeek-V3 report, 3.3.2), so over
+    # K=256 an output can be off by ~1e-3 of the largest; 4e-4 of it was seen
+    # on the H200 (2026-12-05) where 1e-4 had been allowed.
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
@@ -51,7 +56,12 @@ def test_fp8_engine_on_cuda_matches_the_cpu(tmp_path) -> None:
         )
         outs[device] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
-    for a, b in zip(outs["cuda"], outs["cpu"], strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert all(abs(la[t].logprob - lb[t].logprob) <= 1e-3 for t in la)
+    # The GEMMs differ in their accumulation (fp8 tensor cores: ~14 bits of
+    # the running sum; the CPU reference: float32), so on this random model a
+    # greedy pick can flip where two candidates are close (seen on the H200,
+    # 2026-12-05: one request at its 3rd token). Same tokens up to a near tie.
+    runs = {
+        device: [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+        for device, out in outs.items()
+    }
+    assert_same_greedy(runs["cuda"], runs["cpu"], max_diff=0.05, near_tie=0.05)
