@@ -22,7 +22,8 @@ Series names (``current_name``):
 
 * ``cpu_vs_transformers_cpu``
 * ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``; ``gpu_throughput_modes_<gpu>`` for a
-  run of the compiled CUDA-graph modes alone (``gpu_run.sh compile``)
+  run of the compiled CUDA-graph modes alone (``gpu_run.sh compile``),
+  ``gpu_throughput_fp8_<gpu>`` for a run of ``--parts fp8`` alone
 * ``broadcast_<machine>`` (the executor's shared-memory broadcast of a step to the workers).
 * ``tensor_parallel_<machine>`` (gloo's all-reduce and all-gather alone, decode throughput and
   step time at TP 1/2/3/4 with the collectives per step from a trace, each rank's memory).
@@ -119,9 +120,15 @@ def current_name(result: dict[str, Any]) -> str:
     if benchmark == "cpu_vs_transformers":
         return "cpu_vs_transformers_cpu"
     if benchmark == "gpu_throughput":
-        # A run of the compiled graph modes alone (gpu_run.sh compile) is a series of its own.
-        modes_only = "throughput_compiled" in result and "ratio_to_transformers" not in result
-        return f"gpu_throughput_{'modes_' if modes_only else ''}{machine}"
+        # A run of some parts alone (gpu_run.sh compile: the graph modes; quant:
+        # fp8) is a series of its own, so the full run's file keeps its figures.
+        part = ""
+        if "ratio_to_transformers" not in result:
+            if "throughput_compiled" in result:
+                part = "modes_"
+            elif "throughput_fp8" in result:
+                part = "fp8_"
+        return f"gpu_throughput_{part}{machine}"
     if benchmark == "broadcast":
         return f"broadcast_{machine}"
     if benchmark == "tensor_parallel":

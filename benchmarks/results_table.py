@@ -678,6 +678,12 @@ def _file_says(res: Results, name: str) -> str:
             f"Glassbox {s['glassbox']:.1f} tok/s, transformers {s['transformers']:.1f} tok/s: "
             f"{s['ratio_wall']:.2f}x, {s['identical']} identical"
         )
+    if benchmark == "gpu_throughput" and "throughput_fp8" in r and "throughput_compiled" not in r:
+        fp8 = r["throughput_fp8"]
+        b1 = r.get("decode_latency_fp8", {}).get("1", {}).get("mean_ms")
+        return f"quantization=fp8: {_tps(fp8['output_tokens_per_second'])}" + (
+            f", batch-1 step {b1:.2f} ms" if b1 else ""
+        )
     if benchmark == "gpu_throughput" and "ratio_to_transformers" not in r:
         modes = ", ".join(
             f"{mode} {_tps(x['output_tokens_per_second'])}"
