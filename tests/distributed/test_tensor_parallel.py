@@ -308,3 +308,21 @@ def test_a_function_the_workers_cannot_load_fails_the_call_not_the_worker(checkp
         assert len(out.token_ids) == GREEDY.max_tokens
     finally:
         llm.shutdown()
+
+
+def test_more_ranks_than_gpus_is_refused(checkpoints, monkeypatch) -> None:
+    """mp places one rank per local GPU: asking for more fails before any
+    process starts, naming both numbers (checked without a GPU: the count is
+    faked; the config is only built, no engine)."""
+    from engine.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = EngineArgs(
+        model=checkpoints["llama"],
+        skip_tokenizer_init=True,
+        device="cuda",
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs .* it has 1"):
+        args.create_engine_config()
