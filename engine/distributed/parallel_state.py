@@ -29,7 +29,6 @@ then returns a group of one whose collectives return their input.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -306,8 +305,3 @@ def cleanup_dist_env_and_memory() -> None:
     destroy_distributed_environment()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def local_world_size() -> int:
-    """How many ranks of this machine share its cores (set by the executor)."""
-    return int(os.environ.get("GLASSBOX_LOCAL_WORLD_SIZE", "1"))

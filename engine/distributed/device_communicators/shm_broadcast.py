@@ -48,10 +48,10 @@ sockets and the segment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
-import socket
 import struct
 import sys
 import tempfile
@@ -66,6 +66,8 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import zmq
+
+from engine.utils.network_utils import get_ip
 
 logger = logging.getLogger(__name__)
 
@@ -275,15 +277,16 @@ def _open_ipc_path() -> str:
     return f"ipc://{tempfile.gettempdir()}/glassbox-mq-{uuid.uuid4().hex[:16]}"
 
 
-def _default_ip() -> str:
-    """This machine's address as others would reach it: the source address
-    of a route to a public address (a UDP "connect" sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("8.8.8.8", 80))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+def unlink_orphaned_segment(name: str) -> None:
+    """Remove the segment ``name`` whose writer died without unlinking it (a
+    killed worker's answer queue), and the resource tracker's record of it."""
+    with contextlib.suppress(FileNotFoundError):
+        segment = shared_memory.SharedMemory(name=name)
+        segment.close()
+        segment.unlink()  # also drops the resource tracker's record of it
+        return
+    with contextlib.suppress(Exception):  # already gone: forget the record
+        resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
 def _remove_writer_files(
@@ -350,7 +353,7 @@ class MessageQueue:
                 self.local_socket.bind(local_subscribe_addr)
                 self._ipc_file = local_subscribe_addr.removeprefix("ipc://")
             if self.n_remote_reader > 0:
-                ip = connect_ip or _default_ip()
+                ip = connect_ip or get_ip()
                 self.remote_socket = self._make_socket(zmq.XPUB)
                 if ":" in ip:
                     self.remote_socket.setsockopt(zmq.IPV6, 1)

@@ -45,7 +45,11 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
+from engine.distributed.device_communicators.shm_broadcast import (
+    Handle,
+    MessageQueue,
+    unlink_orphaned_segment,
+)
 from engine.distributed.parallel_state import get_tp_group
 from engine.utils.network_utils import (
     get_distributed_init_method,
@@ -129,7 +133,7 @@ class WorkerProcHandle:
 
     proc: BaseProcess
     rank: int
-    worker_response_mq: MessageQueue
+    worker_response_mq: MessageQueue | None  # None until the worker reports ready
     death_writer: Any  # our end of the worker's death pipe
 
 
@@ -221,7 +225,7 @@ class MultiprocExecutor(Executor):
             ready_writer.close()
             death_reader.close()
             # Registered at once, so a failed start-up still stops every worker.
-            self.workers.append(WorkerProcHandle(proc, rank, None, death_writer))  # type: ignore[arg-type]
+            self.workers.append(WorkerProcHandle(proc, rank, None, death_writer))
             ready_readers.append(ready_reader)
         for worker, ready_reader in zip(self.workers, ready_readers):
             response_handle = _wait_for_ready(worker.proc, worker.rank, ready_reader)
@@ -372,21 +376,9 @@ def _shutdown_workers(workers: list[WorkerProcHandle], rpc_mq: MessageQueue | No
         name = mq.buffer.name if worker.proc.exitcode not in (0, None) and mq.buffer else None
         mq.close()
         if name is not None:
-            _unlink_shared_memory(name)
+            unlink_orphaned_segment(name)
     if rpc_mq is not None:
         rpc_mq.close()
-
-
-def _unlink_shared_memory(name: str) -> None:
-    from multiprocessing import resource_tracker, shared_memory
-
-    with contextlib.suppress(FileNotFoundError):
-        segment = shared_memory.SharedMemory(name=name)
-        segment.close()
-        segment.unlink()  # also drops the resource tracker's record of it
-        return
-    with contextlib.suppress(Exception):  # already gone: forget the record
-        resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
 class WorkerProc:
