@@ -97,6 +97,8 @@ class WorkerRequest:
     # The one rank that answers; None: every rank answers.
     unique_reply_rank: int | None
     function: bytes | None = None
+    # The last message: finish what came before it, then leave the loop.
+    stop: bool = False
 
     @classmethod
     def make(
@@ -326,9 +328,18 @@ class MultiprocExecutor(Executor):
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True
+        asked = False
+        if not self.is_failed and all(w.worker_response_mq for w in self.workers):
+            # Ask first: each worker finishes the calls before this one (a step
+            # may still be in flight) and exits, its trace complete.
+            with contextlib.suppress(Exception):
+                self.rpc_broadcast_mq.enqueue(
+                    WorkerRequest(WorkerMethod.EXECUTE_MODEL, (), None, stop=True), timeout=1
+                )
+                asked = True
         self.shutdown_event.set()
         if self._finalizer.detach() is not None:
-            _shutdown_workers(self.workers, self.rpc_broadcast_mq)
+            _shutdown_workers(self.workers, self.rpc_broadcast_mq, asked)
 
 
 def _wait_for_ready(proc: BaseProcess, rank: int, ready_reader: Any) -> Handle:
@@ -354,14 +365,17 @@ def _wait_for_ready(proc: BaseProcess, rank: int, ready_reader: Any) -> Handle:
         ready_reader.close()
 
 
-def _shutdown_workers(workers: list[WorkerProcHandle], rpc_mq: MessageQueue | None) -> None:
+def _shutdown_workers(
+    workers: list[WorkerProcHandle], rpc_mq: MessageQueue | None, asked_to_stop: bool = False
+) -> None:
     procs = [w.proc for w in workers if w.proc.pid is not None]
     for proc in procs:
+        if asked_to_stop:  # give them the time to leave on their own
+            proc.join(timeout=WORKER_TERMINATE_GRACE_S)
         if proc.is_alive():
             proc.terminate()
-    deadline = WORKER_TERMINATE_GRACE_S
     for proc in procs:
-        proc.join(timeout=deadline)
+        proc.join(timeout=WORKER_TERMINATE_GRACE_S)
         if not process_ended(proc):
             logger.warning("worker %s did not exit after SIGTERM; killing it", proc.name)
             proc.kill()
@@ -500,6 +514,8 @@ class WorkerProc:
                 request: WorkerRequest = self.rpc_broadcast_mq.dequeue(cancel=cancel)
             except RuntimeError:
                 return  # cancelled: the executor is shutting down
+            if request.stop:
+                return
             replies = request.unique_reply_rank in (None, self.rank)
             self.trace.rpc_received(request.method, request.args)
             try:
