@@ -124,6 +124,10 @@ class Worker(WorkerBase):
             return cache_config.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return cpu_kv_cache_space_bytes()
+        # Garbage first: an engine shut down earlier in this process may still hold
+        # tensors, which the peak below would count as this engine's.
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.model_runner.profile_run()
         torch.cuda.synchronize(self.device)
