@@ -232,6 +232,10 @@ llm = LLM(
     block_size=BLOCK_SIZE,
     max_num_seqs=16,
     disable_log_stats=True,
+    # The notebook records layer 0's attention call from Python (below). A CUDA graph
+    # replays its kernels without running any Python, so on a GPU the engine runs
+    # eagerly; on the CPU it does anyway (the CPU default is -O0).
+    enforce_eager=True,
 )
 llm_engine = llm.llm_engine
 core = llm_engine.engine_core.engine_core  # EngineCore (in this process)
@@ -596,7 +600,8 @@ print(f"A (decode): blocks read as {[a_blocks[1], a_blocks[0], *a_blocks[2:]]}: 
 #   must be set before Triton is first imported; the tests run it in a fresh
 #   process (`tests/helpers/triton_interpret.py`) and so does this notebook.
 #   The interpreter is slow, but one layer at these sizes takes a few
-#   seconds, the new process included. A mixed batch goes to the unified
+#   seconds, the new process included. On a GPU they are compiled, and run
+#   here in this process. A mixed batch goes to the unified
 #   kernel; a small decode-only batch to the split-KV decode kernel.
 # * `flashinfer.py` — `FLASHINFER`: needs CUDA and the `flashinfer` package.
 #
@@ -633,6 +638,19 @@ def run_cpu_torch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     metadata = CPUAttentionMetadataBuilder(BLOCK_SIZE, torch.device("cpu"), use_cpu_kernels=False).build(common_of(step))
     CPUAttentionBackendImpl(H, D, SCALE, H_KV).forward(None, call["q"], call["k"], call["v"], cache, metadata, out)
     return out, cache
+
+
+def run_triton_cuda(step: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Triton's kernels compiled for this GPU, on float32 copies of the step's inputs."""
+    from engine.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
+
+    call, cuda = attn_calls[step], torch.device("cuda")
+    impl = TritonAttentionImpl(H, D, SCALE, H_KV)
+    metadata = TritonAttentionMetadataBuilder(BLOCK_SIZE, cuda).build(common_of(step, "cuda"))
+    cache, out = call["before"].to(cuda), torch.full_like(call["q"], float("nan"), device=cuda)
+    impl.forward(None, call["q"].to(cuda), call["k"].to(cuda), call["v"].to(cuda), cache, metadata, out)
+    path = "split-KV decode" if impl.use_split_kv(metadata) else "unified"
+    return path, out.cpu(), cache.cpu()
 
 
 # The Triton run, as a script for a fresh process (TRITON_INTERPRET must be set before triton is imported).
@@ -695,7 +713,8 @@ elif DEVICE == "cpu":
         results["TRITON_ATTN, TRITON_INTERPRET=1", step] = (triton[step]["path"], triton[step]["out"], triton[step]["cache"])
     print(f"Triton under the interpreter, both steps, in a fresh process: {triton_seconds:.1f} s")
 elif live_name != "TRITON_ATTN":
-    skipped.append("TRITON_ATTN (compiled, on CUDA): not compared here; the live engine uses " + live_name)
+    for step in (MIXED, DECODE):
+        results["TRITON_ATTN (compiled, CUDA, fp32)", step] = run_triton_cuda(step)
 if live_name != "FLASHINFER":
     why = "no CUDA device" if DEVICE == "cpu" else "not the engine's backend here"
     if importlib.util.find_spec("flashinfer") is None:

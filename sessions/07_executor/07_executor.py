@@ -220,7 +220,8 @@ VOCAB = TINY_CONFIG["vocab_size"]
 PROMPTS = [[(7 * j + 3 * i) % VOCAB for j in range(20 + 4 * i)] for i in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 # A small KV cache (4 MiB per rank) instead of the CPU default of 1 GiB: quicker to allocate.
-ENGINE = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=16,
+# device="cpu": gloo between CPU processes, also on a machine with one GPU.
+ENGINE = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=16,
               kv_cache_memory_bytes=4 << 20, disable_log_stats=True)
 TRACE = str(WORK / "tp2.jsonl")
 timings = {}
@@ -566,7 +567,7 @@ assert all(slices_match.values())
 DEFAULT_TRACE = str(WORK / "default_tp3.jsonl")
 PROMPT = "The capital of France is"
 SHORT = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
-DEFAULT = dict(max_model_len=128, kv_cache_memory_bytes=16 << 20, disable_log_stats=True)
+DEFAULT = dict(device="cpu", max_model_len=128, kv_cache_memory_bytes=16 << 20, disable_log_stats=True)
 
 t0 = time.perf_counter()
 llm = LLM("default", **DEFAULT)
