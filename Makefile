@@ -17,7 +17,7 @@ PYTHON := .venv/bin/python
 # compared; every other cell must merely run without error. The sanitize file
 # blanks memory addresses, pids, temp paths and durations before comparing.
 # See sessions/README.md.
-NOTEBOOKS := $(shell find sessions -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort)
+NOTEBOOKS := $(shell find sessions -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' -not -path '*/gpu_outputs/*' 2>/dev/null | sort)
 NBVAL_ARGS := $(if $(strip $(NOTEBOOKS)),--nbval-lax --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg $(NOTEBOOKS))
 
 # What ruff checks (line length 100, rules in pyproject.toml).

