@@ -28,6 +28,7 @@ Series names (``current_name``):
 * ``tensor_parallel_<machine>`` (gloo's all-reduce and all-gather alone, decode throughput and
   step time at TP 1/2/3/4 with the collectives per step from a trace, each rank's memory).
 * ``gpu_profile_step_b<batch>_<gpu>``
+* ``gpu_profile_modes_b<batch>_<gpu>``
 * ``tracing_overhead_cpu_<model>`` (``smollm2``: the default model; ``tiny``) and
   ``tracing_overhead_gpu_<gpu>`` (SmolLM2 shapes with dummy weights; another
   model adds ``_<model>``); ``tracing_profile_...`` the same way (``_full`` added for a
@@ -142,6 +143,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"spec_decode_{machine}" + ("" if model == "default" else f"_{model_slug(result)}")
     if benchmark == "gpu_profile_step":
         return f"gpu_profile_step_b{result.get('batch', 1)}_{machine}"
+    if benchmark == "gpu_profile_modes":
+        return f"gpu_profile_modes_b{result.get('batch', 1)}_{machine}"
     if benchmark == "spec_verify_cost":
         return f"spec_verify_cost_{machine}"
     if benchmark == "structured_output_cost":

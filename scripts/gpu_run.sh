@@ -21,7 +21,8 @@
 #              default model's tokenizer files copied there before the call)
 #     compile  torch.compile: its gpu tests (tests/gpu/test_gpu_compile.py), then throughput
 #              of the compiled model under each CUDA-graph mode against the default
-#              engine (benchmarks/gpu_throughput.py --parts throughput,modes)
+#              engine (benchmarks/gpu_throughput.py --parts throughput,modes), then one
+#              decode step's profile per mode (benchmarks/gpu_profile_modes.py)
 #     quant    quantization: its gpu tests (GGUF kernel and engine, FP8), then throughput and
 #              decode steps with quantization fp8 beside bf16 (gpu_throughput.py --parts
 #              throughput,fp8)
@@ -107,6 +108,8 @@ if [ "$WHAT" = compile ]; then
   # Compiled pieces land in $GLASSBOX_CACHE/torch_compile_cache (here under /tmp).
   "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${COMPILE_PARTS:-throughput,modes}" \
     2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+  # One decode step per mode: kernels, GPU busy time, launches ($OUT/gpu_profile_modes_b1_<gpu>.json).
+  "$PYTHON" benchmarks/gpu_profile_modes.py --out "$OUT" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 if [ "$WHAT" = quant ]; then
   "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu \
