@@ -5,6 +5,7 @@
   the tiny llama / qwen2 / qwen3 checkpoints, with chunked prefill, prefix
   caching and preemption in the same run; and on the default model at TP=3
   (its 9 heads split by 3, not by 2 or 4).
+* Compiled (-O2, Inductor on the CPU) at TP=2: the same tokens as eager TP=1.
 * Each rank holds exactly its slice of every checkpoint tensor (KV heads
   replicated when there are fewer than ranks) and about 1/N of the weights.
 * Bad sizes and backends fail with one line naming the value.
@@ -101,6 +102,29 @@ def test_default_model_tp3_matches_one_rank() -> None:
         finally:
             llm.shutdown()
     _assert_same(outs[1], outs[3])
+
+
+def test_compiled_tp2_matches_eager_one_rank(checkpoints, tmp_path) -> None:
+    """-O2 on the CPU at TP=2: each rank compiles its shard (Dynamo, the split at
+    attention, Inductor), and the all-reduces stay custom ops inside the pieces."""
+    from engine.tracing import load_trace
+
+    ref, _ = _run(checkpoints["llama"], PROMPTS, **ENGINE)
+    trace = tmp_path / "tp2_compiled.jsonl"
+    got, _ = _run(
+        checkpoints["llama"],
+        PROMPTS,
+        tensor_parallel_size=2,
+        optimization_level=2,
+        trace_path=str(trace),
+        trace_level="lifecycle",
+        **ENGINE,
+    )
+    _assert_same(ref, got)
+    compiled = [e for e in load_trace(str(trace)) if e.kind == "runner.compiled"]
+    assert len(compiled) == 1 and compiled[0].tp_rank == 0  # only rank 0 records the runner
+    layers = TINY_CONFIG["num_hidden_layers"]
+    assert (compiled[0].backend, compiled[0].num_pieces) == ("inductor", layers + 1)
 
 
 def _rank_params(worker, names: list[str]) -> dict:
