@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks import results_store  # noqa: E402
+from benchmarks.gpu_profile_step import decode_core  # noqa: E402
 from benchmarks.gpu_throughput import COMPILED_MODES, model_dir  # noqa: E402
 
 # name -> (optimization level, compilation_config); the default O2 first.
@@ -39,37 +40,13 @@ GRAPH_LAUNCH = "cudaGraphLaunch"
 
 
 def profile_mode(path: str, level: int, compilation: dict, args) -> dict:
-    from engine.engine.arg_utils import EngineArgs
-    from engine.sampling_params import SamplingParams
-    from engine.v1.engine.core import EngineCore
-    from engine.v1.executor.abstract import Executor
-    from engine.v1.request import Request
-
-    eargs = EngineArgs(
-        model=path,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        max_num_seqs=256,
-        device=args.device,
-        disable_log_stats=True,
-        enable_prefix_caching=False,
-        optimization_level=level,
-        compilation_config=compilation,
-    )
-    config = eargs.create_engine_config()
     start = time.perf_counter()
-    core = EngineCore(config, Executor.get_class(config), log_stats=False)
+    core = decode_core(
+        path, args.device, args.batch, optimization_level=level, compilation_config=compilation
+    )
     startup = time.perf_counter() - start
+    config = core.glassbox_config
     try:
-        for i in range(args.batch):
-            core.add_request(
-                Request(
-                    f"r{i}",
-                    [(i + j) % 10000 for j in range(512)],
-                    SamplingParams(temperature=0, ignore_eos=True, max_tokens=400),
-                )
-            )
         for _ in range(5):  # the prefill and the first decodes
             core.step_fn()
         sync(args.device)

@@ -29,6 +29,39 @@ from benchmarks import results_store  # noqa: E402
 from benchmarks.gpu_throughput import model_dir  # noqa: E402
 
 
+def decode_core(path: str, device: str, batch: int, **overrides):
+    """An in-process EngineCore on the dummy Qwen3-0.6B at ``path`` with ``batch``
+    requests of 512 prompt tokens added (400 tokens each to generate)."""
+    from engine.engine.arg_utils import EngineArgs
+    from engine.sampling_params import SamplingParams
+    from engine.v1.engine.core import EngineCore
+    from engine.v1.executor.abstract import Executor
+    from engine.v1.request import Request
+
+    eargs = EngineArgs(
+        model=path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=4096,
+        max_num_seqs=256,
+        device=device,
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+        **overrides,
+    )
+    config = eargs.create_engine_config()
+    core = EngineCore(config, Executor.get_class(config), log_stats=False)
+    for i in range(batch):
+        core.add_request(
+            Request(
+                f"r{i}",
+                [(i + j) % 10000 for j in range(512)],
+                SamplingParams(temperature=0, ignore_eos=True, max_tokens=400),
+            )
+        )
+    return core
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out", help="the directory to write the results into")
@@ -40,37 +73,13 @@ def main() -> int:
     results_store.add_record_arguments(ap)
     args = ap.parse_args()
     from engine.benchmarks.throughput import provenance
-    from engine.engine.arg_utils import EngineArgs
-    from engine.sampling_params import SamplingParams
-    from engine.v1.engine.core import EngineCore
-    from engine.v1.executor.abstract import Executor
-    from engine.v1.request import Request
 
     def sync():
         if args.device == "cuda":
             torch.cuda.synchronize()
 
     path = model_dir()
-    eargs = EngineArgs(
-        model=path,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=4096,
-        max_num_seqs=256,
-        device=args.device,
-        disable_log_stats=True,
-        enable_prefix_caching=False,
-    )
-    config = eargs.create_engine_config()
-    core = EngineCore(config, Executor.get_class(config), log_stats=False)
-    for i in range(args.batch):
-        core.add_request(
-            Request(
-                f"r{i}",
-                [(i + j) % 10000 for j in range(512)],
-                SamplingParams(temperature=0, ignore_eos=True, max_tokens=400),
-            )
-        )
+    core = decode_core(path, args.device, args.batch)
     for _ in range(5):
         core.step_fn()
     sync()
