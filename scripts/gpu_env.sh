@@ -44,7 +44,7 @@ elif [ -f .gpu_carry/fi_jit_cache.tgz ]; then
   mkdir -p "$HOME/.cache" && tar -xzf .gpu_carry/fi_jit_cache.tgz -C "$HOME/.cache"
 fi
 # The notebooks' needs (scripts/pack_gpu_notebooks.sh): nbval and the Jupyter kernel stack,
-# and a relocated Graphviz `dot` (PATH, LD_LIBRARY_PATH and GVBINDIR point at it).
+# and a relocated Graphviz `dot` (a wrapper that finds its own libraries; on PATH).
 if [ -f .gpu_carry/nb_site.tar.xz ]; then
   mkdir -p /tmp/site && tar -xJf .gpu_carry/nb_site.tar.xz -C /tmp/site
 fi
@@ -54,10 +54,7 @@ fi
 if [ -f .gpu_carry/graphviz.tgz ]; then
   tar -xzf .gpu_carry/graphviz.tgz -C /tmp
 fi
-if [ -x /tmp/graphviz/bin/dot ]; then
-  export PATH=/tmp/graphviz/bin:$PATH GVBINDIR=/tmp/graphviz/lib/graphviz
-  export LD_LIBRARY_PATH=/tmp/graphviz/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+[ -x /tmp/graphviz/bin/dot ] && export PATH=/tmp/graphviz/bin:$PATH
 # The default model's GGUF, in parts that came over several calls (scripts/pack_gpu_model.sh):
 # each call's parts are kept in /tmp/glassbox_model (it outlives a call while the machine
 # stays warm); once all are there they are joined, checked against the manifest's size and

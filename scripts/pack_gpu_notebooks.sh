@@ -42,20 +42,28 @@ grep -qx '/.gpu_ray/' .git/info/exclude || echo '/.gpu_ray/' >> .git/info/exclud
 (cd "$tmp/ray_site" && python3 -m zipfile -e "$tmp"/ray/ray-*.whl .)
 tar -C "$tmp/ray_site" -cf - --exclude=ray/jars --exclude=ray/rllib --exclude=ray/serve \
   --exclude=ray/data --exclude=ray/tune --exclude=ray/train . | xz -6 -T0 > .gpu_ray/ray_site.tar.xz
-# A relocatable dot: the binary, its libraries (glibc's own stay behind) and the plugins,
-# found through GVBINDIR; `dot -c` writes the plugin list (config6a) for that folder.
+# A relocatable dot: the binary, its libraries (glibc's own stay behind) and the plugins.
+# bin/dot is a wrapper that points the loader (LD_LIBRARY_PATH) and Graphviz (GVBINDIR) at
+# them for dot alone, so no other program there loads these copies; `dot -c` writes the
+# plugin list (config6a) for that folder.
 gv="$tmp/graphviz"
-mkdir -p "$gv/bin" "$gv/lib/graphviz"
+mkdir -p "$gv/bin" "$gv/libexec" "$gv/lib/graphviz"
 dot_bin=$(command -v dot)
 plugins=$(dirname "$(readlink -f "$(ldd "$dot_bin" | awk '/libgvc/{print $3}')")")/graphviz
-cp -L "$dot_bin" "$gv/bin/dot"
+cp -L "$dot_bin" "$gv/libexec/dot"
 cp -L "$plugins"/libgvplugin_core.so.6 "$plugins"/libgvplugin_dot_layout.so.6 "$gv/lib/graphviz/"
 ldd "$dot_bin" "$gv"/lib/graphviz/*.so.6 | awk '$3 ~ /^\// {print $3}' | sort -u \
   | grep -v -E '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' \
   | while read -r lib; do cp -L "$lib" "$gv/lib/"; done
-LD_LIBRARY_PATH="$gv/lib" GVBINDIR="$gv/lib/graphviz" "$gv/bin/dot" -c
-echo 'digraph { a -> b }' | LD_LIBRARY_PATH="$gv/lib" GVBINDIR="$gv/lib/graphviz" \
-  "$gv/bin/dot" -Tsvg | grep -q '<svg' && echo "relocated dot renders SVG"
+cat > "$gv/bin/dot" <<'SH'
+#!/bin/sh
+here=$(dirname "$(readlink -f "$0")")/..
+LD_LIBRARY_PATH="$here/lib" GVBINDIR="$here/lib/graphviz" exec "$here/libexec/dot" "$@"
+SH
+chmod +x "$gv/bin/dot"
+"$gv/bin/dot" -c
+echo 'digraph { a -> b }' | env -u GVBINDIR "$gv/bin/dot" -Tsvg | grep -q '<svg' \
+  && echo "relocated dot renders SVG"
 tar -C "$tmp" -czf .gpu_carry/graphviz.tgz graphviz
 du -sh .gpu_carry/nb_site.tar.xz .gpu_carry/graphviz.tgz .gpu_ray/ray_site.tar.xz
 bash scripts/pack_gpu_model.sh
