@@ -82,6 +82,10 @@ def _pct(x: float) -> str:
     return f"{x:+.1f}%".replace("-", "\N{MINUS SIGN}")
 
 
+def _pct_of(run: dict[str, Any]) -> str:
+    return f"{100 * run['fraction_of_roofline']:.0f}%"
+
+
 def _day(date: str | None) -> str:
     return (date or "")[:10]
 
@@ -590,7 +594,8 @@ def status_table(res: Results) -> str:
     tps = gpu["throughput_cudagraphs"]["output_tokens_per_second"]
     roof = gpu["roofline"]["output_tokens_per_second"]
     lines.append(
-        f"| H200, nano-vllm workload (Qwen3-0.6B shapes, dummy weights, bf16), CUDA graphs | "
+        "| H200, nano-vllm workload (Qwen3-0.6B shapes, dummy weights, bf16), eager model, "
+        f"FULL_DECODE_ONLY graphs, serial loop | "
         f"{_tps(tps)} (roofline {_tps(roof)}) | {targets['throughput_tokens_per_s']:,} tok/s | "
         f"{source('gpu_throughput_h200.json')} |"
     )
@@ -608,9 +613,27 @@ def status_table(res: Results) -> str:
     )
     b1 = gpu["decode_latency_cudagraphs"]["1"]["mean_ms"]
     lines.append(
-        f"| H200, one decode step at batch 1, context 512, CUDA graphs | {b1:.2f} ms | "
+        f"| H200, one decode step at batch 1, context 512, the same engine | {b1:.2f} ms | "
         f"{targets['decode_step_batch1_ms']} ms | same file |"
     )
+    modes = res.current.get("gpu_throughput_modes_h200.json", {}).get("throughput_cudagraphs")
+    if modes:
+        engine = res.current["gpu_throughput_modes_h200.json"]["engine"]
+        lines.append(
+            f"| H200, the same workload on the default engine (-O{engine['optimization_level']} "
+            f"compiled, {engine['cudagraph_mode']}, async scheduling) | "
+            f"{_tps(modes['output_tokens_per_second'])} ({_pct_of(modes)} of the roofline) | "
+            f"{targets['throughput_tokens_per_s']:,} tok/s | "
+            f"{source('gpu_throughput_modes_h200.json')} |"
+        )
+    fp8 = res.current.get("gpu_throughput_fp8_h200.json", {}).get("throughput_fp8")
+    if modes and fp8 and "output_tokens_per_second" in fp8:
+        lines.append(
+            '| H200, the same workload and engine with `quantization="fp8"` (online W8A8), '
+            f"against bf16 | {_tps(fp8['output_tokens_per_second'])} "
+            f"(bf16: {_tps(modes['output_tokens_per_second'])}) | — | "
+            f"{source('gpu_throughput_fp8_h200.json')} |"
+        )
     if "async_scheduling_h200.json" in res.current:
         summary = res.current["async_scheduling_h200.json"]["summary"]
         itl = summary["async"]["client_itl_batch1_median_ms"]
