@@ -23,9 +23,10 @@
 #              of the compiled model under each CUDA-graph mode against the default
 #              engine (benchmarks/gpu_throughput.py --parts throughput,modes), then one
 #              decode step's profile per mode (benchmarks/gpu_profile_modes.py)
-#     quant    quantization: its gpu tests (GGUF kernel and engine, FP8), then throughput and
-#              decode steps with quantization fp8 beside bf16 (gpu_throughput.py --parts
-#              throughput,fp8)
+#     quant    quantization and LoRA: their gpu tests (GGUF kernel and engine, FP8, the LoRA
+#              kernels and engine), then throughput and decode steps with quantization fp8
+#              beside bf16 (gpu_throughput.py --parts $QUANT_PARTS, default throughput,fp8;
+#              lora: the mixed-adapter workload)
 #     notebooks  every session notebook under nbval on this GPU, against the outputs an
 #              earlier GPU run committed (sessions/NN_*/gpu_outputs/NN_*.ipynb; checked cells
 #              compared as in `make test`, with the same sanitizer); log in $OUT/nbval_gpu.log.
@@ -50,6 +51,8 @@
 #   GPU_TESTS_K="expr"   with `bench` or `tracing`: first the gpu tests whose names match
 #   TRACING_PROFILE=1|0  run benchmarks/tracing_profile.py (default: in bench and tracing)
 #   SAVE_CACHES=0        do not put the FlashInfer/Triton kernel caches in $OUT (default 1)
+#   WARM_FLASHINFER=1    also build the notebooks' FlashInfer kernels in the background
+#                        (log: /tmp/gpu_warm_flashinfer.log on the machine)
 #
 # Machines without network (the project's H200 is reached through a device tool that
 # copies the working tree, at most 64 MiB of carried extras, and returns what the call
@@ -75,6 +78,13 @@ case "$WHAT" in
      exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
+if [ "${WARM_FLASHINFER:-0}" = 1 ]; then
+  # In the background, on its own process session so it outlives this call while the machine
+  # stays warm: the notebooks' FlashInfer kernels (scripts/gpu_warm_flashinfer.py), built
+  # beside this call's work instead of at the start of the notebooks' call.
+  setsid nohup "$PYTHON" scripts/gpu_warm_flashinfer.py > /tmp/gpu_warm_flashinfer.log 2>&1 \
+    < /dev/null &
+fi
 save_caches() {
   # The FlashInfer and Triton kernels built in this call, for the next one. Triton's
   # intermediate stages (.ttir, .ttgir, .llir, .ptx, .source) are left out: a cached
@@ -112,8 +122,8 @@ if [ "$WHAT" = compile ]; then
   "$PYTHON" benchmarks/gpu_profile_modes.py --out "$OUT" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 if [ "$WHAT" = quant ]; then
-  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu \
-    tests/gpu/test_gpu_fp8.py $(ls tests/gpu/test_gpu_gguf*.py 2>/dev/null) 2>&1 \
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu tests/gpu/test_gpu_fp8.py \
+    $(ls tests/gpu/test_gpu_gguf*.py 2>/dev/null) tests/gpu/test_gpu_lora.py 2>&1 \
     | tee "$OUT/gpu_tests.log" || rc=1
   "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${QUANT_PARTS:-throughput,fp8}" \
     2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
