@@ -13,6 +13,7 @@ import multiprocessing
 
 import torch
 import torch._inductor.config as inductor_config
+from torch._inductor.async_compile import AsyncCompile
 
 import engine.compilation.compiler_interface  # noqa: F401  (registers the fork hook)
 
@@ -25,13 +26,12 @@ def _compile_in_child(done) -> None:
 
 
 def test_a_forked_child_compiles_after_its_parent_did(tmp_path, monkeypatch) -> None:
-    # Fresh code in both processes (no cache hit), built through the thread pool.
+    # Fresh code in the child (no cache hit), built through the thread pool.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     monkeypatch.setattr(inductor_config, "compile_threads", 2)
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="inductor")
-    assert torch.allclose(fn(torch.ones(8)), torch.sin(torch.ones(8)) * 2 + 1)
+    # What a compile leaves in the parent: Inductor's thread pool, with a live thread.
+    AsyncCompile.pool().submit(int).result()
 
     ctx = multiprocessing.get_context("fork")
     done = ctx.Queue()
