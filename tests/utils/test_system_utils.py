@@ -73,10 +73,11 @@ def test_bad_value_names_the_variable(no_cuda, value):
 
 @pytest.mark.parametrize("asked", [None, "fork"])
 def test_initialised_cuda_forces_spawn(monkeypatch, caplog, asked):
+    # setenv first, so monkeypatch restores the variable's absence too: get_mp_context
+    # writes "spawn" into os.environ, which would otherwise outlive this test.
+    monkeypatch.setenv(MULTIPROC_METHOD_ENV, asked or "")
     if asked is None:
-        monkeypatch.delenv(MULTIPROC_METHOD_ENV, raising=False)
-    else:
-        monkeypatch.setenv(MULTIPROC_METHOD_ENV, asked)
+        monkeypatch.delenv(MULTIPROC_METHOD_ENV)
     monkeypatch.setattr(system_utils, "cuda_is_initialized", lambda: True)
     with caplog.at_level(logging.WARNING, logger=system_utils.__name__):
         context = get_mp_context()
