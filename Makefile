@@ -28,9 +28,16 @@ LINT_PATHS := engine tui tests benchmarks scripts
 setup:
 	bash scripts/setup.sh
 
+# Test processes (pytest-xdist). Most tests wait on engine processes, sockets and sleeps, so
+# two share 2 cores well; each test file (a notebook too) stays in one process, in order,
+# with its module fixtures. TEST_WORKERS=0 runs everything in this process, the default where
+# nvidia-smi exists: the GPU tests size their engines by the memory of a device they do not share.
+TEST_WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,2)
+
 # Lint first (seconds), then every test; the 15 slowest are listed at the end.
 test: lint
-	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=15 tests $(NBVAL_ARGS)
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 \
+		tests $(NBVAL_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check $(LINT_PATHS)
