@@ -180,7 +180,9 @@ if [ "$WHAT" = notebooks ] || [ "$WHAT" = notebooks-refresh ] || [ "$WHAT" = all
       | tee -a "$OUT/nbval_gpu.log"
     rc=1
   elif [ "$WHAT" = notebooks-refresh ]; then
-    "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
+    # Bounded (NB_TIMEOUT_S, default 540 s) so the notebooks done by then are packed into
+    # results.tgz below even when the call's own limit is near: $OUT returns 8 files at most.
+    timeout "${NB_TIMEOUT_S:-540}" "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
       $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) 2>&1 | tee "$OUT/notebooks.log" || rc=1
   else
     "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=7 --nbval-lax \
@@ -191,5 +193,5 @@ fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
 # The logs and results as one archive (kernel caches stay beside it).
 (cd "$OUT" && ls | grep -v -e '^fi_jit_cache' -e '^triton_cache' > .results_list \
-  && tar -czf results.tgz -T .results_list && xargs rm -f < .results_list && rm -f .results_list)
+  && tar -czf results.tgz -T .results_list && xargs rm -rf < .results_list && rm -f .results_list)
 exit $rc
