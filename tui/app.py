@@ -28,6 +28,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, LoadingIndicator, Static
 
 from tui.session import TraceLoadError, TraceSession, open_session
+from tui.terminal import terminal_hung_up
 from tui.widgets.common import Panel, StepContext
 from tui.widgets.help import HelpScreen
 from tui.widgets.kv_blocks import KVBlocksPanel
@@ -41,6 +42,9 @@ from tui.widgets.scrubber import Scrubber
 PLAY_SPEEDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 # A trace still opening after this long gets a spinner (most open faster).
 SPINNER_DELAY_S = 0.5
+# How often the app checks that its terminal is still there (tui/terminal.py).
+TERMINAL_CHECK_S = 1.0
+HANGUP_EXIT_CODE = 129  # 128 + SIGHUP, what a shell reports for a hung-up program
 DEFAULT_SPEED = 4.0
 DARK_THEME = "textual-dark"
 LIGHT_THEME = "textual-light"
@@ -240,10 +244,19 @@ class TraceApp(App[None]):
 
     def on_mount(self) -> None:
         self._play_timer = self.set_interval(1 / self.speed, self._tick, pause=True)
+        if not self.is_headless:  # tests drive the app without a terminal
+            self.set_interval(TERMINAL_CHECK_S, self._quit_if_terminal_hung_up)
         if self.session is not None:
             self._start()
         elif self.error is None and self.trace_path is not None:
             self.run_worker(self._load, thread=True, exclusive=True, exit_on_error=False)
+
+    def _quit_if_terminal_hung_up(self) -> None:
+        # End the process at once, as a hangup signal would: there is no terminal left to
+        # restore, and Textual's own exit blocks writing its last screen to one that is gone.
+        # Nothing else needs closing: the trace was written before the app started.
+        if terminal_hung_up():
+            os._exit(HANGUP_EXIT_CODE)
 
     def _load(self) -> None:
         assert self.trace_path is not None

@@ -231,3 +231,41 @@ def test_token_texts_cover_every_id_in_the_trace(tmp_path):
             return f"<{ids[0]}>"
 
     assert trace_cli._token_texts(str(path), Tok()) == {str(i): f"<{i}>" for i in range(5, 11)}
+
+
+def test_the_tui_quits_when_its_terminal_hangs_up(small_trace_path):
+    """Closing the terminal under a running ``glassbox tui`` (a window closed, a tmux
+    session killed) must end it. Under ``make run`` the hangup signal goes to make, which
+    waits for its child: the child, modelled here by ignoring SIGHUP, sees only a hung-up
+    terminal -- and Textual's input thread spins on it at ~80% of a core."""
+    import os
+    import pty
+    import select
+    import signal
+
+    argv = [sys.executable, "-m", "engine.entrypoints.cli.main", "tui", small_trace_path]
+    pid, master = pty.fork()
+    if pid == 0:  # the child: a session of its own on the pty's slave end
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        os.execv(sys.executable, argv)
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b"Requests" not in seen and time.monotonic() < deadline:  # the panels are up
+        if select.select([master], [], [], 1)[0]:
+            try:
+                seen += os.read(master, 65536)
+            except OSError:
+                break
+    assert b"Requests" in seen, seen[-500:]
+    os.close(master)  # the terminal goes away
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("glassbox tui still running 10 s after its terminal hung up")
+    assert os.waitstatus_to_exitcode(status) == 129  # 128 + SIGHUP
