@@ -13,14 +13,25 @@ Forking a process that has initialised CUDA gives the child a CUDA context it
 cannot use, so then (as vLLM) the method is switched to ``spawn``, with a
 warning saying why. ``GLASSBOX_WORKER_MULTIPROC_METHOD=spawn`` asks for spawn
 always.
+
+OpenMP is the other thing a fork breaks: a process whose torch ops ran on two
+or more threads keeps a pool of GNU OpenMP worker threads, and a forked child
+inherits the pool's bookkeeping without its threads, so the child's first
+parallel region waits for them forever (a notebook that did some torch work,
+then ``LLM()`` on a machine where EngineCore runs several threads).
+``_release_openmp_threads`` runs before every fork and lets the forking
+thread's pool go; parent and child each make new threads when they next need
+them. vLLM's CPU platform avoids the question by always spawning.
 Sessions: 01 (engine loop across two processes), 07 (executor).
 
 Simpler than vLLM: the reasons checked are CUDA only (vLLM also forces spawn
-inside a Ray actor, with NUMA binding, an initialised XPU, or under WSL).
+inside a Ray actor, with NUMA binding, an initialised XPU, or under WSL, and
+on the CPU platform always).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -32,6 +43,37 @@ logger = logging.getLogger(__name__)
 # Twin of VLLM_WORKER_MULTIPROC_METHOD: "fork" (default) or "spawn".
 MULTIPROC_METHOD_ENV = "GLASSBOX_WORKER_MULTIPROC_METHOD"
 MULTIPROC_METHODS = ("fork", "spawn")
+
+
+# omp_pause_resource_all(omp_pause_soft): stop the calling thread's OpenMP workers (OpenMP 5.0).
+OMP_PAUSE_SOFT = 1
+_libgomps: list[ctypes.CDLL] | None = None
+
+
+def _loaded_libgomps() -> list[ctypes.CDLL]:
+    """The GNU OpenMP runtimes mapped into this process (torch's CPU wheels bundle one).
+    Looked up at the first fork that finds one loaded, then remembered."""
+    global _libgomps
+    if _libgomps is not None:
+        return _libgomps
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    except OSError:  # no /proc: not Linux
+        paths = set()
+    libs = [ctypes.CDLL(p) for p in sorted(paths) if p.startswith("/")]
+    libs = [lib for lib in libs if hasattr(lib, "omp_pause_resource_all")]
+    if libs:
+        _libgomps = libs
+    return libs
+
+
+def _release_openmp_threads() -> None:
+    for libgomp in _loaded_libgomps():
+        libgomp.omp_pause_resource_all(OMP_PAUSE_SOFT)
+
+
+os.register_at_fork(before=_release_openmp_threads)
 
 
 def cuda_is_initialized() -> bool:

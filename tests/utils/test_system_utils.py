@@ -190,3 +190,39 @@ def test_guarded_script_runs_with_spawn(model_dir, tmp_path):
     result = run_script(tmp_path, script(model_dir, guarded=True), method="spawn")
     assert result.returncode == 0, result.stderr[-3000:]
     assert any(x.startswith("TOKENS") for x in result.stdout.splitlines())
+
+
+FORK_AFTER_OPENMP = """
+import torch
+from engine.utils.system_utils import get_mp_context
+
+def child():
+    torch.set_num_threads(2)
+    torch.arange(4_000_000.0).cos().sum()
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    torch.arange(4_000_000.0).cos().sum()  # the parent's OpenMP pool now has a worker thread
+    process = get_mp_context().Process(target=child)
+    process.start()
+    process.join(30)
+    if process.is_alive():
+        process.kill()
+        print("child hung")
+    else:
+        print("child exit", process.exitcode)
+"""
+
+
+def test_a_forked_child_runs_openmp_after_its_parent_did(tmp_path):
+    """A parent whose torch ops ran on two threads, then a forked child on two
+    threads: without the pool released before the fork (``_loaded_libgomps``
+    made to return nothing), the child waits in libgomp until it is killed."""
+    script = tmp_path / "fork_after_openmp.py"
+    script.write_text(FORK_AFTER_OPENMP)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop(MULTIPROC_METHOD_ENV, None)
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "child exit 0", out.stderr[-2000:]
