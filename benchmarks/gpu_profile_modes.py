@@ -18,7 +18,6 @@ check of the script (the O0 setting alone: no graphs there).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -29,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks import results_store  # noqa: E402
-from benchmarks.gpu_profile_step import decode_core  # noqa: E402
+from benchmarks.gpu_profile_step import decode_core, sync  # noqa: E402
 from benchmarks.gpu_throughput import COMPILED_MODES, model_dir  # noqa: E402
+from engine.utils.torch_utils import release_device_memory  # noqa: E402
 
 # name -> (optimization level, compilation_config); the default O2 first.
 MODES = {"O2 FULL_AND_PIECEWISE (default)": (2, {}), "O0 eager": (0, {}), **COMPILED_MODES}
@@ -84,14 +84,7 @@ def profile_mode(path: str, level: int, compilation: dict, args) -> dict:
     finally:
         core.shutdown()
         del core
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+        release_device_memory()
 
 
 def main() -> int:

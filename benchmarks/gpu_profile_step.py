@@ -29,6 +29,11 @@ from benchmarks import results_store  # noqa: E402
 from benchmarks.gpu_throughput import model_dir  # noqa: E402
 
 
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def decode_core(path: str, device: str, batch: int, **overrides):
     """An in-process EngineCore on the dummy Qwen3-0.6B at ``path`` with ``batch``
     requests of 512 prompt tokens added (400 tokens each to generate)."""
@@ -74,27 +79,23 @@ def main() -> int:
     args = ap.parse_args()
     from engine.benchmarks.throughput import provenance
 
-    def sync():
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
     path = model_dir()
     core = decode_core(path, args.device, args.batch)
     for _ in range(5):
         core.step_fn()
-    sync()
+    sync(args.device)
     steps = args.steps
     t = time.perf_counter()
     for _ in range(steps):
         core.step_fn()
-    sync()
+    sync(args.device)
     wall_ms = (time.perf_counter() - t) / steps * 1e3
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         core.step_fn()
-    sync()
+    sync(args.device)
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
@@ -104,7 +105,7 @@ def main() -> int:
     ) as tp:
         for _ in range(10):
             core.step_fn()
-        sync()
+        sync(args.device)
     table = tp.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     gpu_us = sum(e.self_device_time_total for e in tp.key_averages()) / 10
     kernels = [e for e in tp.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -40,7 +40,6 @@ benchmarks/results (``results_store.py``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -54,6 +53,7 @@ import torch  # noqa: E402
 
 from benchmarks import results_store  # noqa: E402
 from benchmarks.gpu_throughput import QWEN3_0_6B, model_dir  # noqa: E402
+from engine.utils.torch_utils import release_device_memory  # noqa: E402
 
 CONTEXT = 512
 # A Qwen3-shaped model small enough for a CPU check of the script.
@@ -140,9 +140,7 @@ def measure(
         times.append((time.perf_counter() - start) * 1e3)
     core.shutdown()
     del core
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     timed = sorted(times[warmup:])
     return {
         "mode": mode,

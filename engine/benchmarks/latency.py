@@ -201,23 +201,10 @@ def run_decode_latency(
     finally:
         core.shutdown()
         del core
+        from engine.utils.torch_utils import release_device_memory
+
         release_device_memory()
     return results
-
-
-def release_device_memory() -> None:
-    """Give the memory of an engine that ran in this process back to the driver.
-
-    PyTorch's caching allocator keeps freed blocks reserved; the next engine,
-    in its own process, would count them as used by others and could find no
-    room for its KV cache."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def run_client_itl(

@@ -20,7 +20,6 @@ Sessions: 04 (worker).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 
@@ -36,6 +35,7 @@ from engine.distributed.parallel_state import (
 from engine.tracing import NULL_TRACER, Tracer
 from engine.tracing.worker_trace import RunnerTrace
 from engine.utils.cpu_resource_utils import init_cpu_threads_env, plan_cpu_threads
+from engine.utils.torch_utils import release_device_memory
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
 from engine.v1.worker.worker_base import WorkerBase
 
@@ -126,14 +126,12 @@ class Worker(WorkerBase):
             return cpu_kv_cache_space_bytes()
         # Garbage first: an engine shut down earlier in this process may still hold
         # tensors, which the peak below would count as this engine's.
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_device_memory()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.model_runner.profile_run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_device_memory()
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory used by others (other processes, the CUDA context) counts too.
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
@@ -183,5 +181,4 @@ class Worker(WorkerBase):
         if self.glassbox_config.parallel_config.world_size > 1:
             cleanup_dist_env_and_memory()
         if self.device is not None and self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_device_memory()
