@@ -115,6 +115,11 @@ class WorkerRequest:
             ) from e
         return cls(method.__qualname__, (), reply, payload)
 
+    @classmethod
+    def last(cls) -> WorkerRequest:
+        """The stop message: no call, nobody answers."""
+        return cls("stop", (), None, stop=True)
+
     def call(self, handlers: dict[WorkerMethod, Callable[..., Any]], worker: Any) -> Any:
         if isinstance(self.method, WorkerMethod):
             return handlers[self.method](*self.args)
@@ -333,9 +338,7 @@ class MultiprocExecutor(Executor):
             # Ask first: each worker finishes the calls before this one (a step
             # may still be in flight) and exits, its trace complete.
             with contextlib.suppress(Exception):
-                self.rpc_broadcast_mq.enqueue(
-                    WorkerRequest(WorkerMethod.EXECUTE_MODEL, (), None, stop=True), timeout=1
-                )
+                self.rpc_broadcast_mq.enqueue(WorkerRequest.last(), timeout=1)
                 asked = True
         self.shutdown_event.set()
         if self._finalizer.detach() is not None:
