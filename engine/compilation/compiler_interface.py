@@ -20,7 +20,6 @@ no hijacking of Inductor's internals to record cache keys.
 from __future__ import annotations
 
 import os
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,19 +27,6 @@ from typing import Any
 from torch import fx
 
 from engine.compilation.counter import compilation_counter
-
-
-def _forget_inductor_threads_after_fork() -> None:
-    """A forked child (EngineCore, a TP worker) inherits Inductor's compile
-    thread pool without its threads, so the first compile would wait forever
-    on a job nobody runs. torch's own fork hook resets the process pool only;
-    drop the cached thread pool too so the child makes its own."""
-    async_compile = sys.modules.get("torch._inductor.async_compile")
-    if async_compile is not None:
-        async_compile.AsyncCompile.pool.cache_clear()
-
-
-os.register_at_fork(after_in_child=_forget_inductor_threads_after_fork)
 
 
 class CompilerInterface(ABC):

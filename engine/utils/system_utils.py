@@ -21,7 +21,11 @@ parallel region waits for them forever (a notebook that did some torch work,
 then ``LLM()`` on a machine where EngineCore runs several threads).
 ``_release_openmp_threads`` runs before every fork and lets the forking
 thread's pool go; parent and child each make new threads when they next need
-them. vLLM's CPU platform avoids the question by always spawning.
+them. Inductor's compile thread pool is the third: a child inherits it, cached,
+without its threads, and its first compile waits forever; torch's own fork
+hook resets only Inductor's process pool, so ``_forget_inductor_threads`` drops
+the thread pool in the child. vLLM's CPU platform avoids the question by
+always spawning.
 Sessions: 01 (engine loop across two processes), 07 (executor).
 
 Simpler than vLLM: the reasons checked are CUDA only (vLLM also forces spawn
@@ -73,7 +77,13 @@ def _release_openmp_threads() -> None:
         libgomp.omp_pause_resource_all(OMP_PAUSE_SOFT)
 
 
-os.register_at_fork(before=_release_openmp_threads)
+def _forget_inductor_threads() -> None:
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:  # only a process that compiled has the pool
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
+os.register_at_fork(before=_release_openmp_threads, after_in_child=_forget_inductor_threads)
 
 
 def cuda_is_initialized() -> bool:

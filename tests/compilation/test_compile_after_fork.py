@@ -3,7 +3,7 @@
 EngineCore and the TP workers start with ``fork`` on the CPU. A parent that
 already ran Inductor (a compiled engine in a notebook, an earlier test) holds
 Inductor's compile thread pool; the child inherits the pool but not its
-threads, so without ``compiler_interface``'s fork hook its first compile
+threads, so without ``system_utils``'s fork hook its first compile
 waited forever on a job no thread would run.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.async_compile import AsyncCompile
 
-import engine.compilation.compiler_interface  # noqa: F401  (registers the fork hook)
+import engine.utils.system_utils  # noqa: F401  (registers the fork hooks)
 
 
 def _compile_in_child(done) -> None:
