@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ import nbformat
 from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.results_store import commit_id  # noqa: E402  ($GLASSBOX_COMMIT, else HEAD)
 
 
 def device_name() -> str:
@@ -35,16 +37,6 @@ def device_name() -> str:
         "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
-def commit() -> str:
-    """$GLASSBOX_COMMIT (a copied tree without its git history), else HEAD."""
-    if os.environ.get("GLASSBOX_COMMIT"):
-        return os.environ["GLASSBOX_COMMIT"][:7]
-    done = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True
-    )
     return done.stdout.strip() or "unknown"
 
 
@@ -67,7 +59,7 @@ def main() -> int:
     args = ap.parse_args()
     notebooks = args.notebooks or sorted(REPO.glob("sessions/[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
     args.out.mkdir(parents=True, exist_ok=True)
-    device, sha = device_name(), commit()
+    device, sha = device_name(), commit_id()
     failed = 0
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
