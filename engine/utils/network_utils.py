@@ -5,12 +5,17 @@ vLLM twin: ``vllm/utils/network_utils.py`` (``get_ip``, ``get_open_port``,
 ranks meet: ``torch.distributed`` rendezvous at ``tcp://ip:port`` on the
 driver's machine. Sessions: 07.
 
+``remove_ipc_socket_file`` has no twin: libzmq leaves the file of a socket
+bound to an ``ipc://`` path behind when the socket closes, so whoever binds
+one removes it (vLLM leaves them in its RPC folder).
+
 Simpler than vLLM: IPv4 only, no ``VLLM_HOST_IP`` / ``VLLM_PORT`` ranges
 (``GLASSBOX_HOST_IP`` overrides the detected address).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -44,3 +49,13 @@ def get_open_port() -> int:
 
 def get_distributed_init_method(ip: str, port: int) -> str:
     return f"tcp://{ip}:{port}"
+
+
+def remove_ipc_socket_file(address: str | None) -> None:
+    """Remove the file behind an ``ipc://`` address this process bound (no-op
+    for other transports and for a file already gone). Connected peers keep
+    their connections; only new connects would fail."""
+    if address is None or not address.startswith("ipc://"):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address.removeprefix("ipc://"))

@@ -25,6 +25,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.helpers.hf_checkpoints import TINY_CONFIG, default_model_path, save_tiny_checkpoint
+from tests.helpers.leaks import ipc_socket_files, stale_ipc_files
 
 pytestmark = pytest.mark.usefixtures("in_process_engine")
 
@@ -246,7 +247,7 @@ def _leaked_since(before: set[str]) -> set[str]:
 def test_worker_death_fails_fast_and_shutdown_leaves_nothing(checkpoints) -> None:
     import psutil
 
-    segments_before = _glassbox_segments()
+    segments_before, sockets_before = _glassbox_segments(), ipc_socket_files()
     llm = LLM(checkpoints["llama"], tensor_parallel_size=2, **ENGINE)
     executor = llm.llm_engine.engine_core.engine_core.model_executor
     pids = executor.collective_rpc(_pid)
@@ -263,13 +264,14 @@ def test_worker_death_fails_fast_and_shutdown_leaves_nothing(checkpoints) -> Non
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     assert not _leaked_since(segments_before)
+    assert not stale_ipc_files(sockets_before)  # the killed worker's answer queue's too
 
 
 def test_clean_shutdown_in_a_separate_engine_process(checkpoints, monkeypatch) -> None:
     import psutil
 
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
-    segments_before = _glassbox_segments()
+    segments_before, sockets_before = _glassbox_segments(), ipc_socket_files()
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}  # e.g. a resource tracker
     llm = LLM(checkpoints["qwen2"], tensor_parallel_size=2, **ENGINE)
@@ -283,6 +285,7 @@ def test_clean_shutdown_in_a_separate_engine_process(checkpoints, monkeypatch) -
     psutil.wait_procs(procs, timeout=10)
     assert not [p for p in procs if p.is_running() and p.status() != "zombie"]
     assert not _leaked_since(segments_before)
+    assert not stale_ipc_files(sockets_before)
 
 
 def test_ray_tp2_matches_one_rank(checkpoints) -> None:

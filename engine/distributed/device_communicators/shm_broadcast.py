@@ -67,7 +67,7 @@ from typing import Any
 
 import zmq
 
-from engine.utils.network_utils import get_ip
+from engine.utils.network_utils import get_ip, remove_ipc_socket_file
 
 logger = logging.getLogger(__name__)
 
@@ -290,17 +290,13 @@ def unlink_orphaned_segment(name: str) -> None:
 
 
 def _remove_writer_files(
-    pid: int, shm: shared_memory.SharedMemory | None, ipc_file: str | None
+    pid: int, shm: shared_memory.SharedMemory | None, ipc_address: str | None
 ) -> None:
     """For a writer never closed, at exit (or when collected): remove its
     segment and its ipc socket file, which would otherwise outlive it."""
     if os.getpid() != pid:
         return
-    if ipc_file is not None:
-        try:
-            os.unlink(ipc_file)
-        except FileNotFoundError:
-            pass
+    remove_ipc_socket_file(ipc_address)
     if shm is not None:
         try:
             shm.unlink()
@@ -351,7 +347,7 @@ class MessageQueue:
                 local_subscribe_addr = _open_ipc_path()
                 self.local_socket = self._make_socket(zmq.XPUB)
                 self.local_socket.bind(local_subscribe_addr)
-                self._ipc_file = local_subscribe_addr.removeprefix("ipc://")
+                self._ipc_file = local_subscribe_addr
             if self.n_remote_reader > 0:
                 ip = connect_ip or get_ip()
                 self.remote_socket = self._make_socket(zmq.XPUB)
@@ -393,7 +389,7 @@ class MessageQueue:
         self.shutting_down = False
         self._closed = False
         self._pid = os.getpid()
-        self._ipc_file: str | None = None  # the writer's bound ipc socket file
+        self._ipc_file: str | None = None  # ipc:// address of the writer's bound socket
         self._finalizer: weakref.finalize | None = None  # the writer's, until close()
         # Held by enqueue/dequeue; close() takes it so that it never frees a
         # socket or the segment under a call running in another thread.
@@ -704,12 +700,7 @@ class MessageQueue:
                 if sock is not None:
                     sock.close(linger=0)
             self._context.destroy(linger=0)  # also any socket a failed constructor left
-            if self._ipc_file is not None:
-                # libzmq leaves a bound ipc socket's file behind; it is ours to remove.
-                try:
-                    os.unlink(self._ipc_file)
-                except FileNotFoundError:
-                    pass
+            remove_ipc_socket_file(self._ipc_file)
             if self.buffer is not None:
                 self.buffer.close()
         finally:

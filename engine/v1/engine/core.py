@@ -81,6 +81,7 @@ from engine.tracing import Tracer, part_path
 from engine.tracing.core_trace import SchedulerTrace, StructuredOutputTrace
 from engine.tracing.engine_trace import EngineCoreTrace
 from engine.utils.hashing import get_hash_fn_by_name
+from engine.utils.network_utils import remove_ipc_socket_file
 from engine.v1.core.kv_cache_utils import (
     BlockHash,
     generate_scheduler_kv_cache_config,
@@ -382,6 +383,8 @@ class EngineCoreProc(EngineCore):
         )
         try:
             with self._perform_handshake(handshake_address, identity) as addresses:
+                # The front end's socket files: if it is killed, we remove them.
+                self.front_end_addresses = [*addresses.inputs, *addresses.outputs]
                 super().__init__(glassbox_config, executor_class, log_stats, tracer)
                 # A worker process that dies wakes the busy loop, which then fails.
                 self.model_executor.register_failure_callback(self._executor_failed)
@@ -519,6 +522,8 @@ class EngineCoreProc(EngineCore):
             except (EOFError, OSError):
                 pass
             logger.warning("The front-end process is gone; EngineCore is shutting down.")
+            for address in self.front_end_addresses:
+                remove_ipc_socket_file(address)  # the front end had no chance to
             self._skip_drain = True
             request_shutdown()
             # A clean exit aborts requests and finishes the step in flight;

@@ -38,7 +38,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -48,6 +48,7 @@ import zmq.asyncio
 from engine.config import GlassboxConfig
 from engine.tracing import NULL_TRACER, Tracer
 from engine.tracing.engine_trace import ClientTrace
+from engine.utils.network_utils import remove_ipc_socket_file
 from engine.v1.engine import (
     EngineCoreOutputs,
     EngineCoreReadyResponse,
@@ -185,6 +186,8 @@ class BackgroundResources:
     engine_dead: bool = False
     # How long a stopping core may drain; None: its shutdown_timeout.
     shutdown_timeout: float | None = None
+    # ipc:// addresses the client binds; their files are removed at the end.
+    ipc_addresses: list[str] = field(default_factory=list)
 
     def __call__(self) -> None:
         # Stop the process first, while our PULL socket can still take its
@@ -225,6 +228,8 @@ class BackgroundResources:
                     pass
             elif self.output_socket is not None:
                 self.output_socket.close(linger=0)
+        for address in self.ipc_addresses:
+            remove_ipc_socket_file(address)
 
     def validate_alive(self, frames: Sequence[zmq.Frame]) -> None:
         if len(frames) == 1 and frames[0].buffer == EngineCoreProc.ENGINE_CORE_DEAD:
@@ -262,6 +267,7 @@ class MPClient(EngineCoreClient):
         success = False
         try:
             addresses = get_engine_zmq_addresses()
+            self.resources.ipc_addresses = [*addresses.inputs, *addresses.outputs]
             self.input_socket = self.resources.input_socket = make_zmq_socket(
                 self.ctx, addresses.inputs[0], zmq.ROUTER, bind=True
             )

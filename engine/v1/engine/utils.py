@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from engine.utils.network_utils import remove_ipc_socket_file
 from engine.utils.system_utils import get_mp_context
 
 if TYPE_CHECKING:
@@ -121,8 +122,7 @@ def make_zmq_socket(
     """A socket bound or connected to ``path``. By default the front end's
     sockets (ROUTER, PULL) bind and EngineCore's (DEALER, PUSH) connect."""
     socket = ctx.socket(socket_type)
-    if bind is None:
-        bind = socket_type not in (zmq.PUSH, zmq.SUB, zmq.XSUB, zmq.DEALER)
+    bind = _binds(socket_type, bind)
     # No high-water mark: outputs must never be dropped or block the loop.
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
@@ -137,16 +137,26 @@ def make_zmq_socket(
     return socket
 
 
+def _binds(socket_type: int, bind: bool | None) -> bool:
+    if bind is None:
+        return socket_type not in (zmq.PUSH, zmq.SUB, zmq.XSUB, zmq.DEALER)
+    return bind
+
+
 @contextlib.contextmanager
 def zmq_socket_ctx(path: str, socket_type: int, bind: bool | None = None) -> Iterator[zmq.Socket]:
-    """A throw-away context and socket (the handshake socket), closed on exit."""
+    """A throw-away context and socket (the handshake socket), closed on exit;
+    the side that bound it also removes its ipc socket file."""
     ctx = zmq.Context()
+    socket = None
     try:
         socket = make_zmq_socket(ctx, path, socket_type, bind=bind, linger=0)
         with socket:
             yield socket
     finally:
         ctx.destroy(linger=0)
+        if socket is not None and _binds(socket_type, bind):
+            remove_ipc_socket_file(path)
 
 
 def close_sockets(sockets) -> None:

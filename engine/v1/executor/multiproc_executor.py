@@ -55,6 +55,7 @@ from engine.utils.network_utils import (
     get_distributed_init_method,
     get_loopback_ip,
     get_open_port,
+    remove_ipc_socket_file,
 )
 from engine.utils.system_utils import get_mp_context
 from engine.v1.engine.utils import process_ended
@@ -389,11 +390,15 @@ def _shutdown_workers(
         mq = worker.worker_response_mq
         if mq is None:
             continue
-        # A killed worker could not unlink its answer queue's segment: we do.
-        name = mq.buffer.name if worker.proc.exitcode not in (0, None) and mq.buffer else None
+        # A killed worker could not remove its answer queue's segment and
+        # socket file: we do.
+        killed = worker.proc.exitcode not in (0, None)
+        name = mq.buffer.name if killed and mq.buffer else None
         mq.close()
         if name is not None:
             unlink_orphaned_segment(name)
+        if killed:
+            remove_ipc_socket_file(mq.handle.local_subscribe_addr)
     if rpc_mq is not None:
         rpc_mq.close()
 

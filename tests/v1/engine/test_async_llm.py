@@ -27,6 +27,7 @@ from engine.v1.engine.exceptions import (
 )
 from tests.entrypoints.openai.utils import SlowCountingExecutor, pid_exited
 from tests.helpers.engine_fixtures import ids
+from tests.helpers.leaks import ipc_socket_files, stale_ipc_files
 from tests.helpers.tiny_model import make_tiny_model_dir
 
 DELTA = RequestOutputKind.DELTA
@@ -424,6 +425,7 @@ async def test_shutdown_drains_for_shutdown_timeout_then_aborts(model_dir, monke
 
 @pytest.mark.asyncio(loop_scope="function")
 async def test_shutdown_stops_the_engine_process(model_dir):
+    sockets_before = ipc_socket_files()
     engine = make_engine(model_dir)
     (out,) = await collect(engine, "w3", greedy(max_tokens=2, output_kind=FINAL_ONLY), "once")
     assert out.outputs[0].text == " w4 w5"
@@ -433,3 +435,4 @@ async def test_shutdown_stops_the_engine_process(model_dir):
     while not pid_exited(pid) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert pid_exited(pid)
+    assert not stale_ipc_files(sockets_before)

@@ -7,8 +7,9 @@ in tests/entrypoints/openai/test_real_model.py); the ZMQ protocol (add / abort /
 utility frames, the ready message); engine death (SIGKILL, or an exception
 inside the core) fails pending and new requests fast with ``EngineDeadError``;
 no EngineCore process outlives its front end -- after shutdown, after garbage
-collection, or after the front end is SIGKILLed; and a multi-process trace
-merges both processes' hop events.
+collection, or after the front end is SIGKILLed -- and leaves no ipc socket
+file behind in any of these cases; and a multi-process trace merges both
+processes' hop events.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tests.entrypoints.openai.utils import (
 )
 from tests.helpers.counting_executor import CountingExecutor
 from tests.helpers.engine_fixtures import ids, make_config, make_engine_core_request
+from tests.helpers.leaks import ipc_socket_files, stale_ipc_files
 from tests.helpers.tiny_model import make_tiny_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -166,6 +168,7 @@ def test_multiprocess_and_in_process_give_identical_outputs(model_dir, monkeypat
 # The client protocol
 # ---------------------------------------------------------------------------
 def test_sync_mp_client_add_abort_and_utility(model_dir):
+    sockets_before = ipc_socket_files()
     client = EngineCoreClient.make_client(
         make_config(model_dir, block_size=4, distributed_executor_backend=SlowCountingExecutor),
         SlowCountingExecutor,
@@ -199,8 +202,14 @@ def test_sync_mp_client_add_abort_and_utility(model_dir):
         assert client.reset_prefix_cache() is True
         with pytest.raises(RuntimeError, match="no utility method"):
             client.call_utility("_private")
+        own = {a.removeprefix("ipc://") for a in client.resources.ipc_addresses}
+        # The start-up handshake's socket file went with the handshake.
+        assert own and ipc_socket_files() - sockets_before == own
     finally:
         client.shutdown()
+    # libzmq leaves a bound ipc socket's file behind; the client removes its own.
+    assert not stale_ipc_files(sockets_before)
+    assert not ipc_socket_files() & own
 
 
 def test_start_up_error_keeps_its_type(model_dir, monkeypatch):
@@ -213,6 +222,7 @@ def test_start_up_error_keeps_its_type(model_dir, monkeypatch):
 # Engine death
 # ---------------------------------------------------------------------------
 def test_killed_engine_fails_pending_and_new_requests_fast(model_dir, monkeypatch):
+    sockets_before = ipc_socket_files()
     llm = make_llm(model_dir, True, monkeypatch, executor=SlowCountingExecutor)
     pid = core_pid(llm)
     errors: list[BaseException] = []
@@ -241,6 +251,7 @@ def test_killed_engine_fails_pending_and_new_requests_fast(model_dir, monkeypatc
         llm.generate("w2", greedy(max_tokens=2), use_tqdm=False)
     assert time.monotonic() - t0 < 1.0
     llm.shutdown()
+    assert not stale_ipc_files(sockets_before)
 
 
 def test_exception_in_the_core_is_reported_as_engine_death(model_dir, monkeypatch):
@@ -275,7 +286,8 @@ PARENT_SCRIPT = textwrap.dedent(
         llm = LLM(
             sys.argv[1], distributed_executor_backend=CountingExecutor, skip_tokenizer_init=True
         )
-        print(llm.llm_engine.engine_core.engine_core_pids[0], flush=True)
+        client = llm.llm_engine.engine_core
+        print(client.engine_core_pids[0], *client.resources.ipc_addresses, flush=True)
         time.sleep(600)
     """
 )
@@ -293,12 +305,15 @@ def test_engine_exits_when_its_parent_is_killed(model_dir, tmp_path):
         cwd=REPO_ROOT,
     )
     try:
-        line = parent.stdout.readline()
-        child_pid = int(line)
+        child_pid, *addresses = parent.stdout.readline().split()
+        child_pid = int(child_pid)
+        socket_files = [a.removeprefix("ipc://") for a in addresses]
         assert not pid_exited(child_pid)
         parent.kill()  # SIGKILL: no cleanup code runs in the parent
         parent.wait(timeout=10)
         assert wait_until(lambda: pid_exited(child_pid), 15), "EngineCore outlived its parent"
+        # EngineCore removed the socket files its killed parent had bound.
+        assert socket_files and not [f for f in socket_files if os.path.exists(f)]
     finally:
         parent.kill()
 
