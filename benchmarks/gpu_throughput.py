@@ -49,8 +49,10 @@ stores the finished run in benchmarks/results (``results_store.py``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -123,6 +125,7 @@ def model_dir(config: dict | None = None) -> str:
     """A folder holding only ``config.json`` (the Qwen3-0.6B config unless
     ``config``), for dummy weights."""
     d = tempfile.mkdtemp(prefix="qwen3-0.6b-" if config is None else "model-")
+    atexit.register(shutil.rmtree, d, True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(QWEN3_0_6B if config is None else config, f)
     return d
@@ -462,6 +465,7 @@ def main() -> int:
 
     if "lora" in parts:
         root = tempfile.mkdtemp(prefix="lora-adapters-")
+        atexit.register(shutil.rmtree, root, True)
         dirs = [
             write_random_adapter(QWEN3_0_6B, os.path.join(root, f"a{i}"), seed=i)
             for i in range(NUM_ADAPTERS)

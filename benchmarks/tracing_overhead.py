@@ -70,6 +70,7 @@ and appends it to ``history.jsonl``; ``--out FILE`` writes the JSON anywhere.)
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
 import datetime as _dt
@@ -78,6 +79,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -411,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.split:
         modes += ("lifecycle-hooks", "full-hooks")
     trace_dir = tempfile.mkdtemp(prefix="glassbox-trace-overhead-")
+    atexit.register(shutil.rmtree, trace_dir, True)
     engines = {
         mode: build_engine(args.model, mode, trace_dir, args.device, args.max_num_seqs)
         for mode in modes

@@ -21,9 +21,11 @@ Run:  .venv/bin/python benchmarks/tracing_profile.py --model tiny --device cpu
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import datetime as _dt
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     scratch = tempfile.mkdtemp(prefix="glassbox-trace-profile-")
+    atexit.register(shutil.rmtree, scratch, True)
     levels = ("off", args.level)
     engines = {
         lv: build_engine(args.model, lv, scratch, args.device, args.num_prompts) for lv in levels
