@@ -504,12 +504,14 @@ class EngineCoreProc(EngineCore):
                 engine_core._send_engine_dead()
             raise
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
             if signal_callback is not None:
                 signal_callback.stop()
+            # Our handlers stay until the shutdown is over: the front end's
+            # SIGTERM must not cut short the executor's stopping its workers.
             if engine_core is not None:
                 engine_core.shutdown()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def watch_parent(self, death_pipe: Any, request_shutdown) -> None:
         """Exit when the front end dies, even if it was SIGKILLed: no orphans.

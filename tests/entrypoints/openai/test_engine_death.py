@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.utils import SLOW_EXECUTOR, RemoteOpenAIServer, pid_exited, wait_until
+from tests.helpers.leaks import ipc_socket_files, stale_ipc_files
 from tests.helpers.tiny_model import make_tiny_model_dir
 
 
@@ -103,12 +104,13 @@ def test_killed_engine_core_fails_requests_fast_and_health_turns_503(model_dir, 
 def test_killed_tensor_parallel_worker_turns_the_server_unhealthy():
     """The default model at -tp 3 (its 9 heads): SIGKILL one worker process;
     the engine fails within 5 s (the executor's monitor), requests get 503,
-    /health 503, no process is left."""
+    /health 503, no process and no socket file is left."""
     import psutil
 
     from tests.helpers.hf_checkpoints import default_model_path
 
     model = default_model_path()
+    sockets_before = ipc_socket_files()
     with RemoteOpenAIServer(model, ["-tp", "3", "--max-model-len", "256"]) as server:
         client = server.get_client()
         assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
@@ -124,3 +126,6 @@ def test_killed_tensor_parallel_worker_turns_the_server_unhealthy():
         assert excinfo.value.status_code == 503
     gone, alive = psutil.wait_procs([engine_core, *workers], timeout=15)
     assert not alive
+    # The server's SIGTERM may reach EngineCore while its executor is stopping
+    # the workers; that stop still finishes and removes every queue's file.
+    assert not stale_ipc_files(sockets_before)
