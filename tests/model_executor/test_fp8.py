@@ -1,15 +1,20 @@
-"""FP8 W8A8 with per-tensor scales, on the CPU (torch's own ``_scaled_mm``).
+"""FP8 W8A8 with per-tensor weight scales, on the CPU (torch's own ``_scaled_mm``).
 
 * ``scaled_fp8_quant`` maps ``max|x|`` onto 448 (e4m3's largest number) and
-  rounds every entry to e4m3: within half a step (1/16 relative) of ``x``.
+  rounds every entry to e4m3: within half a step (1/16 relative) of ``x``;
+  per token, each row's own max.
 * ``apply_fp8_linear`` equals the reference: both operands dequantized, then
-  an fp32 matmul.
+  an fp32 matmul; with per-token scales too (``_scaled_mm``'s row-wise mode).
+* Dynamic activation scales are per token where vLLM uses them (CUDA, sm89+)
+  and per tensor elsewhere; per tensor, a token's rounding depends on the
+  rest of its batch, per token it does not.
 * Online quantization (``quantization="fp8"`` on a float checkpoint) against
   transformers with the same arithmetic simulated in hooks (weights rounded
   through fp8 with one scale per fused group, each linear input rounded
-  through fp8 with a scale per call): the same greedy tokens, logprobs within
-  1e-3 (fp32; the matmuls differ in summation order, which can move a value
-  across an fp8 rounding boundary).
+  through fp8 with a scale per call, or per row where the engine is made to
+  pick per-token scales): the same greedy tokens, logprobs within 1e-3 (fp32;
+  the matmuls differ in summation order, which can move a value across an fp8
+  rounding boundary).
 * An fp8 checkpoint (``quantization_config.quant_method: fp8``) is detected
   from config.json and equals online quantization when its shards share a
   scale; shards with their own scales are requantized to the largest.
@@ -26,13 +31,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.model_executor.layers.quantization.fp8 import Fp8Config, apply_fp8_linear
+from engine.model_executor.layers.quantization import fp8
+from engine.model_executor.layers.quantization.fp8 import (
+    Fp8Config,
+    apply_fp8_linear,
+    column_scales,
+    use_per_token_activations,
+)
 from engine.model_executor.layers.quantization.input_quant_fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     QuantFP8,
     scaled_fp8_quant,
 )
+from engine.model_executor.layers.quantization.utils.quant_utils import GroupShape
 from tests.helpers.hf_checkpoints import TINY_CONFIG, hf_greedy, save_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("in_process_engine")
@@ -66,7 +78,70 @@ def test_apply_fp8_linear_equals_the_dequantized_reference() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def _hf_with_fp8_arithmetic(path: Path) -> torch.nn.Module:
+def test_per_token_scales_map_each_rows_largest_entry_to_448() -> None:
+    x = torch.randn(6, 96) * torch.tensor([0.01, 1, 3, 100, 1e-3, 7]).unsqueeze(1)
+    q, scale = scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    assert scale.shape == (6, 1)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((6,), FP8_MAX))
+    err = (q.float() * scale - x).abs()
+    assert bool((err <= x.abs() / 16 + scale * 2**-9).all())
+
+
+@pytest.mark.parametrize("use_scaled_mm", [True, False])
+@pytest.mark.parametrize("given_columns", [True, False])
+def test_apply_fp8_linear_per_token_equals_the_dequantized_reference(
+    use_scaled_mm: bool, given_columns: bool
+) -> None:
+    x, w = torch.randn(5, 64) * torch.arange(1, 6).unsqueeze(1), torch.randn(48, 64)
+    qw, sw = scaled_fp8_quant(w)
+    columns = column_scales(sw, 48) if given_columns else None
+    quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+    out = apply_fp8_linear(x, qw.t(), sw, None, None, quant, use_scaled_mm, columns)
+    qx, sx = scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    ref = (qx.float() * sx) @ (qw.float() * sw).t()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_per_tensor_rounding_depends_on_the_batch_and_per_token_does_not() -> None:
+    """The reason vLLM quantizes activations per token where it can: one
+    large token in the batch coarsens every other token's per-tensor scale."""
+    alone = torch.randn(1, 64)
+    batch = torch.cat([alone, torch.randn(1, 64) * 50])
+    per_tensor, per_token = QuantFP8(False), QuantFP8(False, GroupShape.PER_TOKEN)
+    assert not torch.equal(per_tensor(alone)[0].float(), per_tensor(batch)[0][:1].float())
+    (q1, s1), (q2, s2) = per_token(alone), per_token(batch)
+    assert torch.equal(q1.float(), q2[:1].float()) and torch.equal(s1, s2[:1])
+
+
+def test_per_token_scales_on_the_devices_vllm_uses_them(monkeypatch) -> None:
+    """vLLM: per token where its CUTLASS fp8 kernel runs (CUDA sm89+); cuBLAS's
+    row-wise mode gives float32 outputs from sm90 on."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not use_per_token_activations(cpu, torch.bfloat16)
+    for capability, dtype, want in [
+        ((9, 0), torch.float32, True),
+        ((9, 0), torch.bfloat16, True),
+        ((8, 9), torch.bfloat16, True),
+        ((8, 9), torch.float32, False),
+        ((8, 0), torch.bfloat16, False),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert use_per_token_activations(cuda, dtype) is want, (capability, dtype)
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"static": True, "group_shape": GroupShape.PER_TOKEN}, "PER_TENSOR only"),
+        ({"static": False, "group_shape": GroupShape(1, 128)}, "PER_TENSOR or PER_TOKEN"),
+    ],
+)
+def test_bad_quantizer_shapes_fail_clearly(bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        QuantFP8(**bad)
+
+
+def _hf_with_fp8_arithmetic(path: Path, per_token: bool = False) -> torch.nn.Module:
     """transformers' model doing what the engine's fp8 layers do."""
     from transformers import AutoModelForCausalLM
 
@@ -79,15 +154,30 @@ def _hf_with_fp8_arithmetic(path: Path) -> torch.nn.Module:
             for m in linears:
                 m.weight.data = _round_trip(m.weight.data, scale)
                 m.register_forward_pre_hook(
-                    lambda _, args: (_round_trip(args[0], args[0].abs().max() / FP8_MAX),)
+                    lambda _, args: (
+                        _round_trip(
+                            args[0],
+                            (
+                                args[0].abs().amax(-1, keepdim=True)
+                                if per_token
+                                else args[0].abs().max()
+                            )
+                            / FP8_MAX,
+                        ),
+                    )
                 )
     return model
 
 
-def test_online_fp8_matches_transformers_with_the_same_rounding(tmp_path: Path) -> None:
+@pytest.mark.parametrize("per_token", [False, True])
+def test_online_fp8_matches_transformers_with_the_same_rounding(
+    tmp_path: Path, per_token: bool, monkeypatch
+) -> None:
     hf = tmp_path / "hf"
     save_tiny_checkpoint("llama", hf, seed=5)
-    want = hf_greedy(_hf_with_fp8_arithmetic(hf), PROMPT, 8)
+    want = hf_greedy(_hf_with_fp8_arithmetic(hf, per_token), PROMPT, 8)
+    if per_token:  # what CUDA sm89+ picks, here on the CPU (row-wise _scaled_mm)
+        monkeypatch.setattr(fp8, "use_per_token_activations", lambda device, dtype: True)
     llm = LLM(str(hf), quantization="fp8", **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
@@ -97,6 +187,8 @@ def test_online_fp8_matches_transformers_with_the_same_rounding(tmp_path: Path) 
     assert qkv.weight.dtype == FP8_DTYPE and type(qkv.quant_method).__name__ == (
         "Fp8OnlineLinearMethod"
     )
+    shape = GroupShape.PER_TOKEN if per_token else GroupShape.PER_TENSOR
+    assert qkv.quant_method.quant.group_shape == shape
     assert list(out.outputs[0].token_ids) == want.token_ids
     for pos, logprobs in enumerate(out.outputs[0].logprobs):
         for token, lp in logprobs.items():

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) weights and activations: W8A8 with per-tensor scales.
+"""FP8 (e4m3) weights and activations: W8A8, a weight scale per tensor.
 
 vLLM twin: ``vllm/model_executor/layers/quantization/fp8.py`` (``Fp8Config``,
 ``Fp8LinearMethod``, ``Fp8OnlineLinearMethod``).
@@ -16,20 +16,24 @@ a matmul *in* fp8:
           loading requantizes a fused layer's shards to their largest scale,
           so q, k and v share one;
   Kernel  ``apply_fp8_linear``: the input is quantized per call
-          (input_quant_fp8.py: dynamic, or the checkpoint's ``input_scale``),
-          then ``torch._scaled_mm(x_fp8, W_fp8.T, scale_x, scale_w)``
-          multiplies in fp8 and rescales into the activation dtype (tensor
-          cores on Hopper; torch's own implementation on the CPU). Shapes
-          ``_scaled_mm`` refuses (dimensions not multiples of 16 on CUDA) take
-          the reference path: dequantize both operands, multiply in float32.
+          (input_quant_fp8.py: the checkpoint's ``input_scale``, or dynamic:
+          a scale per token where vLLM's CUTLASS fp8 kernel would run -- CUDA,
+          sm89 and newer, ``use_per_token_activations`` -- and one per tensor
+          elsewhere, as vLLM chooses in ``Fp8LinearMethod.__init__``), then
+          ``torch._scaled_mm(x_fp8, W_fp8.T, scale_x, scale_w)`` multiplies in
+          fp8 and rescales into the activation dtype (tensor cores on Hopper;
+          torch's own implementation on the CPU). Shapes ``_scaled_mm``
+          refuses (dimensions not multiples of 16 on CUDA) take the reference
+          path: dequantize both operands, multiply in float32.
 
 Weights are stored transposed (``[in, out]``, a column-major view of the
 ``[out, in]`` tensor), the layout ``_scaled_mm`` wants for its second operand.
 Sessions: 06 (quantization).
 
-Simpler than vLLM: per-tensor scales only (no per-channel / per-token / block
-quantization, no DeepGEMM, CUTLASS or Marlin kernels, no fp8 KV cache, no
-MoE); the activation dtype may also be float32 (the CPU runs fp32).
+Simpler than vLLM: per-tensor weight scales only (no block quantization), no
+DeepGEMM, CUTLASS or Marlin kernels (cuBLAS through ``torch._scaled_mm``), no
+fp8 KV cache, no MoE; the activation dtype may also be float32 (the CPU runs
+fp32).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from engine.model_executor.layers.quantization.input_quant_fp8 import (
     QuantFP8,
     scaled_fp8_quant,
 )
+from engine.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
 ACTIVATION_SCHEMES = ["static", "dynamic"]
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -125,6 +130,23 @@ def scaled_mm_fits(weight_t: torch.Tensor) -> bool:
     return weight_t.shape[0] % 16 == 0 and weight_t.shape[1] % 16 == 0
 
 
+def use_per_token_activations(device: torch.device, act_dtype: torch.dtype) -> bool:
+    """vLLM's rule for dynamic activation scales: per token where its CUTLASS
+    fp8 kernel runs (``cutlass_fp8_supported``: CUDA, sm89+), per tensor
+    elsewhere. cuBLAS's row-wise ``_scaled_mm`` gives a float32 output only
+    from sm90 on, so float32 activations on sm89 stay per tensor."""
+    if device.type != "cuda":
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    return capability >= (9, 0) or (capability >= (8, 9) and act_dtype != torch.float32)
+
+
+def column_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The per-tensor ``weight_scale`` repeated per output column, ``[1, out]``:
+    cuBLAS's row-wise ``_scaled_mm`` pairs a ``[T, 1]`` token scale with it."""
+    return weight_scale.float().reshape(1, 1).expand(1, out_features).contiguous()
+
+
 def apply_fp8_linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
@@ -133,16 +155,23 @@ def apply_fp8_linear(
     bias: torch.Tensor | None,
     quant: QuantFP8,
     use_scaled_mm: bool | None = None,
+    weight_scale_columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [..., in] @ W.T + b`` with ``W = weight_t.T * weight_scale`` (fp8).
-    ``use_scaled_mm``: the layer's ``scaled_mm_fits`` (None: decided here)."""
+    ``use_scaled_mm``: the layer's ``scaled_mm_fits`` (None: decided here);
+    ``weight_scale_columns``: the layer's ``column_scales`` (None: made here)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [T, in]
-    q, scale = quant(x2, input_scale)
+    q, scale = quant(x2, input_scale)  # scale: [] per tensor, [T, 1] per token
     if use_scaled_mm is None:
         use_scaled_mm = scaled_mm_fits(weight_t)
     if use_scaled_mm:
-        out = torch._scaled_mm(q, weight_t, scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
+        scale_b = weight_scale
+        if scale.dim() == 2:
+            scale_b = weight_scale_columns
+            if scale_b is None:
+                scale_b = column_scales(weight_scale, weight_t.shape[1])
+        out = torch._scaled_mm(q, weight_t, scale_a=scale, scale_b=scale_b, out_dtype=x.dtype)
     else:  # the reference: both operands back in float32
         out = ((q.float() * scale) @ (weight_t.float() * weight_scale)).to(x.dtype)
     if bias is not None:
@@ -155,7 +184,21 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
 
     def __init__(self, quant_config: Fp8Config) -> None:
         self.quant_config = quant_config
+        # The input's quantizer; a dynamic one is settled per device once the
+        # weights are loaded (select_activation_quant).
         self.quant = QuantFP8(static=False)
+
+    def select_activation_quant(self, layer: nn.Module, act_dtype: torch.dtype) -> None:
+        """Per-token dynamic scales on the devices vLLM uses them on; the
+        weight scale repeated per column for ``_scaled_mm`` then."""
+        per_token = not self.quant.static and use_per_token_activations(
+            layer.weight.device, act_dtype
+        )
+        if per_token:
+            self.quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+        layer.weight_scale_columns = (
+            column_scales(layer.weight_scale.data, layer.weight.shape[1]) if per_token else None
+        )
 
     def create_weights(self, layer: nn.Module, *weight_args: Any, **weight_attrs: Any) -> None:
         """A float ``weight`` exactly as an unquantized layer has (``[out, in]``)."""
@@ -164,11 +207,13 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
         UnquantizedLinearMethod().create_weights(layer, *weight_args, **weight_attrs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        act_dtype = layer.weight.dtype
         qweight, scale = scaled_fp8_quant(layer.weight.data)
         layer.weight = Parameter(qweight.t(), requires_grad=False)  # [in, out], column-major
         layer.weight_scale = Parameter(scale, requires_grad=False)
         layer.input_scale = None
         layer.use_scaled_mm = scaled_mm_fits(layer.weight)
+        self.select_activation_quant(layer, act_dtype)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -181,6 +226,7 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
             bias,
             self.quant,
             layer.use_scaled_mm,
+            layer.weight_scale_columns,
         )
 
 
@@ -219,6 +265,7 @@ class Fp8LinearMethod(Fp8OnlineLinearMethod):
             **extra_weight_attrs,
         )
         layer.logical_widths = list(output_partition_sizes)
+        layer.orig_dtype = params_dtype  # the activations' dtype
         names = ["weight_scale"]
         if self.quant_config.activation_scheme == "static":
             names.append("input_scale")
@@ -251,6 +298,7 @@ class Fp8LinearMethod(Fp8OnlineLinearMethod):
             layer.input_scale = Parameter(input_scale.data.max().reshape(()), requires_grad=False)
         else:
             layer.input_scale = None
+        self.select_activation_quant(layer, layer.orig_dtype)
 
 
 __all__ = [
@@ -259,4 +307,6 @@ __all__ = [
     "Fp8LinearMethod",
     "Fp8OnlineLinearMethod",
     "apply_fp8_linear",
+    "column_scales",
+    "use_per_token_activations",
 ]
