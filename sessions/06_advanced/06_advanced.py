@@ -888,7 +888,11 @@ for name, v in qb["variants"].items():
 # file*, so float32 and GGUF compute with identical weight values and differ
 # only in the order of floating-point operations. FP8 rounds those weights
 # again, to 3 mantissa bits, and its activations too, and the greedy text
-# drifts after a few tokens. And FP8 on a CPU is slow: there is no fp8
+# drifts after a few tokens. The activations' scale is the largest entry of
+# the whole step's input on a CPU (per tensor), so here a request's FP8
+# numbers depend on what it is batched with; on CUDA from sm89 on, vLLM --
+# and Glassbox -- take one scale per token instead, and they do not.
+# And FP8 on a CPU is slow: there is no fp8
 # matrix unit, so `_scaled_mm` runs torch's reference path (the timing
 # above); on a Hopper GPU the same call uses the tensor cores. GGUF is slow
 # here for a different reason — every step dequantizes every weight before
