@@ -23,7 +23,8 @@ Series names (``current_name``):
 * ``cpu_vs_transformers_cpu``
 * ``gpu_throughput_<gpu>``, e.g. ``gpu_throughput_h200``; ``gpu_throughput_modes_<gpu>`` for a
   run of the compiled CUDA-graph modes alone (``gpu_run.sh compile``),
-  ``gpu_throughput_fp8_<gpu>`` for a run of ``--parts fp8`` alone
+  ``gpu_throughput_fp8_<gpu>`` for a run of ``--parts fp8`` alone,
+  ``gpu_throughput_lora_<gpu>`` for ``--parts lora`` alone
 * ``broadcast_<machine>`` (the executor's shared-memory broadcast of a step to the workers).
 * ``tensor_parallel_<machine>`` (gloo's all-reduce and all-gather alone, decode throughput and
   step time at TP 1/2/3/4 with the collectives per step from a trace, each rank's memory).
@@ -129,6 +130,8 @@ def current_name(result: dict[str, Any]) -> str:
                 part = "modes_"
             elif "throughput_fp8" in result:
                 part = "fp8_"
+            elif "throughput_mixed_lora" in result:
+                part = "lora_"
         return f"gpu_throughput_{part}{machine}"
     if benchmark == "broadcast":
         return f"broadcast_{machine}"

@@ -55,6 +55,7 @@ DOCS = (
     "docs/quantization.md",
     "docs/compilation.md",
     "docs/parallelism.md",
+    "docs/lora.md",
 )
 # Issue 3's goal for the CPU benchmark (cpu_vs_transformers.py records none itself).
 CPU_RATIO_TARGET = 1.5
@@ -707,6 +708,10 @@ def _file_says(res: Results, name: str) -> str:
         return f"quantization=fp8: {_tps(fp8['output_tokens_per_second'])}" + (
             f", batch-1 step {b1:.2f} ms" if b1 else ""
         )
+    if benchmark == "gpu_throughput" and "throughput_mixed_lora" in r and "throughput_fp8" not in r:
+        base = r["throughput_lora_engine_base_only"]["output_tokens_per_second"]
+        mixed = r["throughput_mixed_lora"]["output_tokens_per_second"]
+        return f"LoRA engine: base model {_tps(base)}, mixed adapters {_tps(mixed)}"
     if benchmark == "gpu_throughput" and "ratio_to_transformers" not in r:
         modes = ", ".join(
             f"{mode} {_tps(x['output_tokens_per_second'])}"
@@ -1131,6 +1136,42 @@ def broadcast_table(res: Results) -> str:
     return "\n".join(parts).strip() or "No result stored yet."
 
 
+def lora_table(res: Results) -> str:
+    """docs/lora.md: the mixed-adapter workload against the base model, same engine."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("gpu_throughput_lora_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        base = r.get("throughput_lora_engine_base_only", {})
+        mixed = r.get("throughput_mixed_lora", {})
+        if "output_tokens_per_second" not in base or "output_tokens_per_second" not in mixed:
+            continue
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {r['gpu']}; {r['model']}; "
+            f"{r['workload']}; one engine with `enable_lora=True`, {mixed['num_adapters']} "
+            f"adapters of rank {mixed['lora_rank']} on q/k/v/o/gate/up/down, run eagerly):"
+        )
+        parts.append("")
+        parts.append("| requests | output tok/s | seconds |")
+        parts.append("|---|---|---|")
+        n = mixed["num_requests"]
+        parts.append(
+            f"| all {n} on the base model | {_tps(base['output_tokens_per_second'])} | "
+            f"{base['elapsed_time']:.1f} |"
+        )
+        on_base = mixed["requests_on_base_model"]
+        parts.append(
+            f"| {n - on_base} spread over the {mixed['num_adapters']} adapters, {on_base} on the "
+            f"base model | {_tps(mixed['output_tokens_per_second'])} | "
+            f"{mixed['elapsed_time']:.1f} |"
+        )
+        parts.append("")
+        ratio = mixed["output_tokens_per_second"] / base["output_tokens_per_second"]
+        parts.append(f"Mixed adapters / base model on the same engine: {ratio:.2f}.")
+        parts.append("")
+    return "\n".join(parts).strip() or "No result stored yet."
+
+
 def spec_verify_table(res: Results) -> str:
     """docs/spec_decode.md: step time per mode and batch, and the ratio to graphed decode."""
     parts = []
@@ -1288,6 +1329,7 @@ BLOCKS = (
     Block("quantization", "docs/quantization.md", quantization_table),
     Block("tensor-parallel", "docs/parallelism.md", tensor_parallel_table),
     Block("broadcast", "docs/parallelism.md", broadcast_table),
+    Block("lora", "docs/lora.md", lora_table),
 )
 
 

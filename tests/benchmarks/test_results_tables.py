@@ -161,6 +161,15 @@ def threads_machine(cpus: int, *, logical: int | None = None, busy: int | None =
     [
         ({"benchmark": "cpu_vs_transformers", "machine": {}}, "cpu_vs_transformers_cpu"),
         ({"benchmark": "gpu_throughput", **H200}, "gpu_throughput_h200"),
+        (  # gpu_run.sh compile, quant (fp8), quant with QUANT_PARTS=lora: series of their own
+            {"benchmark": "gpu_throughput", "throughput_compiled": {}, **H200},
+            "gpu_throughput_modes_h200",
+        ),
+        ({"benchmark": "gpu_throughput", "throughput_fp8": {}, **H200}, "gpu_throughput_fp8_h200"),
+        (
+            {"benchmark": "gpu_throughput", "throughput_mixed_lora": {}, **H200},
+            "gpu_throughput_lora_h200",
+        ),
         ({"benchmark": "gpu_profile_step", "batch": 1, **H200}, "gpu_profile_step_b1_h200"),
         (
             {"benchmark": "tracing_overhead", "device": "cpu", "model_arg": "default"},
