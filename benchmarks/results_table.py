@@ -1136,6 +1136,34 @@ def broadcast_table(res: Results) -> str:
     return "\n".join(parts).strip() or "No result stored yet."
 
 
+def gpu_profile_modes_table(res: Results) -> str:
+    """docs/gpu.md: one decode step under each compilation / CUDA-graph mode."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("gpu_profile_modes_")):
+        r = res.current[name]
+        line = res.line_of(name)
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {r.get('gpu', 'CPU')}; "
+            f"{r['model']}; batch {r['batch']}, context {r['context']}; per decode step, "
+            f"mean of {r['steps']}):"
+        )
+        parts.append("")
+        parts.append(
+            "| mode | graph used | wall ms | GPU busy ms | kernels | kernel launches | "
+            "graph launches | start-up s |"
+        )
+        parts.append("|---|---|---|---|---|---|---|---|")
+        for mode, m in r["modes"].items():
+            parts.append(
+                f"| {mode} | {m['decode_graph_mode']} | {m['wall_ms_per_step']:.2f} | "
+                f"{m['gpu_busy_ms_per_step']:.2f} | {m['gpu_kernels_per_step']:.0f} | "
+                f"{m['kernel_launches_per_step']:.0f} | {m['graph_launches_per_step']:.0f} | "
+                f"{m['engine_startup_seconds']:.1f} |"
+            )
+        parts.append("")
+    return "\n".join(parts).strip() or "No result stored yet."
+
+
 def lora_table(res: Results) -> str:
     """docs/lora.md: the mixed-adapter workload against the base model, same engine."""
     parts = []
@@ -1318,6 +1346,7 @@ BLOCKS = (
     Block("gpu-throughput", "docs/gpu.md", gpu_throughput_table),
     Block("gpu-throughput-history", "docs/gpu.md", gpu_throughput_history_table),
     Block("gpu-profile-step", "docs/gpu.md", gpu_profile_step_table),
+    Block("gpu-profile-modes", "docs/gpu.md", gpu_profile_modes_table),
     Block("async-scheduling", "docs/gpu.md", async_scheduling_table),
     Block("tracing-overhead-gpu-history", "docs/gpu.md", tracing_gpu_history_table),
     Block("tracing-profile-gpu", "docs/gpu.md", tracing_profile_table),

@@ -296,3 +296,57 @@ def test_the_cpu_threads_table_renders_each_series(tmp_path):
     assert results_table._file_says(res, "cpu_threads_cpu_16c.json") == (
         "batch 8, 16 CPUs: old 2.21 s (16 threads), new 2.76 s (15 threads), omp1 7.31 s (1 thread)"
     )
+
+
+def test_the_lora_and_profile_modes_tables_render_their_files(tmp_path):
+    results = tmp_path / results_table.RESULTS
+    run = {"date": "2099-01-01T00:00:00+00:00", "commit": "abc1234", **H200}
+    lora = {
+        "benchmark": "gpu_throughput",
+        **run,
+        "model": "M",
+        "workload": "W",
+        "throughput_lora_engine_base_only": {
+            "output_tokens_per_second": 6000.0,
+            "elapsed_time": 20,
+        },
+        "throughput_mixed_lora": {
+            "output_tokens_per_second": 3000.0,
+            "elapsed_time": 40,
+            "num_requests": 256,
+            "requests_on_base_model": 51,
+            "num_adapters": 4,
+            "lora_rank": 16,
+        },
+    }
+    step = {
+        "optimization_level": 2,
+        "engine_startup_seconds": 12.34,
+        "wall_ms_per_step": 1.234,
+        "gpu_busy_ms_per_step": 1.1,
+        "gpu_kernels_per_step": 120.0,
+        "kernel_launches_per_step": 3.0,
+        "graph_launches_per_step": 1.0,
+        "decode_graph_mode": "FULL",
+    }
+    modes = {
+        "benchmark": "gpu_profile_modes",
+        **run,
+        "model": "M",
+        "batch": 1,
+        "context": 512,
+        "steps": 20,
+        "modes": {"O2 FULL_AND_PIECEWISE (default)": step},
+    }
+    results_store.record(lora, results)
+    results_store.record(modes, results)
+    res = results_table.Results.load(tmp_path)
+    lora_text = results_table.lora_table(res)
+    assert lora_text.startswith("`gpu_throughput_lora_h200.json` (2099-01-01, abc1234;")
+    assert "| 205 spread over the 4 adapters, 51 on the base model | 3,000 tok/s | 40.0 |" in (
+        lora_text
+    )
+    assert lora_text.endswith("Mixed adapters / base model on the same engine: 0.50.")
+    assert results_table.gpu_profile_modes_table(res).splitlines()[-1] == (
+        "| O2 FULL_AND_PIECEWISE (default) | FULL | 1.23 | 1.10 | 120 | 3 | 1 | 12.3 |"
+    )
