@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -112,7 +113,11 @@ def main() -> int:
     }
     out_path = results_store.output_path(args.out + "/", result)
     for name, (level, compilation) in modes.items():
-        result["modes"][name] = profile_mode(path, level, compilation, args)
+        # A fresh process per mode: an in-process engine's CUDA graphs and
+        # compiled code hold their memory until the process ends, and the next
+        # engine would find none left for its KV blocks.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            result["modes"][name] = pool.apply(profile_mode, (path, level, compilation, args))
         print(name, json.dumps(result["modes"][name]), flush=True)
         out_path.write_text(results_store.dump_result(result))
     if args.record:
