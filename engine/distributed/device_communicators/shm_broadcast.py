@@ -347,7 +347,7 @@ class MessageQueue:
                 local_subscribe_addr = _open_ipc_path()
                 self.local_socket = self._make_socket(zmq.XPUB)
                 self.local_socket.bind(local_subscribe_addr)
-                self._ipc_file = local_subscribe_addr
+                self._ipc_address = local_subscribe_addr
             if self.n_remote_reader > 0:
                 ip = connect_ip or get_ip()
                 self.remote_socket = self._make_socket(zmq.XPUB)
@@ -371,7 +371,7 @@ class MessageQueue:
         logger.debug("message queue handle: %s", self.handle)
         shm = self.buffer.shared_memory if self.buffer is not None else None
         self._finalizer = weakref.finalize(
-            self, _remove_writer_files, self._pid, shm, self._ipc_file
+            self, _remove_writer_files, self._pid, shm, self._ipc_address
         )
 
     def _init_state(self, is_writer: bool) -> None:
@@ -389,7 +389,7 @@ class MessageQueue:
         self.shutting_down = False
         self._closed = False
         self._pid = os.getpid()
-        self._ipc_file: str | None = None  # ipc:// address of the writer's bound socket
+        self._ipc_address: str | None = None  # ipc:// address of the writer's bound socket
         self._finalizer: weakref.finalize | None = None  # the writer's, until close()
         # Held by enqueue/dequeue; close() takes it so that it never frees a
         # socket or the segment under a call running in another thread.
@@ -700,7 +700,7 @@ class MessageQueue:
                 if sock is not None:
                     sock.close(linger=0)
             self._context.destroy(linger=0)  # also any socket a failed constructor left
-            remove_ipc_socket_file(self._ipc_file)
+            remove_ipc_socket_file(self._ipc_address)
             if self.buffer is not None:
                 self.buffer.close()
         finally:

@@ -117,12 +117,13 @@ class Fp8Config(QuantizationConfig):
         return Fp8OnlineLinearMethod(self)
 
 
-def scaled_mm_fits(weight_t: torch.Tensor) -> bool:
+def scaled_mm_fits(weight_t: torch.Tensor, per_token: bool = False) -> bool:
     """Whether ``torch._scaled_mm`` takes this ``[in, out]`` weight (CUDA: sm89+,
-    both dimensions multiples of 16; any row count of the input goes). Decided
-    once per layer after loading, not per call."""
+    both dimensions multiples of 16; any row count of the input goes; CPU: per
+    tensor scales -- torch's CPU kernel takes per-token ones only from 2.13 on).
+    Decided once per layer after loading, not per call."""
     if weight_t.device.type == "cpu":
-        return True
+        return not per_token
     if weight_t.device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(weight_t.device) < (8, 9):
@@ -164,7 +165,7 @@ def apply_fp8_linear(
     x2 = x.reshape(-1, shape[-1])  # [T, in]
     q, scale = quant(x2, input_scale)  # scale: [] per tensor, [T, 1] per token
     if use_scaled_mm is None:
-        use_scaled_mm = scaled_mm_fits(weight_t)
+        use_scaled_mm = scaled_mm_fits(weight_t, per_token=scale.dim() == 2)
     if use_scaled_mm:
         scale_b = weight_scale
         if scale.dim() == 2:
@@ -190,16 +191,14 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
 
     def select_activation_quant(self, layer: nn.Module, act_dtype: torch.dtype) -> None:
         """Per-token dynamic scales on the devices vLLM uses them on; the
-        weight scale repeated per column for ``_scaled_mm`` then."""
+        weight scale repeated per column for ``_scaled_mm`` then; whether
+        ``_scaled_mm`` takes the layer (``use_scaled_mm``)."""
         per_token = not self.quant.static and use_per_token_activations(
             layer.weight.device, act_dtype
         )
         if per_token:
             self.quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
-            if layer.weight.device.type == "cpu":
-                # Only a test makes the CPU use per-token scales; torch's CPU
-                # _scaled_mm takes them from 2.13 on, the reference path always.
-                layer.use_scaled_mm = False
+        layer.use_scaled_mm = scaled_mm_fits(layer.weight, per_token)
         layer.weight_scale_columns = (
             column_scales(layer.weight_scale.data, layer.weight.shape[1]) if per_token else None
         )
@@ -216,7 +215,6 @@ class Fp8OnlineLinearMethod(QuantizeMethodBase):
         layer.weight = Parameter(qweight.t(), requires_grad=False)  # [in, out], column-major
         layer.weight_scale = Parameter(scale, requires_grad=False)
         layer.input_scale = None
-        layer.use_scaled_mm = scaled_mm_fits(layer.weight)
         self.select_activation_quant(layer, act_dtype)
 
     def apply(
@@ -295,7 +293,6 @@ class Fp8LinearMethod(Fp8OnlineLinearMethod):
                 start += width
             weight = torch.cat(parts)
         layer.weight = Parameter(weight.t(), requires_grad=False)
-        layer.use_scaled_mm = scaled_mm_fits(layer.weight)
         layer.weight_scale = Parameter(max_scale.reshape(()), requires_grad=False)
         input_scale = getattr(layer, "input_scale", None)
         if input_scale is not None:
