@@ -51,6 +51,7 @@
 #   GPU_TESTS_K="expr"   with `bench` or `tracing`: first the gpu tests whose names match
 #   TRACING_PROFILE=1|0  run benchmarks/tracing_profile.py (default: in bench and tracing)
 #   SAVE_CACHES=0        do not put the FlashInfer/Triton kernel caches in $OUT (default 1)
+#   NB_LIST="a.ipynb b.ipynb"  with `notebooks-refresh`: only these notebooks (default: all)
 #   WARM_FLASHINFER=1    also build the notebooks' FlashInfer kernels in the background
 #                        (log: /tmp/gpu_warm_flashinfer.log on the machine)
 #
@@ -183,7 +184,8 @@ if [ "$WHAT" = notebooks ] || [ "$WHAT" = notebooks-refresh ] || [ "$WHAT" = all
     # Bounded (NB_TIMEOUT_S, default 540 s) so the notebooks done by then are packed into
     # results.tgz below even when the call's own limit is near: $OUT returns 8 files at most.
     timeout "${NB_TIMEOUT_S:-540}" "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
-      $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) 2>&1 | tee "$OUT/notebooks.log" || rc=1
+      $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) ${NB_LIST:-} 2>&1 \
+      | tee "$OUT/notebooks.log" || rc=1
   else
     "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=7 --nbval-lax \
       --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg \
