@@ -437,3 +437,64 @@ def test_resolve_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dm.resolve_model("default") == "/cache/models/default"
     assert dm.resolve_model("/data/my-llama") == "/data/my-llama"
     assert dm.DEFAULT_MODEL_NAME == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# ---------------------------------------------------------------------------
+# Independence from transformers' GGUF tokenizer converter
+# ---------------------------------------------------------------------------
+class _Vocab:
+    """The two tokenizer methods the recipe uses, over a token list."""
+
+    def __init__(self, tokens: list[str], **attributes: str) -> None:
+        self.tokens = tokens
+        self.__dict__.update(attributes)
+
+    def convert_ids_to_tokens(self, i: int) -> str:
+        return self.tokens[i]
+
+
+SMOLLM2_HEAD = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "hi"]
+
+
+def test_gguf_metadata_declares_the_special_ids() -> None:
+    ids = dm._gguf_special_ids(dm.find_default_model_gguf())
+    assert ids == {"bos": 1, "eos": 2, "pad": 2, "unk": 0}
+
+
+def test_special_ids_come_from_the_gguf_not_the_tokenizers_labels() -> None:
+    # transformers 5.17's GGUF Llama converter labels bos and eos both <|im_start|>.
+    mislabelled = _Vocab(SMOLLM2_HEAD, bos_token="<|im_start|>", eos_token="<|im_start|>")
+    ids = {"bos": 1, "eos": 2, "pad": 2, "unk": 0}
+    assert dm._special_token_ids(mislabelled, ids) == ids
+
+
+def test_gguf_id_of_another_token_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match=r"eos token id 1 is '<\|im_start\|>'.*'<\|im_end\|>'"):
+        dm._special_token_ids(_Vocab(SMOLLM2_HEAD), {"bos": 1, "eos": 1, "pad": 2, "unk": 0})
+
+
+def test_saved_tokenizer_is_plain_byte_level_bpe_whatever_the_converter(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    # What transformers 5.17 hands over: byte fallback, an unk token, a
+    # SentencePiece-style decoder and an empty normalizer sequence.
+    vocab = {t: i for i, t in enumerate(SMOLLM2_HEAD)}
+    backend = Tokenizer(
+        models.BPE(vocab, [], unk_token="<|endoftext|>", fuse_unk=True, byte_fallback=True)
+    )
+    backend.normalizer = normalizers.Sequence([])
+    backend.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " ")]
+    )
+    template = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    tokenizer = SimpleNamespace(backend_tokenizer=backend, chat_template=template)
+    dm._save_tokenizer(tokenizer, tmp_path, model_max_length=8192)
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert saved["normalizer"] is None
+    assert saved["decoder"]["type"] == "ByteLevel"
+    assert saved["pre_tokenizer"]["type"] == "Sequence"
+    model = saved["model"]
+    assert (model["unk_token"], model["fuse_unk"], model["byte_fallback"]) == (None, False, False)
+    assert (model["continuing_subword_prefix"], model["end_of_word_suffix"]) == ("", "")

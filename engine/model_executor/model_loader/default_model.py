@@ -306,7 +306,7 @@ def _convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         bar.update(1)
 
         bar.set_postfix_str(_CONVERSION_STEPS[2])
-        special_ids = _special_token_ids(tokenizer)
+        special_ids = _special_token_ids(tokenizer, _gguf_special_ids(gguf_path))
         config = _build_config_dict(hf_config.to_dict(), type(model).__name__, tied, special_ids)
         _write_json(out_dir / "config.json", config)
         _write_json(
@@ -377,19 +377,46 @@ def _save_weights(model: Any, path: Path, tied: bool) -> None:
     os.chmod(path, 0o644)
 
 
-def _special_token_ids(tokenizer: Any) -> dict[str, int]:
-    """bos/eos/pad ids, checked against the upstream SmolLM2 special tokens."""
-    expected = {"bos": _BOS_TOKEN, "eos": _EOS_TOKEN, "pad": _PAD_TOKEN, "unk": _UNK_TOKEN}
+# GGUF metadata key of each special token's id.
+_GGUF_SPECIAL_ID_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+}
+
+
+def _gguf_special_ids(gguf_path: Path) -> dict[str, int]:
+    """The bos/eos/pad/unk ids the GGUF file's metadata declares."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
     ids: dict[str, int] = {}
+    for role, key in _GGUF_SPECIAL_ID_KEYS.items():
+        field = fields.get(key)
+        if field is None:
+            raise RuntimeError(f"GGUF file {gguf_path.name} has no {key}")
+        ids[role] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def _special_token_ids(tokenizer: Any, gguf_ids: dict[str, int]) -> dict[str, int]:
+    """bos/eos/pad/unk ids from the GGUF metadata, checked against the upstream
+    SmolLM2 special tokens through the converted vocabulary.
+
+    The ids are taken from the file, not from the tokenizer's ``eos_token``
+    and friends: transformers' GGUF tokenizer converter sets those differently
+    across versions (5.17's Llama converter gives bos and eos both the bos token).
+    """
+    expected = {"bos": _BOS_TOKEN, "eos": _EOS_TOKEN, "pad": _PAD_TOKEN, "unk": _UNK_TOKEN}
     for role, token in expected.items():
-        actual = getattr(tokenizer, f"{role}_token")
+        actual = tokenizer.convert_ids_to_tokens(gguf_ids[role])
         if actual != token:
             raise RuntimeError(
-                f"GGUF tokenizer has {role}_token={actual!r}; the conversion "
-                f"recipe expects {token!r} (SmolLM2-135M-Instruct)"
+                f"GGUF file's {role} token id {gguf_ids[role]} is {actual!r}; the "
+                f"conversion recipe expects {token!r} (SmolLM2-135M-Instruct)"
             )
-        ids[role] = int(tokenizer.convert_tokens_to_ids(token))
-    return ids
+    return dict(gguf_ids)
 
 
 def _build_config_dict(
@@ -447,7 +474,7 @@ def _build_config_dict(
 
 def _save_tokenizer(tokenizer: Any, out_dir: Path, model_max_length: int) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
-    from tokenizers import pre_tokenizers
+    from tokenizers import decoders, pre_tokenizers
 
     chat_template = tokenizer.chat_template
     if not chat_template or _EOS_TOKEN not in chat_template:
@@ -456,6 +483,15 @@ def _save_tokenizer(tokenizer: Any, out_dir: Path, model_max_length: int) -> Non
         )
 
     backend = tokenizer.backend_tokenizer
+    # Upstream SmolLM2 is plain byte-level BPE. transformers' GGUF converter
+    # differs by version (5.17's adds byte fallback, an unk token and a
+    # SentencePiece-style decoder), so the recipe sets these itself: every
+    # version then writes the same tokenizer.json.
+    backend.normalizer = None
+    backend.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    bpe = backend.model
+    bpe.unk_token, bpe.fuse_unk, bpe.byte_fallback = None, False, False
+    bpe.continuing_subword_prefix, bpe.end_of_word_suffix = "", ""
     # SmolLM2 splits every digit before byte-level BPE ("2024" -> 2, 0, 2, 4).
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
