@@ -32,14 +32,14 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp/wheels" "${specs[@]}"
 mkdir -p "$tmp/site"
-for w in "$tmp"/wheels/*.whl; do (cd "$tmp/site" && python3 -m zipfile -e "$w" .); done
+for w in "$tmp"/wheels/*.whl; do python3 scripts/unzip_wheel.py "$w" "$tmp/site"; done
 tar -C "$tmp/site" -cf - . | xz -6 -T0 > .gpu_carry/nb_site.tar.xz
 ray_version=$("$PY" -m pip show ray | awk '/^Version:/{print $2}')
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$tmp/ray" "ray==$ray_version"
 mkdir -p "$tmp/ray_site" .gpu_ray
 grep -qx '/.gpu_ray/' .git/info/exclude || echo '/.gpu_ray/' >> .git/info/exclude
-(cd "$tmp/ray_site" && python3 -m zipfile -e "$tmp"/ray/ray-*.whl .)
+python3 scripts/unzip_wheel.py "$tmp"/ray/ray-*.whl "$tmp/ray_site"
 tar -C "$tmp/ray_site" -cf - --exclude=ray/jars --exclude=ray/rllib --exclude=ray/serve \
   --exclude=ray/data --exclude=ray/tune --exclude=ray/train . | xz -6 -T0 > .gpu_ray/ray_site.tar.xz
 # A relocatable dot: the binary, its libraries (glibc's own stay behind) and the plugins.

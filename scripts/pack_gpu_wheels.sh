@@ -31,7 +31,7 @@ dl .whl gguf==0.19.0
 tmp=$(mktemp -d)
 dl "$tmp/wheels" flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.11
 mkdir -p "$tmp/site" .gpu_carry
-for w in "$tmp"/wheels/*.whl; do (cd "$tmp/site" && python3 -m zipfile -e "$w" .); done
+for w in "$tmp"/wheels/*.whl; do python3 scripts/unzip_wheel.py "$w" "$tmp/site"; done
 tar -C "$tmp/site" -cf - . | xz -6 -T0 > .gpu_carry/fi_site.tar.xz
 rm -rf "$tmp"
 du -sh .whl .gpu_carry
