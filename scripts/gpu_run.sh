@@ -52,6 +52,8 @@
 #   TRACING_PROFILE=1|0  run benchmarks/tracing_profile.py (default: in bench and tracing)
 #   SAVE_CACHES=0        do not put the FlashInfer/Triton kernel caches in $OUT (default 1)
 #   NB_LIST="a.ipynb b.ipynb"  with `notebooks-refresh`: only these notebooks (default: all)
+#   CALL_LIMIT_S=600     with `notebooks-refresh`: the call's limit; the notebooks stop 45 s
+#                        before it so that what they made is packed (NB_TIMEOUT_S: a fixed bound)
 #   WARM_FLASHINFER=1    also build the notebooks' FlashInfer kernels in the background
 #                        (log: /tmp/gpu_warm_flashinfer.log on the machine)
 #
@@ -181,9 +183,12 @@ if [ "$WHAT" = notebooks ] || [ "$WHAT" = notebooks-refresh ] || [ "$WHAT" = all
       | tee -a "$OUT/nbval_gpu.log"
     rc=1
   elif [ "$WHAT" = notebooks-refresh ]; then
-    # Bounded (NB_TIMEOUT_S, default 540 s) so the notebooks done by then are packed into
-    # results.tgz below even when the call's own limit is near: $OUT returns 8 files at most.
-    timeout "${NB_TIMEOUT_S:-540}" "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
+    # Bounded so the notebooks done by then are packed into results.tgz below before the
+    # call's own limit (CALL_LIMIT_S, default 600 s, counted from this script's start: the
+    # set-up above is part of it); $OUT returns 8 files at most. NB_TIMEOUT_S overrides.
+    nb_timeout=${NB_TIMEOUT_S:-$(( ${CALL_LIMIT_S:-600} - SECONDS - 45 ))}
+    echo "notebooks: $nb_timeout s left for them" | tee -a "$OUT/notebooks.log"
+    timeout "$nb_timeout" "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
       $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) ${NB_LIST:-} 2>&1 \
       | tee "$OUT/notebooks.log" || rc=1
   else
