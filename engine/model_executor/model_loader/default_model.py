@@ -396,7 +396,7 @@ def _gguf_special_ids(gguf_path: Path) -> dict[str, int]:
         field = fields.get(key)
         if field is None:
             raise RuntimeError(f"GGUF file {gguf_path.name} has no {key}")
-        ids[role] = int(field.parts[field.data[0]][0])
+        ids[role] = int(field.contents())
     return ids
 
 
