@@ -182,6 +182,15 @@ class GlassboxBackend:
             piece = CUDAGraphWrapper(piece, CUDAGraphMode.PIECEWISE, self.graph_pool)
         return piece
 
+    def release(self) -> None:
+        """Drop the split graph, its pieces and their CUDA graphs, and the
+        config (its ``static_forward_context`` reaches the KV cache): Dynamo
+        keeps every backend it was given for the life of the process."""
+        self.split_gm = None
+        self.piecewise_graphs = []
+        self.piecewise_backends = []
+        self.compilation_config = None  # type: ignore[assignment]
+
     def __call__(self, graph: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         compilation_counter.num_graphs_seen += 1
         start = time.perf_counter()

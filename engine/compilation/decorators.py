@@ -126,14 +126,24 @@ def _compile(model: Any) -> TorchCompileWithNoGuardsWrapper:
         model.compile_backend = backend = GlassboxBackend(
             compilation_config, compute_cache_key(config), device_type, pool
         )
-    # Dynamo keeps compiled code per code object, at most 8 entries (its
-    # recompile limit), and each model's backend is a new one; an engine
-    # compiles one model per class, so what earlier engines of this process
-    # left on ``forward`` is dropped and the new model traces afresh.
-    torch._dynamo.eval_frame.remove_from_cache(type(model).forward.__code__)
     logger.info("compiling %s (mode %s)", type(model).__name__, mode.name)
-    # nn.Module.__call__ would come back here: compile the plain forward.
-    return TorchCompileWithNoGuardsWrapper(model.forward, mode, backend)
+    return TorchCompileWithNoGuardsWrapper(model, mode, backend)
+
+
+def release_compiled_model(model: nn.Module) -> None:
+    """Let a shut-down engine's compiled code, pieces and CUDA graphs go.
+    Dynamo holds on to every backend (and, through it, the KV cache) and to
+    every compiled graph for the life of the process, which matters when
+    engines come and go in one process (notebooks, tests)."""
+    for module in model.modules():
+        compiled = getattr(module, "compiled", None)
+        if isinstance(compiled, TorchCompileWithNoGuardsWrapper):
+            compiled.release()
+            module.compiled = None
+        backend = getattr(module, "compile_backend", None)
+        if isinstance(backend, GlassboxBackend):
+            backend.release()
+            module.compile_backend = None
 
 
 def compute_cache_key(glassbox_config: Any) -> str:

@@ -226,23 +226,29 @@ def test_whole_graph_modes_equal_eager(mode: int, tmp_path: Path) -> None:
     hands it to the backend unsplit: no GlassboxBackend runs."""
     import torch
 
+    from engine.model_executor.models.llama import LlamaModel
+
     model = tmp_path / "llama"
     save_tiny_checkpoint("llama", model, seed=0)
     eager = _run(str(model), PROMPTS)
     before = compilation_counter.clone()
-    compiled = _run(str(model), PROMPTS, mode=mode, backend="eager")
+    llm = LLM(str(model), compilation_config={"mode": mode, "backend": "eager"}, **ENGINE_ARGS)
+    try:
+        compiled = llm.generate(PROMPTS, GREEDY)
+        forward = LlamaModel.forward.__code__
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(forward)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
     _assert_same(eager, compiled)
     assert compilation_counter.num_models_seen - before.num_models_seen == 1
     assert compilation_counter.num_graphs_seen == before.num_graphs_seen
-    # Earlier engines' code was dropped from forward's cache: Dynamo allows 8
-    # entries per code object, and this process compiles many models.
-    from engine.model_executor.models.llama import LlamaModel
-
-    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(LlamaModel.forward.__code__)
-    # Mode 2: one trace for good. Mode 1 keeps its guards: it retraces once the
-    # layers have picked their implementations on the first call, and once
-    # more when a token count differs (then the dim is dynamic for good).
+    # Mode 2: one trace for good, then the model runs that trace's bytecode.
+    # Mode 1 keeps its guards: it retraces once the layers have picked their
+    # implementations on the first call, and once more when a token count
+    # differs (then the dim is dynamic for good).
     assert len(entries) == 1 if mode == 2 else 1 <= len(entries) <= 3
+    # Shut down, the engine leaves no code on forward.
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(forward) == []
 
 
 def test_compiled_layers_run_plain_torch_for_inductor(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from engine.compilation.decorators import release_compiled_model
 from engine.config import GlassboxConfig
 from engine.distributed.parallel_state import (
     cleanup_dist_env_and_memory,
@@ -177,6 +178,14 @@ class Worker(WorkerBase):
         return self.model_runner.take_draft_token_ids()
 
     def shutdown(self) -> None:
+        if self.model_runner is not None:
+            # What outlives this engine in the process (Dynamo's caches, the
+            # config the caller keeps) must not keep its weights, KV cache or graphs.
+            drafter = self.model_runner.drafter
+            for model in (self.model_runner.model, getattr(drafter, "model", None)):
+                if model is not None:
+                    release_compiled_model(model)
+            self.glassbox_config.compilation_config.static_forward_context.clear()
         self.model_runner = None
         if self.glassbox_config.parallel_config.world_size > 1:
             cleanup_dist_env_and_memory()
