@@ -245,6 +245,10 @@ def recording_prepare_inputs(scheduler_output):
         "block_table": common.block_table_tensor[:rows].cpu().tolist(),
         "logits_indices": inputs.logits_indices.cpu().tolist(),
         "max_query_len": common.max_query_len,
+        # A FULL CUDA graph (GPU only) runs a fixed size: the runner pads the
+        # step with tokens at slot -1 and rows of zero query tokens.
+        "graph": inputs.cudagraph_mode.name,
+        "padded_tokens": inputs.batch_descriptor.num_tokens,
     }
     return inputs
 
@@ -473,20 +477,29 @@ def recompute(live: dict) -> dict:
     positions = computed[rows] + offsets
     table = np.array(live["block_table"])
     slots = table[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    return {
+    mine = {
         "positions": positions.tolist(),
         "slot_mapping": slots.tolist(),
         "query_start_loc": [0, *np.cumsum(n).tolist()],
         "seq_lens": (computed + n).tolist(),
         "logits_indices": (np.cumsum(n) - 1).tolist(),
     }
+    if live["graph"] == "FULL":  # padded to the graph's size (the block table row count tells how many rows)
+        pad_rows = len(live["block_table"]) - len(req_ids)
+        mine["slot_mapping"] += [-1] * (live["padded_tokens"] - n.sum())
+        mine["query_start_loc"] += [int(n.sum())] * pad_rows
+        mine["seq_lens"] += [0] * pad_rows
+    return mine
 
 
 for step in sorted(captured):
     mine, theirs = recompute(captured[step]), captured[step]
     same = all(mine[k] == theirs[k] for k in mine)
+    padding = ""
+    if theirs["graph"] == "FULL" and len(theirs["block_table"]) > len(theirs["req_ids"]):
+        padding = f" (FULL graph of {theirs['padded_tokens']}: padding included)"
     print(f"step {step:>2}: recomputed positions, slots, query_start_loc, seq_lens, logits_indices "
-          f"== runner's: {same}")
+          f"== runner's: {same}{padding}")
 
 # %% [markdown]
 # ### 3c. The persistent batch
@@ -973,8 +986,15 @@ model.forward = counted_forward
 add("count", "Counting kernels", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 llm_engine.step()          # launches the prefill
 counter.counts.clear()
+# On a GPU this engine runs compiled code and replays CUDA graphs, inside which a
+# dispatch mode sees nothing: for the counted step the dispatcher answers NONE and
+# the model runs its plain forward (the switch support_torch_compile reads).
+# On a CPU both are so already.
+settings = runner.cudagraph_dispatcher.mode, model.model.do_not_compile
+runner.cudagraph_dispatcher.mode, model.model.do_not_compile = CUDAGraphMode.NONE, True
 with kernels_disabled():   # the plain-torch CPU paths, visible to the dispatch mode
     llm_engine.step()      # launches one decode step (count this forward), then reads the prefill's output
+runner.cudagraph_dispatcher.mode, model.model.do_not_compile = settings
 model.forward = _forward
 launching = {k: v for k, v in counter.counts.items() if k not in NO_KERNEL}
 num_layers = llm.llm_engine.model_config.get_num_layers()
@@ -1093,13 +1113,16 @@ else:
 
 # %%
 # Every step's runner tensors agree with the trace's runner.batch event.
+# (A FULL graph's padding rows and tokens come after the live ones: zero query tokens, slot -1.)
 for step, b in batches.items():
     live = captured[step]
+    rows = len(live["req_ids"])
     assert live["req_ids"] == [LABEL[r] for r in b.req_ids]
-    assert np.diff(live["query_start_loc"]).tolist() == b.query_lens
-    assert live["seq_lens"] == b.seq_lens
+    query_lens = np.diff(live["query_start_loc"]).tolist()
+    assert query_lens[:rows] == b.query_lens and set(query_lens[rows:]) <= {0}
+    assert live["seq_lens"][:rows] == b.seq_lens and set(live["seq_lens"][rows:]) <= {0}
     slots = [blk * BLOCK_SIZE + off + i for runs_ in b.slot_mapping for blk, off, cnt in runs_ for i in range(cnt)]
-    assert slots == live["slot_mapping"]
+    assert slots == live["slot_mapping"][: len(slots)] and set(live["slot_mapping"][len(slots):]) <= {-1}
 print("trace and live runner agree on every step: ok")
 
 # %%

@@ -305,6 +305,7 @@ def recording_sampler(logits, sampling_metadata, *args, **kwargs):
     sampler_calls[traced_step()] = {
         "rows": [LABEL.get(r, r) for r in runner.input_batch.req_ids[: logits.shape[0]]],
         "logits": logits.detach().float().cpu().clone(),
+        "device": logits.device.type,
         "global_rng": torch.get_rng_state() if logits.device.type == "cpu" else torch.cuda.get_rng_state(),
         "generators": {row: g.get_state() for row, g in md.generators.items()},
     }
@@ -961,18 +962,20 @@ def sample_by_hand(call: dict, outputs_so_far: dict[str, list[int]]) -> dict:
             mass_before = row[order].softmax(dim=-1).cumsum(dim=-1) - row[order].softmax(dim=-1)
             row[order[mass_before >= p]] = float("-inf")  # keep tokens until the mass reaches p
     stages["top_k_top_p"] = logits.clone()
-    # The draw: global RNG for the whole tensor, then each seeded row from its own generator.
-    noise = torch.empty(n, V)
+    # The draw: global RNG for the whole tensor, then each seeded row from its own generator,
+    # on the engine's device (a CUDA generator's numbers are not a CPU generator's). Copies of
+    # the states recorded at the call: the notebook's own RNG is left where it was.
+    device = call["device"]
+    noise = torch.empty(n, V, device=device)
     if len(call["generators"]) != n:
-        saved = torch.get_rng_state()
-        torch.set_rng_state(call["global_rng"])
-        noise.exponential_()
-        torch.set_rng_state(saved)  # leave the notebook's own RNG where it was
+        global_rng = torch.Generator(device=device)
+        global_rng.set_state(call["global_rng"])
+        noise.exponential_(generator=global_rng)
     for r, state in call["generators"].items():
-        generator = torch.Generator()
+        generator = torch.Generator(device=device)
         generator.set_state(state)
         noise[r].exponential_(generator=generator)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    noise = noise.cpu().clamp_min_(torch.finfo(noise.dtype).tiny)
     final_probs = logits.softmax(dim=-1)
     random_token = (final_probs / noise).argmax(dim=-1)
     tokens = torch.where(torch.tensor(greedy), greedy_token, random_token)

@@ -822,8 +822,9 @@ t0 = time.perf_counter()
 for name, q in (("float32", None), ("gguf", "gguf"), ("fp8", "fp8")):
     trace = TMP / f"quant_{name}.jsonl"
     t1 = time.perf_counter()
-    llm = LLM("default", quantization=q, trace_path=str(trace), num_gpu_blocks_override=16, max_model_len=128,
-              disable_log_stats=True)
+    # float32 on any device (a GPU's default would be bfloat16): one base for all three.
+    llm = LLM("default", quantization=q, dtype="float32", trace_path=str(trace), num_gpu_blocks_override=16,
+              max_model_len=128, disable_log_stats=True)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
     logits = []
     _sampler_forward = runner.sampler.forward
