@@ -51,7 +51,8 @@
 #   GPU_TESTS_K="expr"   with `bench` or `tracing`: first the gpu tests whose names match
 #   TRACING_PROFILE=1|0  run benchmarks/tracing_profile.py (default: in bench and tracing)
 #   SAVE_CACHES=0        do not put the FlashInfer/Triton kernel caches in $OUT (default 1)
-#   NB_LIST="a.ipynb b.ipynb"  with `notebooks-refresh`: only these notebooks (default: all)
+#   NB_LIST="a.ipynb b.ipynb"  with `notebooks-refresh`: only these notebooks (default: all);
+#                        with `notebooks`: only their GPU copies
 #   CALL_LIMIT_S=600     with `notebooks-refresh`: the call's limit; the notebooks stop 45 s
 #                        before it so that what they made is packed (NB_TIMEOUT_S: a fixed bound)
 #   WARM_FLASHINFER=1    also build the notebooks' FlashInfer kernels in the background
@@ -192,9 +193,13 @@ if [ "$WHAT" = notebooks ] || [ "$WHAT" = notebooks-refresh ] || [ "$WHAT" = all
       $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) ${NB_LIST:-} 2>&1 \
       | tee "$OUT/notebooks.log" || rc=1
   else
+    # NB_LIST names notebooks (sessions/NN_x/NN_x.ipynb); nbval checks their GPU copies.
+    copies=()
+    for nb in ${NB_LIST:-}; do copies+=("$(dirname "$nb")/gpu_outputs/$(basename "$nb")"); done
+    [ ${#copies[@]} -eq 0 ] && copies=(sessions/*/gpu_outputs/*.ipynb)
     "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=7 --nbval-lax \
       --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg \
-      sessions/*/gpu_outputs/*.ipynb 2>&1 | tee "$OUT/nbval_gpu.log" || rc=1
+      "${copies[@]}" 2>&1 | tee "$OUT/nbval_gpu.log" || rc=1
   fi
 fi
 [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
