@@ -91,9 +91,7 @@ class TorchCompileWithNoGuardsWrapper:
             raise RuntimeError(
                 f"torch.compile produced no bytecode for {self.forward_fn.__qualname__}"
             )
-        if self._hook_handle is not None:
-            self._hook_handle.remove()
-            self._hook_handle = None
+        self._remove_hook()
         return output
 
     def release(self) -> None:
@@ -103,11 +101,14 @@ class TorchCompileWithNoGuardsWrapper:
         and the copy in Dynamo's cache (no model runs from that cache: each
         traces afresh and then calls its own bytecode)."""
         torch._dynamo.eval_frame.remove_from_cache(self.original_code)
+        self._remove_hook()
+        self._compiled_bytecode = None
+        self._compiled_callable = None
+
+    def _remove_hook(self) -> None:
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
-        self._compiled_bytecode = None
-        self._compiled_callable = None
 
     @contextlib.contextmanager
     def _dispatch_to_compiled_code(self) -> Iterator[None]:

@@ -249,6 +249,7 @@ def recording_prepare_inputs(scheduler_output):
         # step with tokens at slot -1 and rows of zero query tokens.
         "graph": inputs.cudagraph_mode.name,
         "padded_tokens": inputs.batch_descriptor.num_tokens,
+        "padded_rows": rows,
     }
     return inputs
 
@@ -484,8 +485,8 @@ def recompute(live: dict) -> dict:
         "seq_lens": (computed + n).tolist(),
         "logits_indices": (np.cumsum(n) - 1).tolist(),
     }
-    if live["graph"] == "FULL":  # padded to the graph's size (the block table row count tells how many rows)
-        pad_rows = len(live["block_table"]) - len(req_ids)
+    if live["graph"] == "FULL":  # padded to the graph's size
+        pad_rows = live["padded_rows"] - len(req_ids)
         mine["slot_mapping"] += [-1] * (live["padded_tokens"] - n.sum())
         mine["query_start_loc"] += [int(n.sum())] * pad_rows
         mine["seq_lens"] += [0] * pad_rows
@@ -496,7 +497,7 @@ for step in sorted(captured):
     mine, theirs = recompute(captured[step]), captured[step]
     same = all(mine[k] == theirs[k] for k in mine)
     padding = ""
-    if theirs["graph"] == "FULL" and len(theirs["block_table"]) > len(theirs["req_ids"]):
+    if theirs["padded_rows"] > len(theirs["req_ids"]):  # only a FULL graph adds rows
         padding = f" (FULL graph of {theirs['padded_tokens']}: padding included)"
     print(f"step {step:>2}: recomputed positions, slots, query_start_loc, seq_lens, logits_indices "
           f"== runner's: {same}{padding}")

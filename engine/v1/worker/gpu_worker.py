@@ -181,10 +181,9 @@ class Worker(WorkerBase):
         if self.model_runner is not None:
             # What outlives this engine in the process (Dynamo's caches, the
             # config the caller keeps) must not keep its weights, KV cache or graphs.
-            drafter = self.model_runner.drafter
-            for model in (self.model_runner.model, getattr(drafter, "model", None)):
-                if model is not None:
-                    release_compiled_model(model)
+            # (Drafters always run eagerly: only the target model is compiled.)
+            if self.model_runner.model is not None:
+                release_compiled_model(self.model_runner.model)
             self.glassbox_config.compilation_config.static_forward_context.clear()
         self.model_runner = None
         if self.glassbox_config.parallel_config.world_size > 1:
