@@ -75,6 +75,8 @@ def test_shutdown_releases_model_kv_cache_and_compiled_graph(tmp_path: Path) -> 
     from engine.model_executor.models import llama
 
     save_tiny_checkpoint("llama", tmp_path / "a", seed=0)
+    # An earlier engine's code may still wait in a reference cycle for the collector.
+    gc.collect()
     compiled_fns = {k for k in vars(llama) if k.startswith("__compiled_fn")}
     llm = _llm(tmp_path / "a", tmp_path, max_model_len=128)
     _tokens(llm)
@@ -94,4 +96,4 @@ def test_shutdown_releases_model_kv_cache_and_compiled_graph(tmp_path: Path) -> 
     assert not llm.llm_engine.glassbox_config.compilation_config.static_forward_context
     assert [name for name, ref in alive.items() if ref() is not None] == []
     assert torch._dynamo.eval_frame._debug_get_cache_entry_list(forward) == []
-    assert {k for k in vars(llama) if k.startswith("__compiled_fn")} == compiled_fns
+    assert {k for k in vars(llama) if k.startswith("__compiled_fn")} <= compiled_fns
