@@ -253,7 +253,8 @@ def test_whole_graph_modes_equal_eager(mode: int, tmp_path: Path) -> None:
 
 def test_compiled_layers_run_plain_torch_for_inductor(tmp_path: Path) -> None:
     """custom_ops "none" (Inductor's default) reaches every CustomOp and the
-    Qwen3 fused q/k-norm + RoPE switch; the eager model keeps its kernels."""
+    Qwen3 fused q/k-norm + RoPE switch; the eager model keeps its kernels,
+    also when built after a compiled one."""
     import torch
 
     from engine.engine.arg_utils import EngineArgs
@@ -262,7 +263,9 @@ def test_compiled_layers_run_plain_torch_for_inductor(tmp_path: Path) -> None:
 
     model = tmp_path / "qwen3"
     save_tiny_checkpoint("qwen3", model, seed=0)
-    for mode, enabled in ((0, True), (3, False)):
+    ropes = []
+    # Compiled first: its choice must not reach the eager model built next.
+    for mode, enabled in ((3, False), (0, True)):
         config = EngineArgs(
             model=str(model), skip_tokenizer_init=True, compilation_config={"mode": mode}
         ).create_engine_config()
@@ -271,3 +274,7 @@ def test_compiled_layers_run_plain_torch_for_inductor(tmp_path: Path) -> None:
         assert ops and all(op.is_enabled() == enabled for op in ops)
         attention = built.model.layers[0].self_attn
         assert attention.use_fused_qk_norm_rope == enabled
+        # One RoPE module for the layers of a model, none shared between models.
+        assert len({id(layer.self_attn.rotary_emb) for layer in built.model.layers}) == 1
+        ropes.append(attention.rotary_emb)
+    assert ropes[0] is not ropes[1]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.model_executor.layers.rotary_embedding import clear_rope_cache
 from engine.model_executor.models.registry import ModelRegistry
 from engine.utils.torch_utils import set_default_torch_dtype
 
@@ -33,7 +34,10 @@ def initialize_model(glassbox_config: GlassboxConfig, prefix: str = "") -> nn.Mo
     """Instantiate the architecture named in config.json (weights uninitialised)."""
     model_config = glassbox_config.model_config
     model_cls = ModelRegistry.resolve_model_cls(model_config.architectures)
-    return model_cls(glassbox_config=glassbox_config, prefix=prefix)
+    try:
+        return model_cls(glassbox_config=glassbox_config, prefix=prefix)
+    finally:
+        clear_rope_cache()  # the layers of one model share a RoPE module; models do not
 
 
 class BaseModelLoader(ABC):

@@ -10,6 +10,11 @@ Sessions: 04.
 
 Simpler than vLLM: two variants, ``"default"`` and ``"llama3"``; any other
 ``rope_type`` (yarn, dynamic NTK, mrope...) is rejected with an error.
+Different from vLLM: the cache lasts for the build of one model
+(``initialize_model`` empties it). vLLM's lasts for the process, which serves
+one engine; here engines come and go in one process (notebooks, tests), and
+a module shared between a compiled and an eager model would carry one
+model's custom-op choice into the other and keep its cos/sin table alive.
 The signature is vLLM's at the pinned commit (older vLLM took ``rotary_dim``,
 ``base`` and ``rope_scaling`` separately; they now live in ``rope_parameters``).
 """
@@ -85,4 +90,15 @@ def get_rope(
     return rotary_emb
 
 
-__all__ = ["get_rope", "RotaryEmbedding", "Llama3RotaryEmbedding", "SUPPORTED_ROPE_TYPES"]
+def clear_rope_cache() -> None:
+    """Forget the shared modules: the next model builds its own."""
+    _ROPE_DICT.clear()
+
+
+__all__ = [
+    "get_rope",
+    "clear_rope_cache",
+    "RotaryEmbedding",
+    "Llama3RotaryEmbedding",
+    "SUPPORTED_ROPE_TYPES",
+]
