@@ -144,7 +144,9 @@ class GlassboxBackend:
         graph_pool: Any = None,
     ) -> None:
         self.compilation_config = compilation_config
-        self.compiler = make_compiler(compilation_config.backend)
+        self.compiler = make_compiler(
+            compilation_config.backend, compilation_config.inductor_compile_config
+        )
         self.cache_dir = os.path.join(compilation_config.resolved_cache_dir(), cache_key)
         self.device_type = device_type
         self.graph_pool = graph_pool

@@ -12,9 +12,13 @@ folder for this model and code, so a second start-up finds its pieces there
 (``compilation_counter.num_cache_hits``).
 Sessions: 06 (compilation).
 
+Options: ``CompilationConfig.inductor_compile_config`` patches every
+compile, under the cache settings (vLLM's ``compiler_config``).
+
 Simpler than vLLM: no standalone-compile artefacts saved next to the cache,
 no AOT compile of the Dynamo bytecode (Dynamo traces again at every start),
-no hijacking of Inductor's internals to record cache keys.
+no hijacking of Inductor's internals to record cache keys, no
+``max_autotune`` / coordinate-descent tuning for a ``compile_sizes`` entry.
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class EagerAdaptor(CompilerInterface):
 class InductorAdaptor(CompilerInterface):
     name = "inductor"
 
+    def __init__(self, inductor_config: dict[str, Any] | None = None) -> None:
+        # CompilationConfig.inductor_compile_config: options patched into every compile.
+        self.inductor_config = dict(inductor_config or {})
+
     def initialize_cache(self, cache_dir: str) -> None:
         # Inductor reads the variable whenever it looks for its cache.
         os.makedirs(cache_dir, exist_ok=True)
@@ -75,7 +83,8 @@ class InductorAdaptor(CompilerInterface):
         hits_before = counters["inductor"]["fxgraph_cache_hit"]
         # With a fixed token count (runtime_shape) the inputs are concrete and
         # Inductor generates kernels for that size; otherwise for any size.
-        compiled = compile_fx(graph, list(example_inputs), config_patches={"fx_graph_cache": True})
+        patches = {**self.inductor_config, "fx_graph_cache": True, "fx_graph_remote_cache": False}
+        compiled = compile_fx(graph, list(example_inputs), config_patches=patches)
         compilation_counter.num_backend_compilations += 1
         if counters["inductor"]["fxgraph_cache_hit"] > hits_before:
             compilation_counter.num_cache_hits += 1
@@ -86,7 +95,7 @@ class InductorAdaptor(CompilerInterface):
         return compiled
 
 
-def make_compiler(backend: str) -> CompilerInterface:
+def make_compiler(backend: str, inductor_config: dict[str, Any] | None = None) -> CompilerInterface:
     if backend == "eager":
         return EagerAdaptor()
-    return InductorAdaptor()
+    return InductorAdaptor(inductor_config)

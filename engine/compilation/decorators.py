@@ -127,7 +127,9 @@ def _compile(model: Any) -> TorchCompileWithNoGuardsWrapper:
             compilation_config, compute_cache_key(config), device_type, pool
         )
     logger.info("compiling %s (mode %s)", type(model).__name__, mode.name)
-    return TorchCompileWithNoGuardsWrapper(model, mode, backend)
+    return TorchCompileWithNoGuardsWrapper(
+        model, mode, backend, compilation_config.inductor_compile_config
+    )
 
 
 def release_compiled_model(model: nn.Module) -> None:
@@ -159,6 +161,7 @@ def compute_cache_key(glassbox_config: Any) -> str:
         "mode": int(compilation_config.mode),
         "backend": compilation_config.backend,
         "splitting_ops": compilation_config.splitting_ops,
+        "inductor_compile_config": compilation_config.inductor_compile_config,
         "torch": torch.__version__,
     }
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())

@@ -39,13 +39,20 @@ from engine.config.compilation import CompilationMode
 
 
 class TorchCompileWithNoGuardsWrapper:
-    def __init__(self, model: nn.Module, mode: CompilationMode, backend: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: CompilationMode,
+        backend: Any,
+        inductor_options: dict[str, Any] | None = None,
+    ) -> None:
         self.model = model
         # The function every instance of the class runs (maybe a base class's).
         self.forward_fn = type(model).forward
         self.original_code: CodeType = self.forward_fn.__code__
         self.use_bytecode = mode != CompilationMode.STOCK_TORCH_COMPILE
-        options: dict[str, Any] = {}
+        # Plain Inductor takes the options itself; our backend hands them to each piece.
+        options: dict[str, Any] = dict(inductor_options or {}) if backend == "inductor" else {}
         if self.use_bytecode:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
         self._compiled_callable = torch.compile(

@@ -30,6 +30,14 @@ O0 neither compiles nor captures; O1 compiles and captures PIECEWISE; O2 and
 O3 compile and capture FULL_AND_PIECEWISE. What is set here wins over the
 level, as in vLLM.
 
+``inductor_compile_config`` holds Inductor options for every piece (and for
+plain ``torch.compile`` under mode 1/2 with ``backend="inductor"``), e.g.
+``{"size_asserts": False}``; vLLM's ``enable_auto_functionalized_v2: False``
+is filled in. vLLM also turns on ``combo_kernels`` and
+``benchmark_combo_kernel`` on GPUs (Inductor's horizontal fusion: Qwen3's q
+and k norm-and-rotary, two shapes, in one kernel); Glassbox does not yet,
+since that has not run on the H200 (docs/compilation.md).
+
 Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to 256 and
 every 16 beyond. A batch of 13 decodes is padded to 16 and replayed with the
 16-graph. The largest is ``max_num_seqs`` tokens, times 1 + k with k drafts
@@ -124,6 +132,8 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode | None = None
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
     max_cudagraph_capture_size: int | None = None
+    # Inductor options (``torch._inductor.config`` names) for every piece it compiles.
+    inductor_compile_config: dict[str, Any] = field(default_factory=dict)
     # Attention layer name -> layer, filled as the model is built; the forward
     # context hands it to the attention custom op. Not part of the settings:
     # not compared, shown or pickled.
@@ -150,6 +160,8 @@ class CompilationConfig:
                 f"got {self.cudagraph_capture_sizes!r}"
             )
         self.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
+        # vLLM's choice: functionalization V1 for mutating custom ops in the graph.
+        self.inductor_compile_config.setdefault("enable_auto_functionalized_v2", False)
 
     def _check_compilation_fields(self) -> None:
         mode = self.mode
@@ -186,12 +198,32 @@ class CompilationConfig:
                 )
             sizes.append(size)
         self.compile_sizes = sizes
+        self._check_inductor_compile_config()
         for op in self.custom_ops:
             if op not in ("all", "none") and op[:1] not in ("+", "-"):
                 raise ValueError(
                     f"compilation_config.custom_ops entries are 'all', 'none', '+name' or "
                     f"'-name', got {op!r}"
                 )
+
+    def _check_inductor_compile_config(self) -> None:
+        options = self.inductor_compile_config
+        if not isinstance(options, dict):
+            raise ValueError(
+                "compilation_config.inductor_compile_config must be a dict of Inductor "
+                f"options, got {options!r}"
+            )
+        if not options:
+            return
+        import torch._inductor.config as inductor_config  # only when options are given
+
+        known = inductor_config.get_config_copy()
+        unknown = [name for name in options if name not in known]
+        if unknown:
+            raise ValueError(
+                f"compilation_config.inductor_compile_config: {unknown[0]!r} is not an "
+                "option of torch._inductor.config"
+            )
 
     def _set_mode_defaults(self) -> None:
         """The settings that follow from the compilation mode, once it is known."""

@@ -12,6 +12,8 @@ so both runs do the same maths up to Inductor's reordering of float sums):
   between them;
 * a ``compile_sizes`` entry gets code of its own; a second start-up finds the
   pieces in the on-disk cache;
+* ``inductor_compile_config`` reaches Inductor for every piece and keys the
+  cache;
 * bad settings fail with one line naming the field.
 
 Engines run in this process so ``compilation_counter`` sees the compiles.
@@ -125,6 +127,11 @@ def test_default_model_compiled_equals_eager(tmp_path: Path) -> None:
         ({"splitting_ops": ["attention"]}, "splitting_ops entries are 'namespace::op'"),
         ({"compile_sizes": [0]}, "compile_sizes entries are positive integers"),
         ({"custom_ops": ["rms_norm"]}, "custom_ops entries are 'all', 'none'"),
+        ({"inductor_compile_config": ["combo_kernels"]}, "inductor_compile_config must be a dict"),
+        (
+            {"inductor_compile_config": {"combo_kernel": True}},
+            "'combo_kernel' is not an option of torch._inductor.config",
+        ),
     ],
 )
 def test_bad_settings_name_the_field(settings: dict, message: str) -> None:
@@ -220,8 +227,10 @@ def test_compilation_is_traced_and_shown(tmp_path: Path) -> None:
     assert open_session(str(trace)).info.compilation == f"VLLM_COMPILE: {layers + 1} eager pieces"
 
 
-@pytest.mark.parametrize("mode", [1, 2])  # STOCK_TORCH_COMPILE, DYNAMO_TRACE_ONCE
-def test_whole_graph_modes_equal_eager(mode: int, tmp_path: Path) -> None:
+# STOCK_TORCH_COMPILE, DYNAMO_TRACE_ONCE; with Inductor, attention's in-place
+# output goes through its functionalization (V1, vLLM's choice).
+@pytest.mark.parametrize("mode,backend", [(1, "eager"), (2, "eager"), (2, "inductor")])
+def test_whole_graph_modes_equal_eager(mode: int, backend: str, tmp_path: Path) -> None:
     """Dynamo traces the whole model (attention an opaque op inside it) and
     hands it to the backend unsplit: no GlassboxBackend runs."""
     import torch
@@ -232,7 +241,8 @@ def test_whole_graph_modes_equal_eager(mode: int, tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", model, seed=0)
     eager = _run(str(model), PROMPTS)
     before = compilation_counter.clone()
-    llm = LLM(str(model), compilation_config={"mode": mode, "backend": "eager"}, **ENGINE_ARGS)
+    compilation = {"mode": mode, "backend": backend}
+    llm = LLM(str(model), compilation_config=compilation, **ENGINE_ARGS)
     try:
         compiled = llm.generate(PROMPTS, GREEDY)
         forward = LlamaModel.forward.__code__
@@ -278,3 +288,43 @@ def test_compiled_layers_run_plain_torch_for_inductor(tmp_path: Path) -> None:
         assert len({id(layer.self_attn.rotary_emb) for layer in built.model.layers}) == 1
         ropes.append(attention.rotary_emb)
     assert ropes[0] is not ropes[1]
+
+
+def test_inductor_options_reach_every_piece(tmp_path: Path, monkeypatch) -> None:
+    """The options patch every piece's compile_fx (vLLM's defaults under the
+    user's) and change the cache folder. Inductor itself is replaced by the
+    traced piece: what is checked is what it is handed."""
+    import torch._inductor.compile_fx
+
+    from engine.compilation.decorators import compute_cache_key
+    from engine.engine.arg_utils import EngineArgs
+
+    handed: list[dict] = []
+
+    def compile_fx(graph, example_inputs, config_patches=None, **kwargs):
+        handed.append(dict(config_patches or {}))
+        return graph
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", compile_fx)
+    model = tmp_path / "llama"
+    save_tiny_checkpoint("llama", model, seed=0)
+    options = {"size_asserts": False, "combo_kernels": True}
+    _run(str(model), PROMPTS[:1], mode=3, inductor_compile_config=options, cache_dir=str(tmp_path))
+    assert len(handed) == TINY_CONFIG["num_hidden_layers"] + 1
+    for patches in handed:
+        assert patches == {
+            **options,
+            "enable_auto_functionalized_v2": False,
+            "fx_graph_cache": True,
+            "fx_graph_remote_cache": False,
+        }
+    # Plain torch.compile (STOCK_TORCH_COMPILE) hands them to Inductor itself.
+    handed.clear()
+    _run(str(model), PROMPTS[:1], mode=1, inductor_compile_config=options)
+    assert handed and all(patches.items() >= options.items() for patches in handed)
+
+    def key(compilation: dict) -> str:
+        args = EngineArgs(str(model), skip_tokenizer_init=True, compilation_config=compilation)
+        return compute_cache_key(args.create_engine_config())
+
+    assert key({"mode": 3}) != key({"mode": 3, "inductor_compile_config": options})
