@@ -94,12 +94,21 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check)")
+    ap.add_argument(
+        "--modes", default="", help="comma-separated names from MODES (default: every mode)"
+    )
     results_store.add_record_arguments(ap)
     args = ap.parse_args()
+    picked = [name.strip() for name in args.modes.split(",") if name.strip()]
+    unknown = [name for name in picked if name not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown mode {unknown[0]!r}; modes: {list(MODES)}")
     from engine.benchmarks.throughput import provenance
 
     path = model_dir()
     modes = MODES if args.device == "cuda" else {"O0 eager": (0, {})}
+    if picked:
+        modes = {name: MODES[name] for name in picked}
     result = {
         "benchmark": "gpu_profile_modes",
         **provenance(),

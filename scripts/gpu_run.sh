@@ -55,6 +55,9 @@
 #                        with `notebooks`: only their GPU copies
 #   CALL_LIMIT_S=600     with `notebooks-refresh`: the call's limit; the notebooks stop 45 s
 #                        before it so that what they made is packed (NB_TIMEOUT_S: a fixed bound)
+#   COMPILE_PARTS=...    with `compile`: gpu_throughput.py's parts (default throughput,modes;
+#                        "none" skips it)
+#   PROFILE_MODES="a,b"  with `compile`: gpu_profile_modes.py's modes (default: all)
 #   WARM_FLASHINFER=1    also build the notebooks' FlashInfer kernels in the background
 #                        (log: /tmp/gpu_warm_flashinfer.log on the machine)
 #
@@ -120,10 +123,13 @@ if [ "$WHAT" = compile ]; then
     tests/gpu/test_gpu_compile.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
   [ "${SAVE_CACHES:-1}" = 1 ] && save_caches
   # Compiled pieces land in $GLASSBOX_CACHE/torch_compile_cache (here under /tmp).
-  "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${COMPILE_PARTS:-throughput,modes}" \
-    2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+  if [ "${COMPILE_PARTS:-}" != none ]; then
+    "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${COMPILE_PARTS:-throughput,modes}" \
+      2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+  fi
   # One decode step per mode: kernels, GPU busy time, launches ($OUT/gpu_profile_modes_b1_<gpu>.json).
-  "$PYTHON" benchmarks/gpu_profile_modes.py --out "$OUT" 2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+  "$PYTHON" benchmarks/gpu_profile_modes.py --out "$OUT" --modes "${PROFILE_MODES:-}" 2>&1 \
+    | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 if [ "$WHAT" = quant ]; then
   "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -m gpu tests/gpu/test_gpu_fp8.py \
