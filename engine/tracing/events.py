@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.10"
+TRACE_FORMAT_VERSION = "1.11"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -81,7 +81,7 @@ class TraceHeader(TraceEvent, kw_only=True, tag="trace.header"):
     out of the events it returns."""
 
     trace_format_version: Annotated[
-        str | int, doc('`"major.minor"`, now `"1.10"`; the first headers wrote the integer 1 (1.0)')
+        str | int, doc('`"major.minor"`, now `"1.11"`; the first headers wrote the integer 1 (1.0)')
     ]
     glassbox_version: Annotated[str, doc("`engine.__version__` of the writer")]
     trace_level: Annotated[str, doc("`lifecycle` or `full`")]
@@ -239,6 +239,10 @@ class RunnerCompiled(TraceEvent, kw_only=True, tag="runner.compiled"):
     ] = {}
     seconds: Annotated[float, doc("whole warm-up (trace, compile, dummy runs), s")]
     cache_dir: Annotated[str, doc("this model's compile cache folder")] = ""
+    inductor_options: Annotated[
+        dict[str, Any],
+        doc("`compilation_config.inductor_compile_config` (a value JSON cannot hold: repr; 1.11)"),
+    ] = {}
 
 
 # ---------------------------------------------------------------------------

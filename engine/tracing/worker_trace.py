@@ -383,6 +383,12 @@ class RunnerTrace(SubsystemTrace):
                 size_seconds=size_seconds,
                 seconds=seconds,
                 cache_dir=getattr(backend, "cache_dir", ""),
+                inductor_options={
+                    name: value
+                    if isinstance(value, (bool, int, float, str, type(None)))
+                    else repr(value)
+                    for name, value in compilation_config.inductor_compile_config.items()
+                },
             )
         )
 

@@ -224,6 +224,7 @@ def test_compilation_is_traced_and_shown(tmp_path: Path) -> None:
     assert event.inductor_compiles == event.cache_hits == 0  # eager: no code generated
     assert 0 < event.backend_seconds <= event.seconds
     assert event.cache_dir.startswith(str(tmp_path))
+    assert event.inductor_options == {"enable_auto_functionalized_v2": False}
     assert open_session(str(trace)).info.compilation == f"VLLM_COMPILE: {layers + 1} eager pieces"
 
 
