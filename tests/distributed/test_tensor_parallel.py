@@ -267,6 +267,47 @@ def test_worker_death_fails_fast_and_shutdown_leaves_nothing(checkpoints) -> Non
     assert not stale_ipc_files(sockets_before)  # the killed worker's answer queue's too
 
 
+def test_an_error_caused_by_a_dead_peer_names_the_death(monkeypatch) -> None:
+    """A rank in a collective with a killed peer fails too (gloo: connection
+    reset), often before the executor's monitor has seen the death: the error
+    names the death first. Without a death the rank's own error stands."""
+    import multiprocessing
+    import types
+
+    from engine.v1.executor import multiproc_executor
+    from engine.v1.executor.multiproc_executor import MultiprocExecutor
+
+    monkeypatch.setattr(multiproc_executor, "WORKER_DEATH_GRACE_S", 0.2)
+    ctx = multiprocessing.get_context("fork")
+    alive, dead = (
+        ctx.Process(target=time.sleep, args=(30,)),
+        ctx.Process(target=os._exit, args=(3,)),
+    )
+    alive.start()
+    dead.start()
+    try:
+        executor = types.SimpleNamespace(
+            workers=[
+                types.SimpleNamespace(proc=alive, rank=0),
+                types.SimpleNamespace(proc=dead, rank=1),
+            ]
+        )
+        gloo = "RuntimeError: Connection reset by peer"
+        message = MultiprocExecutor._failure_message(executor, "sample_tokens", gloo)
+        assert message == (
+            "worker failed in sample_tokens: worker process died "
+            f"(TP1, pid {dead.pid}, exit code 3); another rank then reported: {gloo}"
+        )
+        executor.workers.pop()
+        assert MultiprocExecutor._failure_message(executor, "execute_model", "ValueError: x") == (
+            "worker failed in execute_model: ValueError: x"
+        )
+    finally:
+        alive.kill()
+        alive.join()
+        dead.join()
+
+
 def test_clean_shutdown_in_a_separate_engine_process(checkpoints, monkeypatch) -> None:
     import psutil
 

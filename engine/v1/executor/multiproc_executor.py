@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 WORKER_READY_TIMEOUT_S = float(os.environ.get("GLASSBOX_WORKER_READY_TIMEOUT_S", "600"))
 # After SIGTERM, how long workers get to exit before SIGKILL (vLLM: 4 s).
 WORKER_TERMINATE_GRACE_S = 4.0
+# When a rank reports an error, how long to look for a dead peer that caused it.
+WORKER_DEATH_GRACE_S = 1.0
 
 
 def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
@@ -276,6 +278,21 @@ class MultiprocExecutor(Executor):
         if self.is_failed:
             raise RuntimeError("the executor failed: a worker process died")
 
+    def _failure_message(self, name: str, error: Any) -> str:
+        """A rank's error, or the death that caused it: a rank in a collective
+        with a killed peer fails too (gloo: "Connection reset by peer"), often
+        before the monitor has seen the death."""
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        died = connection.wait(list(sentinels), timeout=WORKER_DEATH_GRACE_S)
+        if not died:
+            return f"worker failed in {name}: {error}"
+        dead = sentinels[died[0]]
+        dead.proc.join(timeout=1)
+        return (
+            f"worker failed in {name}: worker process died (TP{dead.rank}, pid {dead.proc.pid}, "
+            f"exit code {dead.proc.exitcode}); another rank then reported: {error}"
+        )
+
     # -- calls ------------------------------------------------------------------------
     def collective_rpc(
         self,
@@ -311,7 +328,7 @@ class MultiprocExecutor(Executor):
                     ) from None
             for status, result in answers:
                 if status != ResponseStatus.SUCCESS:
-                    raise RuntimeError(f"worker failed in {name}: {result}")
+                    raise RuntimeError(self._failure_message(name, result))
             results = [result for _, result in answers]
             return results[0] if unique_reply_rank is not None else results
 
