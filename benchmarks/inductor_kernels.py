@@ -37,8 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 @dataclass
 class PieceKernels:
     index: int
-    triton: list[str]
-    extern: list[str]
+    triton: list[str]  # the Triton kernels' names, in launch order
+    extern: list[str]  # library calls (``mm``)
+    code: str  # the module Inductor generated
 
 
 def capture_pieces(layers: int) -> list[tuple[object, list]]:
@@ -125,7 +126,7 @@ def _combo_groups_with_cpu_nodes() -> None:
     ForeachKernelSchedulerNode.set_group_algorithm_for_combo_kernels(group)
 
 
-def lower(captured: list[tuple[object, list]], combo: bool) -> tuple[list[PieceKernels], list]:
+def lower(captured: list[tuple[object, list]], combo: bool) -> list[PieceKernels]:
     from torch._inductor.compile_fx import compile_fx
 
     generated = _generate_only()
@@ -137,7 +138,7 @@ def lower(captured: list[tuple[object, list]], combo: bool) -> tuple[list[PieceK
     if combo:
         patches.update(combo_kernels=True, benchmark_combo_kernel=False)
         _combo_groups_with_cpu_nodes()
-    pieces, codes = [], []
+    pieces = []
     for index, (graph, inputs) in enumerate(captured):
         generated.clear()
         try:
@@ -145,15 +146,15 @@ def lower(captured: list[tuple[object, list]], combo: bool) -> tuple[list[PieceK
         except _Generated:
             pass
         code = generated[-1]
-        codes.append(code)
         pieces.append(
             PieceKernels(
                 index,
                 re.findall(r"^\s+(triton_\w+)\.run\(", code, re.M),
                 re.findall(r"extern_kernels\.(\w+)\(", code),
+                code,
             )
         )
-    return pieces, codes
+    return pieces
 
 
 def main() -> int:
@@ -164,8 +165,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("GLASSBOX_ENABLE_MULTIPROCESSING", "0")  # keep the pieces here
     captured = capture_pieces(args.layers)
-    pieces, codes = lower(captured, args.combo)
-    for piece, code in zip(pieces, codes):
+    for piece in lower(captured, args.combo):
         print(
             f"piece {piece.index}: {len(piece.triton)} Triton + {len(piece.extern)} library "
             f"kernels ({', '.join(piece.extern)})"
@@ -175,7 +175,7 @@ def main() -> int:
         if args.show_code:
             os.makedirs(args.show_code, exist_ok=True)
             with open(os.path.join(args.show_code, f"piece_{piece.index}.py"), "w") as f:
-                f.write(code)
+                f.write(piece.code)
     return 0
 
 

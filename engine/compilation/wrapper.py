@@ -14,8 +14,8 @@ model class shares ``forward.__code__``: with the guards gone, whichever
 engine of the process compiled last would serve every model of that class,
 its pieces and CUDA graphs included. So the wrapper catches, through
 Dynamo's bytecode hook, the transformed bytecode of its own model's first
-call, and from then on runs ``forward`` with that code swapped in
-(``_dispatch_to_compiled_code``): each model calls its own compiled graph
+call, and from then on runs ``forward`` with that code swapped in (vLLM's
+``_dispatch_to_compiled_code``): each model calls its own compiled graph
 and never consults Dynamo's cache again.
 ``STOCK_TORCH_COMPILE`` keeps the guards (plain ``torch.compile``).
 Sessions: 06 (compilation).
@@ -27,8 +27,6 @@ registered, keeping the model reachable).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from types import CodeType
 from typing import Any
 
@@ -82,8 +80,14 @@ class TorchCompileWithNoGuardsWrapper:
             return self._compiled_callable(*args, **kwargs)
         if self._compiled_bytecode is None:
             return self._compile_and_call(*args, **kwargs)
-        with self._dispatch_to_compiled_code():
+        # vLLM's _dispatch_to_compiled_code, inline (this runs every step): Dynamo's
+        # bytecode takes the same arguments, cells and free variables as the
+        # original, so it can stand in for it for one call.
+        self.forward_fn.__code__ = self._compiled_bytecode
+        try:
             return self.model.forward(*args, **kwargs)
+        finally:
+            self.forward_fn.__code__ = self.original_code
 
     def _compile_and_call(self, *args: Any, **kwargs: Any) -> Any:
         # An earlier model of this class may have left code on ``forward``:
@@ -116,14 +120,3 @@ class TorchCompileWithNoGuardsWrapper:
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
-
-    @contextlib.contextmanager
-    def _dispatch_to_compiled_code(self) -> Iterator[None]:
-        # Dynamo's bytecode takes the same arguments, cells and free variables
-        # as the original, so it can stand in for it for one call.
-        assert self._compiled_bytecode is not None
-        self.forward_fn.__code__ = self._compiled_bytecode
-        try:
-            yield
-        finally:
-            self.forward_fn.__code__ = self.original_code

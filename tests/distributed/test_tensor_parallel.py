@@ -286,20 +286,19 @@ def test_an_error_caused_by_a_dead_peer_names_the_death(monkeypatch) -> None:
     alive.start()
     dead.start()
     try:
-        executor = types.SimpleNamespace(
-            workers=[
-                types.SimpleNamespace(proc=alive, rank=0),
-                types.SimpleNamespace(proc=dead, rank=1),
-            ]
-        )
+        executor = MultiprocExecutor.__new__(MultiprocExecutor)  # only its workers
+        executor.workers = [
+            types.SimpleNamespace(proc=alive, rank=0),
+            types.SimpleNamespace(proc=dead, rank=1),
+        ]
         gloo = "RuntimeError: Connection reset by peer"
-        message = MultiprocExecutor._failure_message(executor, "sample_tokens", gloo)
+        message = executor._failure_message("sample_tokens", gloo)
         assert message == (
             "worker failed in sample_tokens: worker process died "
             f"(TP1, pid {dead.pid}, exit code 3); another rank then reported: {gloo}"
         )
         executor.workers.pop()
-        assert MultiprocExecutor._failure_message(executor, "execute_model", "ValueError: x") == (
+        assert executor._failure_message("execute_model", "ValueError: x") == (
             "worker failed in execute_model: ValueError: x"
         )
     finally:

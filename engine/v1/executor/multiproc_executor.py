@@ -245,14 +245,11 @@ class MultiprocExecutor(Executor):
     def start_worker_monitor(self) -> None:
         """A thread that waits on the workers' process sentinels: a worker that
         exits while the executor runs fails the executor at once."""
-        sentinels = {w.proc.sentinel: w for w in self.workers}
 
         def monitor_workers() -> None:
-            died = connection.wait(list(sentinels))
-            if self.shutdown_event.is_set():
+            dead = self._dead_worker(timeout=None)
+            if self.shutdown_event.is_set() or dead is None:
                 return
-            dead = sentinels[died[0]]
-            dead.proc.join(timeout=1)  # reap it, so its exit code is known
             self.is_failed = True
             logger.error(
                 "Worker TP%d (pid %s) died unexpectedly (exit code %s); shutting down the "
@@ -278,16 +275,24 @@ class MultiprocExecutor(Executor):
         if self.is_failed:
             raise RuntimeError("the executor failed: a worker process died")
 
+    def _dead_worker(self, timeout: float | None) -> WorkerProcHandle | None:
+        """The first worker whose process exits within ``timeout`` seconds (None:
+        however long it takes), reaped so that its exit code is known."""
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        died = connection.wait(list(sentinels), timeout=timeout)
+        if not died:
+            return None
+        dead = sentinels[died[0]]
+        dead.proc.join(timeout=1)
+        return dead
+
     def _failure_message(self, name: str, error: Any) -> str:
         """A rank's error, or the death that caused it: a rank in a collective
         with a killed peer fails too (gloo: "Connection reset by peer"), often
         before the monitor has seen the death."""
-        sentinels = {w.proc.sentinel: w for w in self.workers}
-        died = connection.wait(list(sentinels), timeout=WORKER_DEATH_GRACE_S)
-        if not died:
+        dead = self._dead_worker(timeout=WORKER_DEATH_GRACE_S)
+        if dead is None:
             return f"worker failed in {name}: {error}"
-        dead = sentinels[died[0]]
-        dead.proc.join(timeout=1)
         return (
             f"worker failed in {name}: worker process died (TP{dead.rank}, pid {dead.proc.pid}, "
             f"exit code {dead.proc.exitcode}); another rank then reported: {error}"
