@@ -36,6 +36,7 @@ Series names (``current_name``):
   profile of level ``full``).
 * ``cpu_threads_cpu_<N>c`` (N: the CPUs the run used, ``cpus_used`` in its ``machine``;
   ``_busy<K>`` added for a run with K busy processes alongside), e.g. ``cpu_threads_cpu_16c``.
+* ``skinny_gemm_<machine>`` (decode-sized GEMMs: cuBLAS against the Triton skinny GEMM).
 * ``spec_decode_<machine>`` (``spec_decode_cpu``, ``spec_decode_h200``: the default model;
   another model adds ``_<model>``).
 * ``spec_verify_cost_<machine>`` (a verification step against a decode step).
@@ -152,6 +153,8 @@ def current_name(result: dict[str, Any]) -> str:
         return f"spec_verify_cost_{machine}"
     if benchmark == "structured_output_cost":
         return f"structured_output_cost_{machine}"
+    if benchmark == "skinny_gemm":
+        return f"skinny_gemm_{machine}"
     if benchmark == "quantization":
         return f"quantization_{machine}"
     if benchmark in ("tracing_overhead", "tracing_profile"):
