@@ -18,6 +18,10 @@ with, so callers pass slices of persistent buffers (the runner's
 produced in the shared memory pool).
 Sessions: 04 (worker), 06 (CUDA graphs).
 
+vLLM keeps one pool per process (``current_platform.get_global_graph_pool()``) and a
+process runs one engine; a notebook or a test process runs engines one after another,
+so here each engine's model runner starts a pool of its own (``new_global_graph_pool``).
+
 Simpler than vLLM: no graph-pool id hand-off to NCCL, no offloader hooks,
 no per-step statistics table, no debug-mode address checks, no options
 (``CUDAGraphOptions``: outputs are always held weakly).
@@ -44,10 +48,20 @@ _global_graph_pool: Any = None
 
 
 def get_global_graph_pool() -> Any:
-    """The memory pool every CUDA graph of this process captures into."""
+    """The memory pool the CUDA graphs of the engine being built capture into."""
     global _global_graph_pool
     if _global_graph_pool is None:
         _global_graph_pool = torch.cuda.graph_pool_handle()
+    return _global_graph_pool
+
+
+def new_global_graph_pool() -> Any:
+    """Start a fresh pool for the next engine of this process (its model runner calls
+    this). PyTorch retires a pool once the last graph captured into it is freed, and
+    refuses a capture into a retired pool, so an engine built after another was shut
+    down (or garbage-collected) must not reuse that engine's pool."""
+    global _global_graph_pool
+    _global_graph_pool = torch.cuda.graph_pool_handle()
     return _global_graph_pool
 
 

@@ -119,6 +119,48 @@ def test_cuda_graphs_match_eager(tiny_llama):
     assert [o.outputs[0].token_ids for o in outs] == eager
 
 
+@pytest.mark.usefixtures("in_process_engine")
+def test_engines_one_after_another_capture_graphs(tiny_llama):
+    """Engines built one after another in one process (as a notebook does) each capture
+    their graphs: after the first is shut down, and after the second is only dropped and
+    garbage-collected, their graphs are gone; PyTorch then refuses a capture into their
+    memory pool ("use_count > 0" assert), so the next engine must start its own."""
+    import gc
+
+    first = _generate(tiny_llama, "cuda", "float32")  # shut down
+    llm = LLM(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=256,
+        **decode_graphs(),
+    )
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    assert runner.cudagraphs, "the second engine captured no graphs"
+    pool = runner.graph_pool
+    del llm, runner  # no shutdown: its graphs go with the garbage
+    gc.collect()
+    torch.cuda.synchronize()
+    third = LLM(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        num_gpu_blocks_override=256,
+        **decode_graphs(),
+    )
+    runner = third.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    assert runner.graph_pool != pool and runner.cudagraphs
+    outs = third.generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
+    third.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == first
+
+
 def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
     from engine.config.compilation import CUDAGraphMode
     from engine.engine.arg_utils import EngineArgs

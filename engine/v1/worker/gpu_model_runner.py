@@ -88,7 +88,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.compilation.cuda_graph import get_global_graph_pool
+from engine.compilation.cuda_graph import new_global_graph_pool
 from engine.config import GlassboxConfig
 from engine.config.compilation import CompilationMode, CUDAGraphMode
 from engine.forward_context import set_forward_context
@@ -413,6 +413,9 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         )
         # key -> (graph, its output hidden states), filled by capture_model().
         self.cudagraphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # The memory pool this engine's graphs share (the compiled pieces' too: the
+        # backend reads it while load_model compiles); a new one per engine.
+        self.graph_pool = new_global_graph_pool() if device.type == "cuda" else None
 
     # ------------------------------------------------------------------
     # Set-up
@@ -1186,7 +1189,7 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = get_global_graph_pool()
+        pool = self.graph_pool
         self.input_batch.block_table.block_table.zero_()
         # One bar over both kinds of key, as vLLM shows its capture.
         progress = tqdm(total=len(keys) + len(piecewise), desc="Capturing CUDA graphs")
