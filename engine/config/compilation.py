@@ -33,10 +33,10 @@ level, as in vLLM.
 ``inductor_compile_config`` holds Inductor options for every piece (and for
 plain ``torch.compile`` under mode 1/2 with ``backend="inductor"``), e.g.
 ``{"size_asserts": False}``; vLLM's ``enable_auto_functionalized_v2: False``
-is filled in. vLLM also turns on ``combo_kernels`` and
-``benchmark_combo_kernel`` on GPUs (Inductor's horizontal fusion: Qwen3's q
-and k norm-and-rotary, two shapes, in one kernel); Glassbox does not yet,
-since that has not run on the H200 (docs/compilation.md).
+is filled in, and on a GPU, as in vLLM, ``combo_kernels`` and
+``benchmark_combo_kernel`` (Inductor's horizontal fusion: Qwen3's q and k
+norm-and-rotary, two shapes, in one kernel; ``apply_platform_defaults``) unless
+the user set either (docs/compilation.md, "Inductor's options").
 
 Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to 256 and
 every 16 beyond. A batch of 13 decodes is padded to 16 and replayed with the
@@ -162,6 +162,15 @@ class CompilationConfig:
         self.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
         # vLLM's choice: functionalization V1 for mutating custom ops in the graph.
         self.inductor_compile_config.setdefault("enable_auto_functionalized_v2", False)
+
+    def apply_platform_defaults(self, device_type: str) -> None:
+        """vLLM's Inductor defaults for the device the model runs on: on anything but
+        the CPU (where Inductor has no combo kernels), horizontal fusion, with Inductor
+        timing each combination before it keeps it, unless the user set either option."""
+        options = self.inductor_compile_config
+        if device_type != "cpu" and not {"combo_kernels", "benchmark_combo_kernel"} & set(options):
+            options["combo_kernels"] = True
+            options["benchmark_combo_kernel"] = True
 
     def _check_compilation_fields(self) -> None:
         mode = self.mode

@@ -171,9 +171,9 @@ class GlassboxConfig:
 
     def _apply_optimization_level(self) -> None:
         level = self.optimization_level
+        device_type = self.device_config.resolve()
         if level is None:
-            cuda = self.device_config.resolve() == "cuda"
-            level = OptimizationLevel.O2 if cuda else OptimizationLevel.O0
+            level = OptimizationLevel.O2 if device_type == "cuda" else OptimizationLevel.O0
         try:
             self.optimization_level = OptimizationLevel(level)
         except ValueError:
@@ -181,6 +181,7 @@ class GlassboxConfig:
         defaults = OPTIMIZATION_LEVEL_TO_CONFIG[self.optimization_level]
         compilation = self.compilation_config
         compilation.apply_level_defaults(**defaults)  # type: ignore[arg-type]
+        compilation.apply_platform_defaults(device_type)
         if self.lora_config is not None:
             self._run_lora_eagerly()
         scheduler = self.scheduler_config

@@ -183,3 +183,19 @@ def test_level_travels_into_the_engine_on_the_cpu(tmp_path: Path, model: str) ->
     assert len(out.outputs[0].token_ids) == 3
     (event,) = [e for e in load_trace(str(trace)) if isinstance(e, RunnerCompiled)]
     assert event.mode == "VLLM_COMPILE"
+
+
+def test_combo_kernels_are_the_gpu_default_unless_set(model: str) -> None:
+    """vLLM's Inductor defaults: horizontal fusion on a GPU, never on the CPU, and a
+    user's choice of either option keeps both as the user left them."""
+    combo = {"combo_kernels": True, "benchmark_combo_kernel": True}
+    cuda = _config(model, device="cuda").compilation_config.inductor_compile_config
+    assert cuda == {"enable_auto_functionalized_v2": False, **combo}
+    cpu = _config(model, device="cpu", optimization_level=2).compilation_config
+    assert cpu.inductor_compile_config == {"enable_auto_functionalized_v2": False}
+    off = {"inductor_compile_config": {"combo_kernels": False}}
+    mine = _config(model, device="cuda", compilation_config=off).compilation_config
+    assert mine.inductor_compile_config == {
+        "combo_kernels": False,
+        "enable_auto_functionalized_v2": False,
+    }
