@@ -732,6 +732,19 @@ def _file_says(res: Results, name: str) -> str:
             f"batch-1 step {r['wall_ms_per_step']:.2f} ms wall, GPU busy "
             f"{r['gpu_ms_per_step']:.2f} ms"
         )
+    if benchmark == "gpu_profile_modes":
+        return "; ".join(
+            f"{mode} {m['wall_ms_per_step']:.2f} ms, {m['gpu_kernels_per_step']:.0f} kernels"
+            for mode, m in r["modes"].items()
+        )
+    if benchmark == "skinny_gemm":
+        cells = [
+            f"{shape} x{rows} {e['cublas_us']:.1f} / {e['best_us']:.1f} us"
+            for shape, v in r["shapes"].items()
+            for rows, e in v["rows"].items()
+            if "best_us" in e
+        ]
+        return "cuBLAS / Triton skinny GEMM: " + ", ".join(cells)
     if benchmark == "async_scheduling":
         sync, over = r["summary"]["sync"], r["summary"]["async"]
         return (
@@ -1150,16 +1163,53 @@ def gpu_profile_modes_table(res: Results) -> str:
         parts.append("")
         parts.append(
             "| mode | graph used | wall ms | GPU busy ms | kernels | kernel launches | "
-            "graph launches | start-up s |"
+            "graph launches | start-up s | run |"
         )
-        parts.append("|---|---|---|---|---|---|---|---|")
-        for mode, m in r["modes"].items():
+        parts.append("|---|---|---|---|---|---|---|---|---|")
+        # A run of some modes only (--modes): the others from the series' last run of each.
+        rows = [(mode, m, "this") for mode, m in r["modes"].items()]
+        for earlier in reversed(res.series(name)[:-1]):
+            for mode, m in earlier["result"]["modes"].items():
+                if mode not in {row[0] for row in rows}:
+                    run = f"{_day(earlier['date'])}, {_short(earlier['commit'])}"
+                    rows.append((mode, m, run))
+        for mode, m, run in rows:
             parts.append(
                 f"| {mode} | {m['decode_graph_mode']} | {m['wall_ms_per_step']:.2f} | "
                 f"{m['gpu_busy_ms_per_step']:.2f} | {m['gpu_kernels_per_step']:.0f} | "
                 f"{m['kernel_launches_per_step']:.0f} | {m['graph_launches_per_step']:.0f} | "
-                f"{m['engine_startup_seconds']:.1f} |"
+                f"{m['engine_startup_seconds']:.1f} | {run} |"
             )
+        parts.append("")
+    return "\n".join(parts).strip() or "No result stored yet."
+
+
+def skinny_gemm_table(res: Results) -> str:
+    """docs/gpu.md: cuBLAS against the Triton skinny GEMM per layer shape and row count."""
+    parts = []
+    for name in sorted(n for n in res.current if n.startswith("skinny_gemm_")):
+        r = res.current[name]
+        if r.get("device") != "cuda":
+            continue
+        line = res.line_of(name)
+        parts.append(
+            f"`{name}` ({_day(line['date'])}, {_short(line['commit'])}; {r['gpu']}; {r['model']}; "
+            f"{r['calls_per_graph']} calls per graph replay):"
+        )
+        parts.append("")
+        parts.append(
+            "| layer | N x K | rows | cuBLAS us | TB/s | skinny GEMM us | TB/s | best tile | "
+            "speed-up |"
+        )
+        parts.append("|---|---|---|---|---|---|---|---|---|")
+        for shape, v in r["shapes"].items():
+            for rows, e in v["rows"].items():
+                parts.append(
+                    f"| {shape} | {v['n']} x {v['k']} | {rows} | {e['cublas_us']:.1f} | "
+                    f"{e['cublas_tb_per_s']:.2f} | {e['best_us']:.1f} | "
+                    f"{e['best_tb_per_s']:.2f} | `{e['best_tile']}` | "
+                    f"{e['speedup_over_cublas']:.2f}x |"
+                )
         parts.append("")
     return "\n".join(parts).strip() or "No result stored yet."
 
@@ -1347,6 +1397,7 @@ BLOCKS = (
     Block("gpu-throughput-history", "docs/gpu.md", gpu_throughput_history_table),
     Block("gpu-profile-step", "docs/gpu.md", gpu_profile_step_table),
     Block("gpu-profile-modes", "docs/gpu.md", gpu_profile_modes_table),
+    Block("skinny-gemm", "docs/gpu.md", skinny_gemm_table),
     Block("async-scheduling", "docs/gpu.md", async_scheduling_table),
     Block("tracing-overhead-gpu-history", "docs/gpu.md", tracing_gpu_history_table),
     Block("tracing-profile-gpu", "docs/gpu.md", tracing_profile_table),

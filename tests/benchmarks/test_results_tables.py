@@ -348,5 +348,16 @@ def test_the_lora_and_profile_modes_tables_render_their_files(tmp_path):
     )
     assert lora_text.endswith("Mixed adapters / base model on the same engine: 0.50.")
     assert results_table.gpu_profile_modes_table(res).splitlines()[-1] == (
-        "| O2 FULL_AND_PIECEWISE (default) | FULL | 1.23 | 1.10 | 120 | 3 | 1 | 12.3 |"
+        "| O2 FULL_AND_PIECEWISE (default) | FULL | 1.23 | 1.10 | 120 | 3 | 1 | 12.3 | this |"
     )
+    # A later run of another mode alone: the table keeps the earlier mode, saying which run.
+    later = {**modes, "date": "2099-01-02T00:00:00+00:00", "commit": "def5678"}
+    later["modes"] = {"O0 eager": {**step, "wall_ms_per_step": 20.0, "decode_graph_mode": "NONE"}}
+    results_store.record(later, results)
+    rows = results_table.gpu_profile_modes_table(results_table.Results.load(tmp_path)).splitlines()
+    assert rows[0].startswith("`gpu_profile_modes_b1_h200.json` (2099-01-02, def5678;")
+    assert rows[-2:] == [
+        "| O0 eager | NONE | 20.00 | 1.10 | 120 | 3 | 1 | 12.3 | this |",
+        "| O2 FULL_AND_PIECEWISE (default) | FULL | 1.23 | 1.10 | 120 | 3 | 1 | 12.3 "
+        "| 2099-01-01, abc1234 |",
+    ]
