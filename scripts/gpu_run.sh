@@ -33,7 +33,9 @@
 #              Needs the default model (on a machine without network: pack_gpu_model.sh)
 #     notebooks-refresh  run every notebook (scripts/execute_notebooks.py) and bring the
 #              executed copies back in $OUT/gpu_outputs/ (NB_ALLOW_ERRORS=1: past failures);
-#              copied to sessions/NN_*/gpu_outputs/ they are what `notebooks` checks next time
+#              copied to sessions/NN_*/gpu_outputs/ they are what `notebooks` checks next time.
+#              NB_CHECK=1: then, in the same call, put the copies there on this machine and
+#              run `notebooks` on them (nbval_gpu.log; the check costs about the run again)
 #     all      tests, then bench (without the tracing profile unless TRACING_PROFILE=1),
 #              then notebooks
 #   Results land in $OUT under the names of their current files in benchmarks/results
@@ -53,6 +55,7 @@
 #   SAVE_CACHES=0        do not put the FlashInfer/Triton kernel caches in $OUT (default 1)
 #   NB_LIST="a.ipynb b.ipynb"  with `notebooks-refresh`: only these notebooks (default: all);
 #                        with `notebooks`: only their GPU copies
+#   NB_CHECK=1           with `notebooks-refresh`: nbval on the fresh copies in the same call
 #   CALL_LIMIT_S=600     with `notebooks-refresh`: the call's limit; the notebooks stop 45 s
 #                        before it so that what they made is packed (NB_TIMEOUT_S: a fixed bound)
 #   COMPILE_PARTS=...    with `compile`: gpu_throughput.py's parts (default throughput,modes;
@@ -198,6 +201,21 @@ if [ "$WHAT" = notebooks ] || [ "$WHAT" = notebooks-refresh ] || [ "$WHAT" = all
     timeout "$nb_timeout" "$PYTHON" scripts/execute_notebooks.py --out "$OUT/gpu_outputs" \
       $([ "${NB_ALLOW_ERRORS:-0}" = 1 ] && echo --allow-errors) ${NB_LIST:-} 2>&1 \
       | tee "$OUT/notebooks.log" || rc=1
+    if [ "${NB_CHECK:-0}" = 1 ]; then
+      # The fresh copies become this machine's sessions/NN_*/gpu_outputs/, then nbval checks
+      # them (the caller still copies them into its own tree to commit them).
+      checked=()
+      for copy in "$OUT"/gpu_outputs/*.ipynb; do
+        [ -f "$copy" ] || continue
+        dest="sessions/$(basename "$copy" .ipynb)/gpu_outputs"
+        mkdir -p "$dest" && cp "$copy" "$dest/" && checked+=("$dest/$(basename "$copy")")
+      done
+      if [ ${#checked[@]} -gt 0 ]; then
+        "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --durations=7 --nbval-lax \
+          --nbval-current-env --nbval-sanitize-with sessions/nbval_sanitize.cfg \
+          "${checked[@]}" 2>&1 | tee "$OUT/nbval_gpu.log" || rc=1
+      fi
+    fi
   else
     # NB_LIST names notebooks (sessions/NN_x/NN_x.ipynb); nbval checks their GPU copies.
     copies=()
