@@ -620,6 +620,32 @@ show(fig)
 # while piecewise graphs alone (decode steps replayed in pieces, attention
 # eager between them) reach about half. Compilation costs start-up time
 # instead (the `O0` run compiles nothing and starts fastest).
+#
+# What did compilation fuse? The committed profile of one batch-1 decode step
+# (`benchmarks/gpu_profile_modes.py`) counts the GPU kernels a step runs. The
+# eager engine runs 360 (`docs/gpu.md` has every mode): its own fused Triton
+# kernels for the norms, the rotary and SiLU-and-mul. Compiled, vLLM's
+# `custom_ops=["none"]` hands those layers' plain torch code to Inductor, which
+# fuses it its own way; Inductor's combo kernels (vLLM's GPU default, and
+# Glassbox's) then run kernels of different shapes, such as q's and k's
+# norm-and-rotary, as one launch.
+
+# %%
+profile = json.loads((REPO / "benchmarks/results/gpu_profile_modes_b1_h200.json").read_text())
+print(f"COMMITTED H200 RESULTS (not run here): {profile['gpu']}, {profile['date'][:10]}, "
+      f"commit {profile['commit'][:7]}; {profile['model']}; batch {profile['batch']}")
+print("  mode                               kernels / step   GPU busy ms   step ms")
+for name, m in profile["modes"].items():
+    print(f"  {name:<34} {m['gpu_kernels_per_step']:>14.0f}   {m['gpu_busy_ms_per_step']:>11.2f}"
+          f"   {m['wall_ms_per_step']:>7.2f}")
+
+# %% [markdown]
+# In that run (before combo kernels became the default) the compiled step ran
+# 443 kernels, 83 more than eager: Inductor splits Qwen3's q/k norm + rotary,
+# one kernel of Glassbox's, into four, and combo kernels join them back into
+# two. Fewer kernels, less GPU time, a shorter step, yet still no shorter than
+# eager with full graphs: at batch 1 the step is many small kernels, and each
+# costs its launch and ramp-up whatever it computes.
 
 # %% [markdown]
 # ### 5b. Live, on this machine
