@@ -1168,11 +1168,12 @@ def gpu_profile_modes_table(res: Results) -> str:
         parts.append("|---|---|---|---|---|---|---|---|---|")
         # A run of some modes only (--modes): the others from the series' last run of each.
         rows = [(mode, m, "this") for mode, m in r["modes"].items()]
+        seen = set(r["modes"])
         for earlier in reversed(res.series(name)[:-1]):
-            for mode, m in earlier["result"]["modes"].items():
-                if mode not in {row[0] for row in rows}:
-                    run = f"{_day(earlier['date'])}, {_short(earlier['commit'])}"
-                    rows.append((mode, m, run))
+            run = f"{_day(earlier['date'])}, {_short(earlier['commit'])}"
+            missing = {k: m for k, m in earlier["result"]["modes"].items() if k not in seen}
+            rows += [(mode, m, run) for mode, m in missing.items()]
+            seen |= set(missing)
         for mode, m, run in rows:
             parts.append(
                 f"| {mode} | {m['decode_graph_mode']} | {m['wall_ms_per_step']:.2f} | "

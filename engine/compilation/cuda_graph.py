@@ -49,10 +49,7 @@ _global_graph_pool: Any = None
 
 def get_global_graph_pool() -> Any:
     """The memory pool the CUDA graphs of the engine being built capture into."""
-    global _global_graph_pool
-    if _global_graph_pool is None:
-        _global_graph_pool = torch.cuda.graph_pool_handle()
-    return _global_graph_pool
+    return _global_graph_pool if _global_graph_pool is not None else new_global_graph_pool()
 
 
 def new_global_graph_pool() -> Any:

@@ -27,8 +27,8 @@ def _prompts(n=6, seed=1):
     return random_prompts([3, 17, 64, 150, 300, 5][:n], seed)
 
 
-def _generate(model, device, dtype, **kw):
-    llm = LLM(
+def _llm(model, device, dtype, **kw):
+    return LLM(
         model,
         skip_tokenizer_init=True,
         device=device,
@@ -37,11 +37,24 @@ def _generate(model, device, dtype, **kw):
         num_gpu_blocks_override=256,
         **decode_graphs(**kw),
     )
+
+
+def _greedy_tokens(llm):
+    """Each prompt's 16 greedy tokens; shuts ``llm`` down."""
     outs = llm.generate(
         _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs]
+
+
+def _generate(model, device, dtype, **kw):
+    return _greedy_tokens(_llm(model, device, dtype, **kw))
+
+
+def _runner(llm):
+    """The model runner of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
 
 
 def test_cuda_fp32_greedy_equals_cpu_fp32(tiny_llama):
@@ -128,37 +141,15 @@ def test_engines_one_after_another_capture_graphs(tiny_llama):
     import gc
 
     first = _generate(tiny_llama, "cuda", "float32")  # shut down
-    llm = LLM(
-        tiny_llama,
-        skip_tokenizer_init=True,
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        num_gpu_blocks_override=256,
-        **decode_graphs(),
-    )
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
-    assert runner.cudagraphs, "the second engine captured no graphs"
-    pool = runner.graph_pool
-    del llm, runner  # no shutdown: its graphs go with the garbage
+    llm = _llm(tiny_llama, "cuda", "float32")
+    assert _runner(llm).cudagraphs, "the second engine captured no graphs"
+    pool = _runner(llm).graph_pool
+    del llm  # no shutdown: its graphs go with the garbage
     gc.collect()
     torch.cuda.synchronize()
-    third = LLM(
-        tiny_llama,
-        skip_tokenizer_init=True,
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        num_gpu_blocks_override=256,
-        **decode_graphs(),
-    )
-    runner = third.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
-    assert runner.graph_pool != pool and runner.cudagraphs
-    outs = third.generate(
-        _prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
-    )
-    third.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == first
+    third = _llm(tiny_llama, "cuda", "float32")
+    assert _runner(third).graph_pool != pool and _runner(third).cudagraphs
+    assert _greedy_tokens(third) == first
 
 
 def test_cuda_graphs_are_captured_and_replayed(tiny_llama):
