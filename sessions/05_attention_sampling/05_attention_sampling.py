@@ -960,14 +960,18 @@ def sample_by_hand(call: dict, outputs_so_far: dict[str, list[int]]) -> dict:
         row[row < kth_largest] = float("-inf")
         edge_flipped[r] = row
         if p < 1.0:
-            order = row.argsort(descending=True)
-            mass_before = row[order].softmax(dim=-1).cumsum(dim=-1) - row[order].softmax(dim=-1)
-            drop = mass_before >= p  # keep tokens until the mass reaches p
+            sorted_row = row.sort(descending=True).values
+            probs = sorted_row.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            keep = mass_before < p  # keep tokens until the mass reaches p
             # A token whose mass before it is within float32 rounding of p can land on
             # either side, depending on the order the sums ran in (the engine's on a GPU).
-            edge = (mass_before - p).abs() < 1e-5
-            edge_flipped[r, order[drop ^ edge]] = float("-inf")
-            row[order[drop]] = float("-inf")
+            keep_flipped = keep ^ ((mass_before - p).abs() < 1e-5)
+            # The engine keeps logit *values*: all >= the smallest kept one, so tokens tied
+            # with it stay as well (bfloat16 logits, a GPU's, tie often).
+            lowest, lowest_flipped = sorted_row[keep].min(), sorted_row[keep_flipped].min()
+            edge_flipped[r, edge_flipped[r] < lowest_flipped] = float("-inf")
+            row[row < lowest] = float("-inf")
     stages["top_k_top_p"] = logits.clone()
     stages["top_k_top_p, edge flipped"] = edge_flipped
     # The draw: global RNG for the whole tensor, then each seeded row from its own generator,
@@ -1400,7 +1404,7 @@ for step in sorted(s for s in sampler_calls if s >= STEP1 and sampler_calls[s]["
         for s in e.stages:
             p = by_hand_step["stages"][s.stage][r].softmax(dim=-1)
             if not all(abs(p[t].item() - q) < 1e-4 for t, q in zip(s.token_ids, s.probs)):
-                # Only top-p may differ, and only by a token at p's edge (see sample_by_hand).
+                # Only top-p may differ, and only by tokens at p's edge (see sample_by_hand).
                 assert s.stage == "top_k_top_p", (step, rid, s.stage)
                 p = by_hand_step["stages"]["top_k_top_p, edge flipped"][r].softmax(dim=-1)
                 assert all(abs(p[t].item() - q) < 1e-4 for t, q in zip(s.token_ids, s.probs)), (step, rid)
