@@ -74,7 +74,8 @@ def main() -> int:
         try:
             client.execute()
         except Exception as exc:  # noqa: BLE001 -- keep what ran, say what stopped it
-            print(f"{path.name}: stopped: {type(exc).__name__}: {str(exc).splitlines()[-1][:200]}")
+            last_line = (str(exc).splitlines() or [""])[-1][:200]  # some carry no message
+            print(f"{path.name}: stopped: {type(exc).__name__}: {last_line}", flush=True)
         wall = time.perf_counter() - start
         errors = errors_of(nb)
         failed += bool(errors)
