@@ -347,6 +347,45 @@ def test_ray_tp2_matches_one_rank(checkpoints) -> None:
     assert not ray.is_initialized()  # the cluster it started is gone
 
 
+def test_ray_workers_get_the_drivers_variables(checkpoints, monkeypatch) -> None:
+    """A cluster started before the user set NCCL_NVLS_ENABLE=0 (here by the test,
+    before the variable): its workers did not inherit it; the executor copies it,
+    and names the user adds (ray_env.py), into every rank before building it."""
+    pytest.importorskip("ray", reason="Ray is a test dependency (pyproject's test extra)")
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+        monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")
+        monkeypatch.setenv("GLASSBOX_RAY_EXTRA_ENV_VARS_TO_COPY", "NVSHMEM_DISABLE_NVLS")
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # worker-specific: never copied
+        llm = LLM(
+            checkpoints["qwen3"],
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            **ENGINE,
+        )
+        try:
+            executor = llm.llm_engine.engine_core.engine_core.model_executor
+
+            def probe(worker):  # sent by value (Ray pickles closures)
+                import os
+
+                names = ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES")
+                return worker.rank, worker.local_rank, [os.environ.get(n) for n in names]
+
+            got = executor.collective_rpc(probe)
+            assert got == [(0, 0, ["0", "1", None]), (1, 1, ["0", "1", None])]
+            out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)[0].outputs[0]
+            assert len(out.token_ids) == GREEDY.max_tokens
+        finally:
+            llm.shutdown()
+        assert ray.is_initialized()  # not the executor's cluster: left running
+    finally:
+        ray.shutdown()
+
+
 def test_ray_backend_without_ray_names_the_fix(checkpoints, monkeypatch) -> None:
     from engine.v1.executor import ray_utils
 

@@ -7,8 +7,9 @@ alias, which #38842 deleted in 2026-04; read this one (with ``ray_utils.py``).
 Read it for the path to more than one machine: the executor joins a Ray
 cluster (``RAY_ADDRESS``, or a local one it starts), reserves a placement
 group of one bundle per rank, starts a ``RayWorkerWrapper`` actor in each
-bundle, and makes the ranks meet at the rank-0 actor's address for
-``torch.distributed``. Every call then goes to every actor
+bundle, gives every actor the driver's variables (``engine/ray/ray_env.py``)
+and its node's GPUs (``worker_placement``), and makes the ranks meet at the
+rank-0 actor's address for ``torch.distributed``. Every call then goes to every actor
 (``execute_method.remote``); only the output rank's answer is read, as with
 ``MultiprocExecutor``. Two machines::
 
@@ -31,13 +32,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from engine.ray.ray_env import get_env_vars_to_copy
 from engine.utils.network_utils import get_distributed_init_method
 from engine.v1.executor.abstract import Executor, WorkerMethod
 from engine.v1.executor.ray_utils import (
+    WORKER_SPECIFIC_ENV_VARS,
     RayWorkerWrapper,
     assert_ray_available,
     initialize_ray_cluster,
     wait_for,
+    worker_placement,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,16 +89,23 @@ class RayDistributedExecutor(Executor):
                     config, rank, trace_path, obs.trace_level
                 )
                 self.workers.append(actor)
+            # Each rank's devices, then the driver's variables, before any worker exists.
+            nodes = wait_for([w.get_node_and_gpu_ids.remote() for w in self.workers], "start-up")
+            placements = worker_placement(nodes)
+            copied = get_env_vars_to_copy(exclude_vars=WORKER_SPECIFIC_ENV_VARS)
+            updates = [
+                w.update_environment_variables.remote({**copied, **p.env})
+                for w, p in zip(self.workers, placements)
+            ]
+            wait_for(updates, "start-up")
             # The ranks meet at rank 0's machine.
             ips = wait_for([w.get_node_ip.remote() for w in self.workers], "start-up")
             port = wait_for(self.workers[0].get_open_port.remote(), "start-up")
             init_method = get_distributed_init_method(ips[0], port)
-            local_rank = [ips[:rank].count(ip) for rank, ip in enumerate(ips)]
-            local_world = [ips.count(ip) for ip in ips]
             self.pids = wait_for(
                 [
-                    w.init_worker.remote(init_method, local_rank[r], local_world[r])
-                    for r, w in enumerate(self.workers)
+                    w.init_worker.remote(init_method, p.local_rank, p.local_world_size)
+                    for w, p in zip(self.workers, placements)
                 ],
                 "start-up",
             )

@@ -7,8 +7,14 @@ Read it for how ranks land on machines: one placement-group bundle per rank
 on a node that has the device it needs -- on one machine or many.
 Sessions: 07 (executor).
 
-Simpler than vLLM: no per-node GPU-id bookkeeping or device-visibility
-environment rewriting, no TPU/Neuron bundles, no compiled DAGs.
+Also the per-node device bookkeeping (``worker_placement``): Ray shows each
+GPU actor only its own GPU, as ``cuda:0``; the executor makes every GPU of a
+node that holds ranks visible to all of that node's ranks (as vLLM does, so
+NCCL sees its peers) and gives each rank its own GPU's index there as its
+local rank.
+
+Simpler than vLLM: no TPU/Neuron bundles, no compiled DAGs, no reordering of
+the ranks by node.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -80,6 +88,41 @@ def initialize_ray_cluster(world_size: int, device_type: str) -> tuple[Any, bool
     return group, started_here
 
 
+# Set by the executor for each worker, never copied from the driver.
+WORKER_SPECIFIC_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "GLASSBOX_HOST_IP", "LOCAL_RANK")
+
+
+@dataclass
+class WorkerPlacement:
+    """Where one rank runs: its index among its node's ranks' devices, how many
+    ranks its node has, and the variables that make those devices visible."""
+
+    local_rank: int
+    local_world_size: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def worker_placement(nodes_and_gpus: list[tuple[str, list[Any]]]) -> list[WorkerPlacement]:
+    """``nodes_and_gpus``: per rank, its Ray node id and the GPU ids Ray gave it
+    (none on the CPU). On a node with GPUs, every rank sees all of the node's
+    ranks' GPUs (numeric order) and its local rank is its own GPU's position."""
+    ranks_on: dict[str, list[int]] = defaultdict(list)
+    gpus_on: dict[str, list[int]] = defaultdict(list)
+    for rank, (node, gpus) in enumerate(nodes_and_gpus):
+        ranks_on[node].append(rank)
+        gpus_on[node].extend(int(g) for g in gpus)  # ids may come as strings; "10" > "9"
+    placements = []
+    for rank, (node, gpus) in enumerate(nodes_and_gpus):
+        world = len(ranks_on[node])
+        if not gpus:
+            placements.append(WorkerPlacement(ranks_on[node].index(rank), world))
+            continue
+        visible = sorted(gpus_on[node])
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, visible))}
+        placements.append(WorkerPlacement(visible.index(int(gpus[0])), world, env))
+    return placements
+
+
 class RayWorkerWrapper:
     """What runs inside each Ray actor: one rank's ``Worker``. The executor
     wraps this class with ``ray.remote`` (so importing this module needs no Ray)."""
@@ -95,6 +138,18 @@ class RayWorkerWrapper:
         from engine.utils.network_utils import get_ip
 
         return get_ip()
+
+    def get_node_and_gpu_ids(self) -> tuple[str, list[Any]]:
+        """This actor's Ray node id and the GPU ids Ray assigned to it."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_node_id(), list(context.get_accelerator_ids().get("GPU", []))
+
+    def update_environment_variables(self, env: dict[str, str]) -> None:
+        """Set ``env`` in this actor's process (before ``init_worker``: CUDA and
+        NCCL read their variables when they start)."""
+        os.environ.update(env)
 
     def get_open_port(self) -> int:
         from engine.utils.network_utils import get_open_port
@@ -176,9 +231,12 @@ def wait_for(refs: Any, what: str) -> Any:
 
 
 __all__ = [
+    "WORKER_SPECIFIC_ENV_VARS",
     "RayWorkerWrapper",
+    "WorkerPlacement",
     "assert_ray_available",
     "initialize_ray_cluster",
     "ray_is_available",
     "wait_for",
+    "worker_placement",
 ]
