@@ -39,6 +39,12 @@ process, and writes one JSON with everything the docs table needs:
   workload (``throughput_fp8``) and its batch-1 and batch-64 decode steps
   (``decode_latency_fp8``), beside the bf16 figures.
 
+* ``--parts tp`` (not in the default set; two GPUs): the default engine at
+  ``tensor_parallel_size=2`` (``mp`` workers, NCCL) on the same workload
+  (``throughput_tp2``) and its batch-1 and batch-64 decode steps
+  (``decode_latency_tp2``), beside the TP=1 figures of ``throughput`` and
+  ``latency``.
+
 Usage: python3 benchmarks/gpu_throughput.py --out DIR [--parts throughput,eager,hf,latency]
        [--hf-num-prompts N] [--hf-timeout-s S] [--record [RESULTS_DIR]]
 Writes DIR/gpu_throughput_<gpu>.json (``gpu_throughput_h200.json`` on an H200)
@@ -105,7 +111,7 @@ TARGETS = {
     "ratio_to_transformers": 20,
     "decode_step_batch1_ms": 1.0,
 }
-ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes", "fp8", "lora")
+ALL_PARTS = ("throughput", "eager", "hf", "latency", "modes", "fp8", "lora", "tp")
 # The ``lora`` part: adapters of this rank over the seven projections.
 LORA_RANK = 16
 NUM_ADAPTERS = 4
@@ -281,7 +287,7 @@ def main() -> int:
     ap.add_argument("--out", default="out", help="the directory to write the JSON into")
     ap.add_argument(
         "--parts",
-        default=",".join(p for p in ALL_PARTS if p not in ("modes", "fp8")),
+        default=",".join(p for p in ALL_PARTS if p not in ("modes", "fp8", "tp")),
         help=f"comma-separated subset of {ALL_PARTS}",
     )
     ap.add_argument(
@@ -485,6 +491,20 @@ def main() -> int:
         attempt(
             "throughput_mixed_lora",
             lambda: run_mixed_lora(requests, engine_args(path, True, **lora), dirs),
+        )
+
+    if "tp" in parts:
+        tp2 = {"tensor_parallel_size": 2}
+        attempt("throughput_tp2", lambda: run_glassbox(requests, engine_args(path, False, **tp2)))
+        attempt(
+            "decode_latency_tp2",
+            lambda: run_decode_latency(
+                engine_args(path, False, enable_prefix_caching=False, **tp2),
+                [1, 64],
+                input_len=512,
+                num_iters=32,
+                num_iters_warmup=4,
+            ),
         )
 
     save()

@@ -27,6 +27,12 @@
 #              kernels and engine), then throughput and decode steps with quantization fp8
 #              beside bf16 (gpu_throughput.py --parts $QUANT_PARTS, default throughput,fp8;
 #              lora: the mixed-adapter workload)
+#     tp       two GPUs (issue 25; a machine of kind nvidia-h200-x2): NVLink multicast off
+#              (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1,
+#              in every process the engine starts), the two-GPU tests
+#              (tests/gpu/test_gpu_tensor_parallel.py; Ray from .gpu_ray), then throughput and
+#              decode steps at TP=2 beside TP=1 (gpu_throughput.py --parts $TP_PARTS, default
+#              throughput,latency,tp)
 #     notebooks  every session notebook under nbval on this GPU, against the outputs an
 #              earlier GPU run committed (sessions/NN_*/gpu_outputs/NN_*.ipynb; checked cells
 #              compared as in `make test`, with the same sanitizer); log in $OUT/nbval_gpu.log.
@@ -83,8 +89,9 @@ set -uo pipefail
 OUT=${OUT:-out}
 WHAT=${1:-all}
 case "$WHAT" in
-  all | tests | bench | tracing | async | spec | so | compile | quant | notebooks | notebooks-refresh) ;;
-  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile|quant|notebooks|notebooks-refresh]" >&2
+  all | tests | bench | tracing | async | spec | so | compile | quant | tp | notebooks \
+    | notebooks-refresh) ;;
+  *) echo "usage: $0 [all|tests|bench|tracing|async|spec|so|compile|quant|tp|notebooks|notebooks-refresh]" >&2
      exit 2 ;;
 esac
 source "$(dirname "$0")/gpu_env.sh"  # sets PYTHON, PYTHONPATH; installs what was carried
@@ -139,6 +146,16 @@ if [ "$WHAT" = quant ]; then
     $(ls tests/gpu/test_gpu_gguf*.py 2>/dev/null) tests/gpu/test_gpu_lora.py 2>&1 \
     | tee "$OUT/gpu_tests.log" || rc=1
   "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${QUANT_PARTS:-throughput,fp8}" \
+    2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
+fi
+if [ "$WHAT" = tp ]; then
+  # Exported here, so the engine's workers (mp: inherited; ray: copied, ray_env.py) have them.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export GLASSBOX_RAY_EXTRA_ENV_VARS_TO_COPY=TORCH_SYMM_MEM_DISABLE_MULTICAST,NVSHMEM_DISABLE_NVLS
+  nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
+  "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -rf -s -m gpu \
+    tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT" --parts "${TP_PARTS:-throughput,latency,tp}" \
     2>&1 | grep -v INFO | tee -a "$OUT/bench.log" || rc=1
 fi
 if { [ "$WHAT" = bench ] || [ "$WHAT" = tracing ] || [ "$WHAT" = async ]; } \
