@@ -1110,7 +1110,10 @@ print("sampled token's returned logprob and rank == the trace's raw ones:",
 #   mask in sorted order, scatter the row back;
 # * **sort + threshold** — Glassbox's `apply_top_k_top_p_pytorch`: sort the
 #   values only, turn k and p into one threshold per row, mask the row in
-#   place (no scatter);
+#   place (no scatter). It keeps the same tokens as sort + scatter except at
+#   a tie: where equal logits straddle p's edge, the threshold keeps them
+#   all, the scatter those its sort happened to put first. A GPU's bfloat16
+#   logits tie often, which is why 4c's by-hand filter keeps tied values;
 # * **top-k alone** — `torch.topk(k)`, a partial selection: vLLM's CPU path
 #   takes it when no row asks for top-p (`apply_top_k_only`; it needs the
 #   largest k on the host, a sync Glassbox avoids);
@@ -1191,7 +1194,7 @@ print(f"{'':<31}" + "".join(f"{f'{r} rows':>20}" for r in timings))
 for method in timings[1]:
     print(f"{method:<31}" + "".join(f"{timings[r][method]:>9.2f} ({timings[r][method] / r:5.2f})   "
                                     for r in timings))
-# the two top-k+top-p variants keep the same tokens (on random logits: no ties)
+# the two top-k+top-p variants keep the same tokens (float32 random logits: no ties)
 y = torch.randn(4, V, generator=gen) * 3
 kk, pp = torch.full((4,), 50), torch.full((4,), 0.9)
 same = torch.equal(torch.isinf(sort_and_scatter(y.clone(), kk, pp)), torch.isinf(apply_top_k_top_p_pytorch(y.clone(), kk, pp)))
