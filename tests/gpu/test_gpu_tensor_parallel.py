@@ -21,11 +21,10 @@ actors: engine/ray/ray_env.py and ``GLASSBOX_RAY_EXTRA_ENV_VARS_TO_COPY``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from benchmarks.gpu_throughput import QWEN3_0_6B
 from engine import LLM, SamplingParams
 from engine.tracing import RunnerBatch, load_trace
 
@@ -43,23 +42,9 @@ NO_MULTICAST = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "GLASSBOX_RAY_EXTRA_ENV_VARS_TO_COPY": "TORCH_SYMM_MEM_DISABLE_MULTICAST,NVSHMEM_DISABLE_NVLS",
 }
-# perf.md section 9 (the published config.json files).
+# perf.md section 9 (the published config.json files); Qwen3's is the benchmarks' own.
 CONFIGS = {
-    "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960,
-    },
+    "qwen3-0.6b": QWEN3_0_6B,
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -88,18 +73,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 # A swap of TP=1's top two is allowed where they were this close (nats): bf16
 # rounds logits of order 10 to steps of 1/16, and both tokens may move.
 TIE = 0.5
+ENGINE = {"skip_tokenizer_init": True, "max_model_len": 1024, "gpu_memory_utilization": 0.5}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_multicast():
-    saved = {name: os.environ.get(name) for name in NO_MULTICAST}
-    os.environ.update(NO_MULTICAST)
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in NO_MULTICAST.items():
+            mp.setenv(name, value)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +117,7 @@ def _prompts(vocab_size: int) -> list[dict[str, list[int]]]:
 def _generate(model: str, vocab_size: int, trace: str | None = None, **kw):
     if trace is not None:
         kw["trace_path"] = trace  # lifecycle events: runner.batch has the graph mode
-    llm = LLM(model, skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.5, **kw)
+    llm = LLM(model, **ENGINE, **kw)
     try:
         outs = llm.generate(_prompts(vocab_size), GREEDY, use_tqdm=False)
         return [o.outputs[0] for o in outs]
@@ -199,14 +181,7 @@ def test_tp2_matches_tp1(
 
 @pytest.mark.usefixtures("in_process_engine")  # the executor is then reachable from here
 def test_each_rank_has_its_own_gpu_and_half_the_weights(checkpoints) -> None:
-    llm = LLM(
-        checkpoints["qwen3-0.6b"],
-        skip_tokenizer_init=True,
-        max_model_len=1024,
-        gpu_memory_utilization=0.5,
-        optimization_level=0,
-        tensor_parallel_size=2,
-    )
+    llm = LLM(checkpoints["qwen3-0.6b"], **ENGINE, optimization_level=0, tensor_parallel_size=2)
     try:
         executor = llm.llm_engine.engine_core.engine_core.model_executor
         got = executor.collective_rpc(_device_and_weight_bytes)
