@@ -11,6 +11,7 @@ import json
 import pytest
 
 import engine
+import engine.config.device as device_module
 from engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -22,6 +23,7 @@ from engine.config import (
 )
 from engine.engine.arg_utils import EngineArgs
 from engine.entrypoints.cli.main import main
+from engine.usage.usage_lib import UsageContext
 from engine.v1.executor.abstract import Executor
 from tests.helpers.counting_executor import CountingExecutor
 from tests.helpers.engine_fixtures import EOS, VOCAB_SIZE, make_llm
@@ -216,6 +218,136 @@ def test_without_chunked_prefill_the_budget_covers_max_model_len(tmp_path):
     assert engine_config(model).scheduler_config.max_num_batched_tokens == 2048
     explicit = engine_config(model, enable_chunked_prefill=False, max_num_batched_tokens=5000)
     assert explicit.scheduler_config.max_num_batched_tokens == 5000
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    "usage_context, tokens, seqs",
+    [
+        (None, 2048, 128),  # SchedulerConfig's own defaults
+        (UsageContext.ENGINE_CONTEXT, 2048, 128),
+        (UsageContext.LLM_CLASS, 4096, 256),
+        (UsageContext.OPENAI_API_SERVER, 2048, 128),
+    ],
+)
+def test_cpu_batch_defaults_follow_the_usage_context(model_dir, usage_context, tokens, seqs):
+    config = EngineArgs(model=str(model_dir), device="cpu").create_engine_config(usage_context)
+    s = config.scheduler_config
+    assert (s.max_num_batched_tokens, s.max_num_seqs) == (tokens, seqs)
+
+
+@pytest.mark.parametrize(
+    "gpu, llm, server",
+    [
+        ((141 * GiB, "NVIDIA H200"), (16384, 1024), (8192, 1024)),
+        ((80 * GiB, "NVIDIA H100 80GB HBM3"), (16384, 1024), (8192, 1024)),
+        # vLLM keeps A100s on the small budgets whatever their memory.
+        ((80 * GiB, "NVIDIA A100-SXM4-80GB"), (8192, 256), (2048, 256)),
+        ((24 * GiB, "NVIDIA L4"), (8192, 256), (2048, 256)),
+        (None, (8192, 256), (2048, 256)),  # NVML absent and CUDA not initialised
+    ],
+)
+def test_gpu_batch_defaults_follow_memory_and_name(monkeypatch, gpu, llm, server):
+    monkeypatch.setattr(device_module, "_nvml_device_info", lambda: gpu)
+    tokens, seqs = EngineArgs.get_batch_defaults(1, DeviceConfig(device="cuda"))
+    ctx = UsageContext
+    assert (tokens[ctx.LLM_CLASS], seqs[ctx.LLM_CLASS]) == llm
+    assert (tokens[ctx.OPENAI_API_SERVER], seqs[ctx.OPENAI_API_SERVER]) == server
+    assert ctx.ENGINE_CONTEXT not in tokens and ctx.ENGINE_CONTEXT not in seqs
+
+
+def test_gpu_memory_and_name_come_from_nvml_for_the_first_visible_gpu(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
+        nvmlDeviceGetHandleByUUID=lambda u: ("uuid", u),
+        nvmlDeviceGetName=lambda h: f"GPU {h}".encode(),  # older bindings return bytes
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=141 * GiB),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    cuda = DeviceConfig(device="cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert (cuda.get_device_total_memory(), cuda.get_device_name()) == (
+        141 * GiB,
+        "GPU ('index', 3)",
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f2e")
+    assert cuda.get_device_name() == "GPU ('uuid', 'GPU-5f2e')"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert cuda.get_device_name() == "GPU ('index', 0)"
+    assert calls == ["init", "shutdown"] * 4  # NVML is shut down again each time
+    assert DeviceConfig(device="cpu").get_device_total_memory() == 0
+
+
+def test_cpu_batch_defaults_scale_with_the_tensor_parallel_size():
+    tokens, seqs = EngineArgs.get_batch_defaults(2, DeviceConfig(device="cpu"))
+    assert (tokens[UsageContext.LLM_CLASS], seqs[UsageContext.LLM_CLASS]) == (8192, 512)
+    server = UsageContext.OPENAI_API_SERVER
+    assert (tokens[server], seqs[server]) == (4096, 256)
+
+
+def test_batch_defaults_leave_explicit_values_and_respect_the_model(tmp_path):
+    model = str(make_tiny_model_dir(tmp_path / "m", max_position_embeddings=8192))
+    llm_class = UsageContext.LLM_CLASS
+
+    def scheduler(**kwargs):
+        args = EngineArgs(model=model, device="cpu", **kwargs)
+        s = args.create_engine_config(llm_class).scheduler_config
+        # vLLM writes the defaults back into the EngineArgs it was given.
+        assert (args.max_num_batched_tokens, args.max_num_seqs) == (
+            s.max_num_batched_tokens,
+            s.max_num_seqs,
+        )
+        return s.max_num_batched_tokens, s.max_num_seqs
+
+    assert scheduler(max_num_seqs=8, max_num_batched_tokens=100) == (100, 8)
+    assert scheduler(max_num_seqs=8) == (4096, 8)
+    assert scheduler(max_num_batched_tokens=100) == (100, 256)
+    # A default budget never exceeds what every sequence could use at once ...
+    assert scheduler(max_num_seqs=1, max_model_len=512) == (512, 1)
+    # ... and without chunked prefill covers one whole prompt.
+    assert scheduler(enable_chunked_prefill=False, max_num_seqs=2) == (8192, 2)
+
+
+def test_each_entry_point_names_its_usage_context(model_dir, monkeypatch):
+    """LLM -> LLM_CLASS, glassbox serve -> OPENAI_API_SERVER: vLLM's pairs."""
+    import argparse
+    import asyncio
+
+    from engine.entrypoints.openai import api_server
+    from engine.entrypoints.openai.cli_args import make_arg_parser
+    from engine.v1.engine.async_llm import AsyncLLM
+    from engine.v1.engine.llm_engine import LLMEngine
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(engine_args, usage_context=UsageContext.ENGINE_CONTEXT, **kwargs):
+        seen.append(usage_context)
+        raise Stop
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", record)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", record)
+    with pytest.raises(Stop):
+        engine.LLM(str(model_dir))
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([str(model_dir)])
+
+    async def serve():
+        async with api_server.build_async_engine_client(args):
+            pass
+
+    with pytest.raises(Stop):
+        asyncio.run(serve())
+    assert seen == [UsageContext.LLM_CLASS, UsageContext.OPENAI_API_SERVER]
 
 
 def test_engine_args_land_in_the_right_config(model_dir, tmp_path):

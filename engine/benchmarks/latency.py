@@ -40,6 +40,7 @@ from engine.benchmarks.throughput import (
     engine_args_from_cli,
     provenance,
 )
+from engine.usage.usage_lib import UsageContext
 
 # Give up on a batch whose prompts never all get through (a KV cache too small).
 MAX_PREFILL_STEPS = 10_000
@@ -132,7 +133,7 @@ def run_decode_latency(
             "need input_len >= 1, num_iters >= 1, num_iters_warmup >= 0; "
             f"got {input_len}, {num_iters}, {num_iters_warmup}"
         )
-    config = engine_args.create_engine_config()
+    config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
     if max(batch_sizes) > config.scheduler_config.max_num_seqs:
         raise ValueError(
             f"batch size {max(batch_sizes)} exceeds "
@@ -227,7 +228,7 @@ def run_client_itl(
 
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 to have a gap, got {output_len}")
-    engine = LLMEngine.from_engine_args(engine_args)
+    engine = LLMEngine.from_engine_args(engine_args, usage_context=UsageContext.LLM_CLASS)
     try:
         rng = random.Random(seed)
         vocab = min(10000, engine.glassbox_config.model_config.vocab_size - 1)
@@ -301,7 +302,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             decode_step_floor_seconds,
         )
 
-        config = engine_args.create_engine_config()
+        config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
         model_bytes = count_model_bytes(config.model_config, getattr(torch, engine["dtype"]))
         for entry in per_batch.values():
             floor = decode_step_floor_seconds(

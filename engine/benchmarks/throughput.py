@@ -42,6 +42,7 @@ from engine.benchmarks.datasets import (
     parse_len_range,
     sample_random_requests,
 )
+from engine.usage.usage_lib import UsageContext
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -149,7 +150,9 @@ def run_glassbox(
     from engine import LLM, SamplingParams
 
     fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
-    max_model_len = engine_args.create_engine_config().model_config.max_model_len
+    max_model_len = engine_args.create_engine_config(
+        UsageContext.LLM_CLASS
+    ).model_config.max_model_len
     longest = max(r.prompt_len + r.expected_output_len for r in requests)
     if longest > max_model_len:
         raise ValueError(
@@ -204,7 +207,7 @@ def describe_engine(engine_args: Any) -> dict[str, Any]:
     from engine.utils.torch_utils import resolve_dtype
     from engine.v1.attention.selector import get_attn_backend
 
-    config = engine_args.create_engine_config()
+    config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
     device = config.device_config.resolve()
     return {
         "model": config.model_config.model,
@@ -399,7 +402,7 @@ def roofline_for(
     from engine.benchmarks.roofline import count_model_bytes, throughput_bound_seconds
     from engine.utils.torch_utils import resolve_dtype
 
-    config = engine_args.create_engine_config()
+    config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
     dtype = resolve_dtype(config.model_config.dtype, config.device_config.resolve())
     model_bytes = count_model_bytes(config.model_config, dtype)
     seconds = throughput_bound_seconds(requests, model_bytes, bandwidth)
@@ -446,7 +449,7 @@ def provenance() -> dict[str, Any]:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = engine_args_from_cli(args)
     engine = describe_engine(engine_args)
-    vocab_size = engine_args.create_engine_config().model_config.vocab_size
+    vocab_size = engine_args.create_engine_config(UsageContext.LLM_CLASS).model_config.vocab_size
     requests, max_token_id = get_requests(args, vocab_size)
     result: dict[str, Any] = {
         "benchmark": "throughput",

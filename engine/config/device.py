@@ -2,11 +2,21 @@
 
 vLLM twin: ``vllm/config/device.py`` (``DeviceConfig``). Sessions: 04.
 ``"auto"`` picks CUDA when torch sees a GPU, else the CPU.
+
+``get_device_total_memory`` and ``get_device_name`` play vLLM's
+``current_platform`` methods of the same names (``vllm/platforms/cuda.py``,
+``NvmlCudaPlatform``): they ask NVML, which leaves the process without a CUDA
+context, so the engine-core and worker processes can still be forked.
+Simpler than vLLM: no platform classes; the CPU and CUDA are the only devices.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -29,3 +39,45 @@ class DeviceConfig:
         # initialises the driver in this process, and a child forked after that
         # cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess").
         return "cuda" if torch.cuda.device_count() > 0 else "cpu"
+
+    def get_device_total_memory(self) -> int:
+        """Bytes of memory on the first visible GPU; 0 on the CPU or when
+        neither NVML nor an initialised CUDA can tell."""
+        if self.resolve() != "cuda":
+            return 0
+        info = _nvml_device_info()
+        return info[0] if info else 0
+
+    def get_device_name(self) -> str:
+        """Name of the first visible GPU ("NVIDIA H200"); "" on the CPU or unknown."""
+        if self.resolve() != "cuda":
+            return ""
+        info = _nvml_device_info()
+        return info[1] if info else ""
+
+
+def _nvml_device_info() -> tuple[int, str] | None:
+    """(total bytes, name) of the GPU that is cuda:0 in this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            if visible.startswith(("GPU-", "MIG-")):
+                handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible else 0)
+            name = pynvml.nvmlDeviceGetName(handle)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+        finally:
+            pynvml.nvmlShutdown()
+        return int(total), name.decode() if isinstance(name, bytes) else str(name)
+    except Exception as exc:  # no NVML here: fall back to CUDA only if it is already up
+        import torch
+
+        if torch.cuda.is_initialized():
+            props = torch.cuda.get_device_properties(0)
+            return int(props.total_memory), props.name
+        logger.debug("GPU memory and name unknown (%s); using small-GPU defaults", exc)
+        return None

@@ -14,7 +14,10 @@ rules: on unless the executor cannot overlap steps) picks the scheduler class
 Simpler than vLLM: no encoder budget, no partial-prefill limits, no pause
 states, no custom ``scheduler_cls``.
 
-Differs from vLLM on purpose: ``max_waiting_requests`` (Glassbox's own; vLLM
+Differs from vLLM on purpose: a ``max_num_batched_tokens`` below
+``max_num_seqs`` is accepted (vLLM refuses it): the sessions use budgets of a
+few dozen tokens, beside the default ``max_num_seqs``, to make chunking
+visible in a few steps. And ``max_waiting_requests`` (Glassbox's own; vLLM
 queues without limit) bounds how many sequences may wait beyond a full batch
 in the API server, so a flood of requests gets quick 503s instead of queueing
 for hours. It is enforced by ``AsyncLLM.add_request``; ``LLM`` queues every

@@ -2,8 +2,10 @@
 
 vLLM twin: ``vllm/engine/arg_utils.py`` (``EngineArgs.create_engine_config``).
 Read it for: which user-facing argument lands in which config object. Every
-keyword ``LLM(...)`` accepts is a field here.
-Sessions: 01.
+keyword ``LLM(...)`` accepts is a field here. ``max_num_batched_tokens`` and
+``max_num_seqs`` left at None get vLLM's defaults for the entry point (the
+``UsageContext``) and the hardware (``get_batch_defaults``).
+Sessions: 01, 02.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from engine.config import (
     StructuredOutputsConfig,
 )
 from engine.config.lora import LoRAConfig
+from engine.usage.usage_lib import UsageContext
+
+GiB_bytes = 1 << 30
 
 
 @dataclass
@@ -59,10 +64,14 @@ class EngineArgs:
     """KV-cache size in bytes; None: from gpu_memory_utilization on CUDA, from
     GLASSBOX_CPU_KVCACHE_SPACE (GiB, default 1) on the CPU."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one scheduler step; None: 2048 (at least max_model_len
-    without chunked prefill)."""
+    """Token budget of one scheduler step; None: vLLM's default for the entry point
+    and hardware (CPU: LLM 4096, serve 2048; GPU with 70 GiB or more: 16384 and
+    8192; other GPUs: 8192 and 2048; times the TP size on the CPU; at least
+    max_model_len without chunked prefill)."""
     max_num_seqs: int | None = None
-    """Requests running at once at most; None: 128."""
+    """Requests running at once at most; None: vLLM's default for the entry point
+    and hardware (CPU: LLM 256, serve 128; GPU with 70 GiB or more: 1024; other
+    GPUs: 256; times the TP size on the CPU)."""
     enable_chunked_prefill: bool = True
     """Split a long prompt's prefill over several steps to fit the token budget."""
     long_prefill_token_threshold: int = 0
@@ -164,7 +173,68 @@ class EngineArgs:
             )
         return SpeculativeConfig.from_dict(spec)
 
-    def create_engine_config(self) -> GlassboxConfig:
+    @classmethod
+    def get_batch_defaults(
+        cls, world_size: int, device_config: DeviceConfig | None = None
+    ) -> tuple[dict[UsageContext | None, int], dict[UsageContext | None, int]]:
+        """vLLM's defaults for max_num_batched_tokens and max_num_seqs, per usage
+        context: (tokens, seqs). An entry point that is not listed
+        (ENGINE_CONTEXT, ...) falls back to SchedulerConfig's 2048 and 128."""
+        device_config = device_config or DeviceConfig()
+        if device_config.resolve() == "cpu":
+            return (
+                {
+                    UsageContext.LLM_CLASS: 4096 * world_size,
+                    UsageContext.OPENAI_API_SERVER: 2048 * world_size,
+                },
+                {
+                    UsageContext.LLM_CLASS: 256 * world_size,
+                    UsageContext.OPENAI_API_SERVER: 128 * world_size,
+                },
+            )
+        memory = device_config.get_device_total_memory()
+        name = device_config.get_device_name().lower()
+        # An H100/H200-class GPU gets bigger batches; A100s are excluded by name
+        # because vLLM measured lower throughput there with the larger budget.
+        if memory >= 70 * GiB_bytes and "a100" not in name:
+            return (
+                {UsageContext.LLM_CLASS: 16384, UsageContext.OPENAI_API_SERVER: 8192},
+                {UsageContext.LLM_CLASS: 1024, UsageContext.OPENAI_API_SERVER: 1024},
+            )
+        return (
+            {UsageContext.LLM_CLASS: 8192, UsageContext.OPENAI_API_SERVER: 2048},
+            {UsageContext.LLM_CLASS: 256, UsageContext.OPENAI_API_SERVER: 256},
+        )
+
+    def _set_default_max_num_seqs_and_batched_tokens_args(
+        self, usage_context: UsageContext | None, max_model_len: int
+    ) -> None:
+        """Fill max_num_batched_tokens and max_num_seqs when the user left them
+        None (vLLM does the same, on the same EngineArgs object)."""
+        budget_unset = self.max_num_batched_tokens is None
+        if budget_unset or self.max_num_seqs is None:
+            tp = self.tensor_parallel_size  # a bad value is ParallelConfig's to name
+            world_size = tp if isinstance(tp, int) and tp >= 1 else 1
+            tokens, seqs = self.get_batch_defaults(world_size, DeviceConfig(device=self.device))
+            if budget_unset:
+                self.max_num_batched_tokens = tokens.get(
+                    usage_context, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+                )
+            if self.max_num_seqs is None:
+                self.max_num_seqs = seqs.get(usage_context, SchedulerConfig.DEFAULT_MAX_NUM_SEQS)
+        if budget_unset:
+            assert self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+            if not self.enable_chunked_prefill:
+                # Without chunking a whole prompt must fit in one step.
+                self.max_num_batched_tokens = max(self.max_num_batched_tokens, max_model_len)
+            if isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0:
+                # Never more than every running sequence could use at once (a bad
+                # max_num_seqs is left for SchedulerConfig to name).
+                self.max_num_batched_tokens = min(
+                    self.max_num_batched_tokens, self.max_num_seqs * max_model_len
+                )
+
+    def create_engine_config(self, usage_context: UsageContext | None = None) -> GlassboxConfig:
         model = self.model
         served_model_name = self.served_model_name
         if isinstance(served_model_name, list | tuple):
@@ -201,13 +271,8 @@ class EngineArgs:
         )
         max_model_len = model_config.max_model_len
         assert max_model_len is not None
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            # Offline default, as vLLM's LLM class: a generous budget; without
-            # chunked prefill it must cover a whole max-length prompt.
-            max_num_batched_tokens = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if not self.enable_chunked_prefill:
-                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        self._set_default_max_num_seqs_and_batched_tokens_args(usage_context, max_model_len)
+        assert self.max_num_batched_tokens is not None and self.max_num_seqs is not None
         if isinstance(self.compilation_config, CompilationConfig):
             compilation_config = self.compilation_config
         else:
@@ -223,12 +288,8 @@ class EngineArgs:
             ),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=(
-                    SchedulerConfig.DEFAULT_MAX_NUM_SEQS
-                    if self.max_num_seqs is None
-                    else self.max_num_seqs
-                ),
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from engine.engine.arg_utils import EngineArgs
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.usage.usage_lib import UsageContext
 from engine.v1.engine.input_processor import PromptType, load_generation_config
 from engine.v1.engine.llm_engine import LLMEngine
 from engine.v1.metrics.reader import Metric
@@ -53,7 +54,9 @@ class LLM:
                 f"LLM() got unexpected keyword argument(s): {', '.join(sorted(unknown))}"
             )
         engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(
+            engine_args, usage_context=UsageContext.LLM_CLASS
+        )
         self.request_counter = itertools.count()
         self.default_sampling_params: dict[str, Any] | None = None
 

@@ -648,6 +648,30 @@ for step in (4, 5, SHORT_DONE):
 #   ([config/scheduler.py#L244](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/config/scheduler.py#L244)), which
 #   Glassbox does not have; the default is 0.
 #
+# **The defaults depend on who builds the engine, and where.** Leave
+# `max_num_batched_tokens` and `max_num_seqs` unset and
+# [`EngineArgs.get_batch_defaults`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/engine/arg_utils.py#L2282)
+# picks them from the entry point (`LLM` passes `UsageContext.LLM_CLASS`,
+# [llm.py#L350](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/entrypoints/llm.py#L350);
+# `vllm serve` passes `OPENAI_API_SERVER`) and the hardware: offline batches get a
+# bigger budget than a server, whose requests want short steps, and a GPU with
+# 70 GiB or more (not an A100) gets the most. Any other entry point (an
+# `LLMEngine` built from `EngineArgs`, as `run_workload` above does) falls back to
+# `SchedulerConfig`'s own 2048 tokens and 128 sequences. Glassbox's `EngineArgs`
+# has the same method; predict this machine's values, then run:
+
+# %%
+from engine.config import DeviceConfig  # noqa: E402
+from engine.usage.usage_lib import UsageContext  # noqa: E402
+
+device = DeviceConfig()  # "auto": CUDA when a GPU is visible, else the CPU
+tokens, seqs = EngineArgs.get_batch_defaults(1, device)
+print(f"on {device.resolve()} {device.get_device_name()}".rstrip() + ", one rank:")
+for context in (UsageContext.LLM_CLASS, UsageContext.OPENAI_API_SERVER):
+    print(f"  {context.value:18} max_num_batched_tokens={tokens[context]:5}  "
+          f"max_num_seqs={seqs[context]}")
+
+# %% [markdown]
 # Three short requests arrive together with `max_num_seqs=2`; their three
 # prompts would fit in one step's budget:
 

@@ -97,6 +97,7 @@ from engine.entrypoints.serve.tokenize.protocol import (
 )
 from engine.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
 from engine.tracing.engine_trace import ServerTrace
+from engine.usage.usage_lib import UsageContext
 from engine.v1.engine.async_llm import AsyncLLM
 from engine.v1.engine.exceptions import EngineOverloadedError
 
@@ -143,7 +144,11 @@ _SSE = {
 async def build_async_engine_client(args: argparse.Namespace) -> AsyncIterator[AsyncLLM]:
     """Start the engine (EngineCore in its own process); stop it on exit."""
     engine_args = engine_args_from_cli(args)
-    engine_client = AsyncLLM.from_engine_args(engine_args, log_requests=args.enable_log_requests)
+    engine_client = AsyncLLM.from_engine_args(
+        engine_args,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        log_requests=args.enable_log_requests,
+    )
     try:
         yield engine_client
     finally:

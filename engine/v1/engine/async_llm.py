@@ -51,6 +51,7 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
 from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
+from engine.usage.usage_lib import UsageContext
 from engine.v1.engine import EngineCoreRequest
 from engine.v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from engine.v1.engine.exceptions import (
@@ -135,8 +136,14 @@ class AsyncLLM:
             pass
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, log_requests: bool = False) -> AsyncLLM:
-        config = engine_args.create_engine_config()
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        log_requests: bool = False,
+    ) -> AsyncLLM:
+        """``usage_context`` picks the batch defaults (the server passes OPENAI_API_SERVER)."""
+        config = engine_args.create_engine_config(usage_context)
         return cls(
             config,
             executor_class=Executor.get_class(config),

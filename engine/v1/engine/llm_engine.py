@@ -41,6 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
 from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
+from engine.usage.usage_lib import UsageContext
 from engine.v1.engine import EngineCoreRequest
 from engine.v1.engine.core_client import EngineCoreClient
 from engine.v1.engine.input_processor import InputProcessor, PromptType
@@ -123,10 +124,14 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(
-        cls, engine_args: EngineArgs, enable_multiprocessing: bool | None = None
+        cls,
+        engine_args: EngineArgs,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        enable_multiprocessing: bool | None = None,
     ) -> LLMEngine:
-        """``enable_multiprocessing=None`` follows GLASSBOX_ENABLE_MULTIPROCESSING."""
-        config = engine_args.create_engine_config()
+        """``enable_multiprocessing=None`` follows GLASSBOX_ENABLE_MULTIPROCESSING;
+        ``usage_context`` picks the batch defaults (``LLM`` passes LLM_CLASS)."""
+        config = engine_args.create_engine_config(usage_context)
         return cls(
             config,
             executor_class=Executor.get_class(config),

@@ -1,0 +1,1 @@
+"""Who built the engine (vLLM twin: ``vllm/usage/``)."""
