@@ -18,7 +18,8 @@ from dataclasses import dataclass
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    """Tokens per KV block. vLLM's default on CUDA is 16."""
+    """Tokens per KV block. vLLM's default on CUDA is 16; its CPU platform picks 128
+    when the user sets none, Glassbox keeps 16 there so block tables stay readable."""
 
     gpu_memory_utilization: float = 0.9
     """Fraction of device memory the engine may use (weights + activations + KV)."""

@@ -9,7 +9,10 @@ aborts at once; ``glassbox serve`` defaults it to 30.
 ``__post_init__`` resolves ``scheduler_config.async_scheduling`` as vLLM's
 does: left at None it turns on unless the executor class cannot overlap two
 steps (``Executor.supports_async_scheduling``); set to True with such an
-executor it is an error. The result is logged once per process.
+executor it is an error. The result is logged once per process. vLLM's CPU
+platform turns async scheduling off whatever was asked
+(``CpuPlatform.check_and_update_config``); Glassbox does not, so a learner
+on a laptop watches the loop vLLM runs on a GPU.
 
 ``optimization_level`` is vLLM's ``-O0`` ... ``-O3`` (``OptimizationLevel``):
 it picks the compilation mode and CUDA-graph mode that
