@@ -752,7 +752,9 @@ assert num_blocks == available // page // len(spec)
 
 # %% [markdown]
 # Then `_dummy_run`, the way `profile_run` calls it (it runs the whole dummy
-# batch, then the LM head on one row per possible request). The wrapper
+# batch, then the LM head and the sampler, at its costliest settings: top-k,
+# top-p, temperature, on one row per possible request, as vLLM's
+# `_dummy_sampler_run` does). The wrapper
 # counts its calls; the KV cache is compared before and after.
 
 # %%

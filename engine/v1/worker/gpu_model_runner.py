@@ -80,6 +80,7 @@ its attention groups).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -110,7 +111,8 @@ from engine.v1.outputs import (
     ModelRunnerOutput,
     SamplerOutput,
 )
-from engine.v1.sample.logits_processor import build_logitsprocs
+from engine.v1.sample.logits_processor import LogitsProcessors, build_logitsprocs
+from engine.v1.sample.metadata import SamplingMetadata
 from engine.v1.sample.rejection_sampler import RejectionSampler
 from engine.v1.sample.sampler import Sampler
 from engine.v1.spec_decode.draft_model import DraftModelProposer
@@ -1286,15 +1288,66 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         logger.info("model compiled and warmed up in %.1fs", seconds)
         self.trace.model_compiled(self.model, compilation_config, seconds)
 
+    def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> None:
+        """The sampler at its most expensive on one row per possible request:
+        temperature, top-k and top-p on every row ([N, V] float32 logits,
+        probabilities and top-p's sort), then again with a seeded row (the
+        torch path FlashInfer's sampler falls back to); with drafts, the
+        rejection sampler on k drafts a request (vLLM's gives each one draft,
+        less than a real step). Random hidden states, so no row is all-inf or
+        NaN."""
+        assert self.model is not None
+        k = self.glassbox_config.num_speculative_tokens
+        # [R * (1 + k), V]: with drafts a request scores 1 + k positions, not 1.
+        logits = self.model.compute_logits(torch.rand_like(hidden_states))
+        num_reqs, vocab_size = max(1, logits.shape[0] // (1 + k)), logits.shape[1]
+
+        def per_row(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.full((num_reqs,), value, dtype=dtype, device=self.device)
+
+        metadata = SamplingMetadata(
+            temperature=per_row(0.5),
+            all_greedy=False,
+            all_random=False,  # the greedy argmax runs too
+            top_p=per_row(0.9),
+            top_k=per_row(vocab_size - 1, torch.int32),
+            generators={},
+            max_num_logprobs=None,
+            no_penalties=True,
+            prompt_token_ids=None,
+            frequency_penalties=per_row(0.1),
+            presence_penalties=per_row(0.1),
+            repetition_penalties=per_row(0.1),
+            output_token_ids=[[] for _ in range(num_reqs)],
+            allowed_token_ids_mask=None,
+            bad_words_token_ids={},
+            logitsprocs=LogitsProcessors(),
+            spec_token_ids=[[] for _ in range(num_reqs)],
+        )
+        try:
+            self.sampler(logits[:num_reqs], metadata)
+            if self.sampler.logprobs_mode not in ("processed_logits", "processed_logprobs"):
+                seeded = {0: torch.Generator(device=self.device).manual_seed(0)}
+                self.sampler(logits[:num_reqs], dataclasses.replace(metadata, generators=seeded))
+            if self.rejection_sampler is not None and logits.shape[0] >= num_reqs * (1 + k):
+                drafts = SpecDecodeMetadata.make_dummy([[0] * k] * num_reqs, self.device)
+                target_logits = logits[: num_reqs * (1 + k)]
+                self.rejection_sampler(drafts, None, target_logits, metadata)
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError(
+                f"out of memory warming up the sampler with {num_reqs} dummy requests; "
+                "lower max_num_seqs or gpu_memory_utilization"
+            ) from exc
+
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """A forward over max_num_batched_tokens dummy tokens, no KV cache, to
-        measure peak activation memory before sizing the KV cache."""
+        """A forward over max_num_batched_tokens dummy tokens, no KV cache, then
+        the LM head and the sampler on a row per possible request, to measure
+        peak memory before sizing the KV cache."""
         assert self.model is not None
         n = self.max_num_tokens
         hidden = self._dummy_run(n)
-        # With drafts a request scores 1 + k positions, not 1.
         num_logits = self.max_num_reqs * (1 + self.glassbox_config.num_speculative_tokens)
-        self.model.compute_logits(hidden[: min(n, num_logits)])
+        self._dummy_sampler_run(hidden[: min(n, num_logits)])
         if isinstance(self.drafter, SpecDecodeBaseProposer):
             self.drafter.dummy_run(n)

@@ -4,10 +4,10 @@ vLLM twin: ``vllm/v1/worker/gpu_worker.py`` (``Worker``: ``init_device``,
 ``load_model``, ``determine_available_memory``, ``initialize_from_config``,
 ``execute_model``, ``sample_tokens``).
 Read it for how the number of KV blocks is decided:
-  * CUDA: run the model once at the largest batch with no KV cache
-    (``profile_run``), read the peak memory, and give the KV cache what is left
-    of ``gpu_memory_utilization * total memory`` (or exactly
-    ``kv_cache_memory_bytes`` when set);
+  * CUDA: run the model once at the largest batch with no KV cache, then the
+    sampler on ``max_num_seqs`` rows (``profile_run``), read the peak memory,
+    and give the KV cache what is left of ``gpu_memory_utilization * total
+    memory`` (or exactly ``kv_cache_memory_bytes`` when set);
   * CPU: there is nothing useful to profile, so the size is a setting --
     ``kv_cache_memory_bytes``, else ``GLASSBOX_CPU_KVCACHE_SPACE`` GiB
     (default 1), the twin of vLLM's ``VLLM_CPU_KVCACHE_SPACE``.
