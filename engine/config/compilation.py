@@ -39,11 +39,13 @@ norm-and-rotary, two shapes, in one kernel; ``apply_platform_defaults``) unless
 the user set either (docs/compilation.md, "Inductor's options").
 
 Capture sizes follow vLLM's shape: 1, 2, 4, 8, then every 8 up to 256 and
-every 16 beyond. A batch of 13 decodes is padded to 16 and replayed with the
-16-graph. The largest is ``max_num_seqs`` tokens, times 1 + k with k drafts
-per request (a verification batch of max_num_seqs requests), doubled (at
-most 512) when piecewise graphs also serve mixed batches, and never more than
-``max_num_batched_tokens``; ``max_cudagraph_capture_size`` sets it instead.
+every 16 beyond, plus the step's token budget when it fits. A batch of 13
+decodes is padded to 16 and replayed with the 16-graph. The largest is
+twice ``max_num_seqs`` tokens, times 1 + k with k drafts per request (a
+verification batch of max_num_seqs requests), at most 512 and never more
+than ``max_num_batched_tokens``; ``max_cudagraph_capture_size`` sets it
+instead. The dispatcher captures FULL decode graphs only up to what a batch
+of decodes can hold; the sizes above serve piecewise (mixed) batches.
 Sessions: 04 (worker), 06 (CUDA graphs).
 """
 
@@ -110,14 +112,16 @@ class CUDAGraphMode(enum.Enum):
         return not self.separate_routine()
 
 
-def default_capture_sizes(largest: int) -> list[int]:
+def default_capture_sizes(largest: int, max_num_tokens: int | None = None) -> list[int]:
+    """1, 2, 4, every 8 below 256, every 16 from 256, up to ``largest``; plus
+    ``max_num_tokens`` when it fits, so a full step has a graph of its exact size."""
     if not isinstance(largest, int) or largest < 1:
         return []  # SchedulerConfig reports the bad value
     sizes = [s for s in (1, 2, 4) if s <= largest]
-    sizes += list(range(8, min(largest, 256) + 1, 8))
-    sizes += list(range(272, largest + 1, 16))
-    if largest > 8:
-        sizes.append(largest)
+    sizes += list(range(8, min(largest + 1, 256), 8))
+    sizes += list(range(256, largest + 1, 16))
+    if max_num_tokens is not None and max_num_tokens <= largest:
+        sizes.append(max_num_tokens)
     return sorted(set(sizes))
 
 
@@ -322,6 +326,48 @@ class CompilationConfig:
         root = os.environ.get("GLASSBOX_CACHE", "~/.cache/glassbox")
         return os.path.join(os.path.expanduser(root), "torch_compile_cache")
 
+    def _set_cudagraph_sizes(
+        self, max_num_seqs: int, uniform_decode_query_len: int, max_num_tokens: int | None
+    ) -> None:
+        """vLLM's ``VllmConfig._set_cudagraph_sizes``: the largest graph is twice
+        what a batch of decodes can hold (mixed batches replay graphs too), at
+        most 512 and never more than the step's token budget; user sizes are
+        kept up to the budget. ``max_cudagraph_capture_size`` ends as the
+        largest size in the list."""
+        if self.cudagraph_mode == CUDAGraphMode.NONE:
+            self.cudagraph_capture_sizes = []  # nothing to capture
+            return
+        if not (isinstance(max_num_tokens, int) and max_num_tokens > 0):
+            max_num_tokens = None
+        asked_sizes = list(self.cudagraph_capture_sizes)
+        largest = self.max_cudagraph_capture_size
+        if largest is None:
+            largest = min(max_num_seqs * uniform_decode_query_len * 2, 512)
+        if max_num_tokens is not None:
+            largest = min(largest, max_num_tokens)
+        if asked_sizes:
+            limit = max_num_tokens if max_num_tokens is not None else max(asked_sizes)
+            sizes = sorted({s for s in asked_sizes if s <= limit})
+        else:
+            sizes = default_capture_sizes(largest, max_num_tokens)
+        valid_max = sizes[-1] if sizes else 0
+        if self.max_cudagraph_capture_size not in (None, valid_max):
+            if asked_sizes:
+                raise ValueError(
+                    f"max_cudagraph_capture_size ({self.max_cudagraph_capture_size}) must equal "
+                    f"the largest of cudagraph_capture_sizes ({valid_max})"
+                )
+            logger.warning("Truncating max_cudagraph_capture_size to %d", valid_max)
+        if len(sizes) < len(asked_sizes):
+            logger.warning(
+                "cudagraph_capture_sizes %s cut to %s (max_num_batched_tokens %s)",
+                asked_sizes,
+                sizes,
+                max_num_tokens,
+            )
+        self.max_cudagraph_capture_size = valid_max
+        self.cudagraph_capture_sizes = sizes
+
     def finalize(
         self,
         max_num_seqs: int,
@@ -347,18 +393,7 @@ class CompilationConfig:
                 self.mode.name,
             )
             self.cudagraph_mode = CUDAGraphMode.NONE
-        largest = max_num_seqs * uniform_decode_query_len
-        if self.cudagraph_mode.has_piecewise_cudagraphs():
-            largest = min(2 * largest, 512)  # mixed batches replay graphs too
-        if self.max_cudagraph_capture_size is not None:
-            largest = self.max_cudagraph_capture_size
-        if isinstance(max_num_batched_tokens, int) and max_num_batched_tokens > 0:
-            largest = min(largest, max_num_batched_tokens)
-        if not self.cudagraph_capture_sizes:
-            self.cudagraph_capture_sizes = default_capture_sizes(largest)
-        if self.cudagraph_mode == CUDAGraphMode.NONE:
-            largest = 0  # nothing to capture (vLLM leaves the list empty too)
-        self.cudagraph_capture_sizes = [s for s in self.cudagraph_capture_sizes if s <= largest]
+        self._set_cudagraph_sizes(max_num_seqs, uniform_decode_query_len, max_num_batched_tokens)
         # compile_sizes may name the capture sizes (vLLM's "cudagraph_capture_sizes").
         sizes: set[int] = set()
         for size in self.compile_sizes or []:

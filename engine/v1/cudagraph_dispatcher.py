@@ -42,6 +42,7 @@ class CudagraphDispatcher:
         # The runner's input buffers hold this many tokens (None: no limit).
         self.max_num_tokens = max_num_tokens
         self.uniform_decode_query_len = uniform_decode_query_len
+        self.max_num_reqs = max_num_reqs
         sizes = list(compilation_config.cudagraph_capture_sizes)
         self.spec_capture_sizes = self._spec_sizes(sizes)
         # One-token decodes: a batch never holds more than max_num_reqs of them
@@ -55,11 +56,14 @@ class CudagraphDispatcher:
 
     def _spec_sizes(self, sizes: list[int]) -> list[int]:
         """Token counts of the verification graphs: each capture size rounded
-        up to a multiple of 1 + k, those that fit the runner's buffers."""
+        up to a multiple of 1 + k, those that fit the runner's buffers and a
+        batch of at most max_num_reqs requests (vLLM's bound for FULL decodes)."""
         q = self.uniform_decode_query_len
         if q == 1:
             return []
         limit = self.max_num_tokens or float("inf")
+        if self.max_num_reqs is not None:
+            limit = min(limit, q * self.max_num_reqs)
         return sorted({n for s in sizes if (n := -(-s // q) * q) <= limit})
 
     def disable_spec_graphs(self) -> None:

@@ -559,7 +559,8 @@ from engine.v1.cudagraph_dispatcher import CudagraphDispatcher  # noqa: E402
 def captured_dispatcher(cudagraph_mode: str, mode: int, query_len: int):
     """The dispatcher for max_num_seqs=64 and k = query_len - 1, everything capture_model() would capture."""
     config = CompilationConfig(mode=mode, cudagraph_mode=cudagraph_mode)
-    config.finalize(max_num_seqs=64, enforce_eager=False, max_num_batched_tokens=256)
+    config.finalize(max_num_seqs=64, enforce_eager=False, uniform_decode_query_len=query_len,
+                    max_num_batched_tokens=256)
     dispatcher = CudagraphDispatcher(config, uniform_decode_query_len=query_len, max_num_tokens=256, max_num_reqs=64)
     dispatcher.captured.update(dispatcher.decode_keys() + dispatcher.piecewise_keys())
     return dispatcher
@@ -581,9 +582,9 @@ for label, n, uniform, q in [("5 decodes", 5, True, 1), ("5 verifying 3 drafts e
 
 # %% [markdown]
 # A batch where every request verifies k drafts gets a FULL graph, padded to
-# the next verification size (a multiple of 4), as long as one is large
-# enough — the two modes capture different size lists, printed above, and
-# past the largest the batch runs piecewise or eagerly; a batch that mixes
+# the next verification size (a multiple of 4); the sizes, printed above, go
+# up to what 64 requests with 3 drafts each fill (256 tokens, here also the
+# step's budget), in both modes. A batch that mixes
 # requests with and without drafts is not uniform and takes the piecewise
 # graphs (or runs eagerly under `FULL_DECODE_ONLY`). On a CPU none of it
 # runs: there are no graphs, and Glassbox's CPU default is `-O0` (no

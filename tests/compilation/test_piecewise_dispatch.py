@@ -69,9 +69,12 @@ def test_piecewise_modes_need_the_piecewise_compiler(caplog):
     assert config.cudagraph_mode == M.FULL_AND_PIECEWISE
     # Mixed batches replay graphs too: twice max_num_seqs (vLLM's bound).
     assert config.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 24, 32]
+    # A largest size off the 8-stride is not captured; vLLM truncates it to the list's end.
     config = CompilationConfig(mode=3, cudagraph_mode="PIECEWISE", max_cudagraph_capture_size=12)
     config.finalize(16, enforce_eager=False)
-    assert config.cudagraph_capture_sizes == [1, 2, 4, 8, 12]
+    assert config.cudagraph_capture_sizes == [1, 2, 4, 8]
+    assert config.max_cudagraph_capture_size == 8
+    assert "Truncating max_cudagraph_capture_size to 8" in caplog.text
 
 
 @pytest.mark.parametrize(
