@@ -316,6 +316,46 @@ def test_batch_defaults_leave_explicit_values_and_respect_the_model(tmp_path):
     assert scheduler(enable_chunked_prefill=False, max_num_seqs=2) == (8192, 2)
 
 
+def test_performance_mode_throughput_doubles_only_the_unset_batch_defaults(model_dir):
+    def scheduler(**kwargs):
+        args = EngineArgs(
+            model=str(model_dir), device="cpu", performance_mode="throughput", **kwargs
+        )
+        config = args.create_engine_config(UsageContext.LLM_CLASS)
+        assert config.performance_mode == "throughput"
+        s = config.scheduler_config
+        return s.max_num_batched_tokens, s.max_num_seqs
+
+    assert scheduler() == (8192, 512)
+    assert scheduler(max_num_seqs=3, max_num_batched_tokens=100) == (100, 3)
+    assert scheduler(max_num_seqs=3) == (3 * 256, 3)  # doubled, then capped by 3 x max_model_len
+
+
+def test_performance_mode_interactivity_captures_every_small_batch_size():
+    from engine.config.compilation import CompilationConfig
+
+    def sizes(mode):
+        config = CompilationConfig(mode=3, cudagraph_mode="FULL_AND_PIECEWISE")
+        config.finalize(64, False, max_num_batched_tokens=2048, performance_mode=mode)
+        return config.cudagraph_capture_sizes
+
+    assert sizes("interactivity") == list(range(1, 33)) + list(range(40, 129, 8))
+    assert sizes("balanced") == [1, 2, 4] + list(range(8, 129, 8))
+
+
+def test_performance_mode_is_checked_and_on_the_cli(model_dir):
+    with pytest.raises(ValueError, match="performance_mode must be one of balanced, interactivity"):
+        engine_config(model_dir, performance_mode="fast")
+    import argparse
+
+    from engine.entrypoints.openai.cli_args import make_arg_parser
+
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(
+        [str(model_dir), "--performance-mode", "interactivity"]
+    )
+    assert args.performance_mode == "interactivity"
+
+
 def test_each_entry_point_names_its_usage_context(model_dir, monkeypatch):
     """LLM -> LLM_CLASS, glassbox serve -> OPENAI_API_SERVER: vLLM's pairs."""
     import argparse

@@ -112,12 +112,16 @@ class CUDAGraphMode(enum.Enum):
         return not self.separate_routine()
 
 
-def default_capture_sizes(largest: int, max_num_tokens: int | None = None) -> list[int]:
-    """1, 2, 4, every 8 below 256, every 16 from 256, up to ``largest``; plus
+def default_capture_sizes(
+    largest: int, max_num_tokens: int | None = None, every_size_up_to: int = 0
+) -> list[int]:
+    """1, 2, 4 (every size up to ``every_size_up_to``: 32 in vLLM's interactivity
+    mode), every 8 below 256, every 16 from 256, up to ``largest``; plus
     ``max_num_tokens`` when it fits, so a full step has a graph of its exact size."""
     if not isinstance(largest, int) or largest < 1:
         return []  # SchedulerConfig reports the bad value
     sizes = [s for s in (1, 2, 4) if s <= largest]
+    sizes += list(range(1, min(largest, every_size_up_to) + 1))
     sizes += list(range(8, min(largest + 1, 256), 8))
     sizes += list(range(256, largest + 1, 16))
     if max_num_tokens is not None and max_num_tokens <= largest:
@@ -327,7 +331,11 @@ class CompilationConfig:
         return os.path.join(os.path.expanduser(root), "torch_compile_cache")
 
     def _set_cudagraph_sizes(
-        self, max_num_seqs: int, uniform_decode_query_len: int, max_num_tokens: int | None
+        self,
+        max_num_seqs: int,
+        uniform_decode_query_len: int,
+        max_num_tokens: int | None,
+        performance_mode: str = "balanced",
     ) -> None:
         """vLLM's ``VllmConfig._set_cudagraph_sizes``: the largest graph is twice
         what a batch of decodes can hold (mixed batches replay graphs too), at
@@ -349,7 +357,8 @@ class CompilationConfig:
             limit = max_num_tokens if max_num_tokens is not None else max(asked_sizes)
             sizes = sorted({s for s in asked_sizes if s <= limit})
         else:
-            sizes = default_capture_sizes(largest, max_num_tokens)
+            every = 32 if performance_mode == "interactivity" else 0
+            sizes = default_capture_sizes(largest, max_num_tokens, every_size_up_to=every)
         valid_max = sizes[-1] if sizes else 0
         if self.max_cudagraph_capture_size not in (None, valid_max):
             if asked_sizes:
@@ -374,9 +383,11 @@ class CompilationConfig:
         enforce_eager: bool,
         uniform_decode_query_len: int = 1,
         max_num_batched_tokens: int | None = None,
+        performance_mode: str = "balanced",
     ) -> None:
         """Settle the mode and sizes once the scheduler limits are known
-        (``uniform_decode_query_len``: 1 + k with k drafts per request).
+        (``uniform_decode_query_len``: 1 + k with k drafts per request;
+        ``performance_mode`` interactivity: a graph for every size up to 32).
         Fields still None get O0's choices (GlassboxConfig applies the level
         it was given first)."""
         if enforce_eager:
@@ -393,7 +404,9 @@ class CompilationConfig:
                 self.mode.name,
             )
             self.cudagraph_mode = CUDAGraphMode.NONE
-        self._set_cudagraph_sizes(max_num_seqs, uniform_decode_query_len, max_num_batched_tokens)
+        self._set_cudagraph_sizes(
+            max_num_seqs, uniform_decode_query_len, max_num_batched_tokens, performance_mode
+        )
         # compile_sizes may name the capture sizes (vLLM's "cudagraph_capture_sizes").
         sizes: set[int] = set()
         for size in self.compile_sizes or []:

@@ -14,6 +14,11 @@ platform turns async scheduling off whatever was asked
 (``CpuPlatform.check_and_update_config``); Glassbox does not, so a learner
 on a laptop watches the loop vLLM runs on a GPU.
 
+``performance_mode`` is vLLM's (``PerformanceMode``): it changes two
+defaults, the batch limits (``EngineArgs``) and the capture sizes
+(``CompilationConfig``). vLLM's field docstring also speaks of kernel choices;
+at 52a31cc its code, too, reads the mode in only these two places.
+
 ``optimization_level`` is vLLM's ``-O0`` ... ``-O3`` (``OptimizationLevel``):
 it picks the compilation mode and CUDA-graph mode that
 ``compilation_config`` leaves at None (``OPTIMIZATION_LEVEL_TO_CONFIG``),
@@ -33,7 +38,7 @@ import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.config.cache import CacheConfig
 from engine.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -50,6 +55,13 @@ from engine.config.structured_outputs import StructuredOutputsConfig
 logger = logging.getLogger(__name__)
 # The resolved async-scheduling setting, once logged (vLLM logs it once).
 _logged_async_scheduling: set[bool] = set()
+
+
+# vLLM's PerformanceMode: "balanced" (default); "interactivity" captures a CUDA
+# graph for every batch size up to 32 (less padding at small batches);
+# "throughput" doubles the default max_num_batched_tokens and max_num_seqs.
+PerformanceMode = Literal["balanced", "interactivity", "throughput"]
+PERFORMANCE_MODES = ("balanced", "interactivity", "throughput")
 
 
 class OptimizationLevel(enum.IntEnum):
@@ -96,6 +108,8 @@ class GlassboxConfig:
     aborts them; 0 aborts them at once."""
     optimization_level: OptimizationLevel | None = None
     """0-3 (vLLM's -O0 ... -O3); None: O2 on CUDA, O0 on the CPU."""
+    performance_mode: PerformanceMode = "balanced"
+    """balanced, interactivity or throughput (see PerformanceMode)."""
     lora_config: LoRAConfig | None = None
     """Serve LoRA adapters (None: LoRA off)."""
     # The model's QuantizationConfig (None: unquantized), built from
@@ -108,6 +122,13 @@ class GlassboxConfig:
             raise ValueError(
                 f"shutdown_timeout must be an integer >= 0 (seconds), got {self.shutdown_timeout!r}"
             )
+        if self.performance_mode not in PERFORMANCE_MODES:
+            raise ValueError(
+                f"performance_mode must be one of {', '.join(PERFORMANCE_MODES)}, "
+                f"got {self.performance_mode!r}"
+            )
+        if self.performance_mode != "balanced":
+            logger.info("Performance mode set to %r.", self.performance_mode)
         self._check_speculative_config()
         self._resolve_async_scheduling()
         self._apply_optimization_level()
@@ -193,6 +214,7 @@ class GlassboxConfig:
             enforce_eager=self.model_config.enforce_eager,
             uniform_decode_query_len=1 + self.num_speculative_tokens,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            performance_mode=self.performance_mode,
         )
 
     @property

@@ -66,12 +66,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     """Token budget of one scheduler step; None: vLLM's default for the entry point
     and hardware (CPU: LLM 4096, serve 2048; GPU with 70 GiB or more: 16384 and
-    8192; other GPUs: 8192 and 2048; times the TP size on the CPU; at least
-    max_model_len without chunked prefill)."""
+    8192; other GPUs: 8192 and 2048; times the TP size on the CPU; doubled by
+    performance_mode throughput; at least max_model_len without chunked prefill)."""
     max_num_seqs: int | None = None
     """Requests running at once at most; None: vLLM's default for the entry point
     and hardware (CPU: LLM 256, serve 128; GPU with 70 GiB or more: 1024; other
-    GPUs: 256; times the TP size on the CPU)."""
+    GPUs: 256; times the TP size on the CPU; doubled by performance_mode throughput)."""
     enable_chunked_prefill: bool = True
     """Split a long prompt's prefill over several steps to fit the token budget."""
     long_prefill_token_threshold: int = 0
@@ -122,6 +122,10 @@ class EngineArgs:
     "cudagraph_mode": NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE,
     "cudagraph_capture_sizes": [1, 2, 4, ...]}; what it leaves out comes from
     optimization_level."""
+    performance_mode: str = "balanced"
+    """balanced; interactivity (a CUDA graph for every batch size up to 32: less
+    padding at small batches); throughput (twice the default max_num_batched_tokens
+    and max_num_seqs, where they are left unset)."""
     optimization_level: int | None = None
     """-O0 ... -O3: 0 eager, 1 compiled with piecewise CUDA graphs, 2 and 3 compiled
     with full graphs for decodes and piecewise ones for the rest; None: 2 on CUDA,
@@ -216,12 +220,15 @@ class EngineArgs:
             tp = self.tensor_parallel_size  # a bad value is ParallelConfig's to name
             world_size = tp if isinstance(tp, int) and tp >= 1 else 1
             tokens, seqs = self.get_batch_defaults(world_size, DeviceConfig(device=self.device))
+            scale = 2 if self.performance_mode == "throughput" else 1
             if budget_unset:
-                self.max_num_batched_tokens = tokens.get(
+                self.max_num_batched_tokens = scale * tokens.get(
                     usage_context, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
                 )
             if self.max_num_seqs is None:
-                self.max_num_seqs = seqs.get(usage_context, SchedulerConfig.DEFAULT_MAX_NUM_SEQS)
+                self.max_num_seqs = scale * seqs.get(
+                    usage_context, SchedulerConfig.DEFAULT_MAX_NUM_SEQS
+                )
         if budget_unset:
             assert self.max_num_batched_tokens is not None and self.max_num_seqs is not None
             if not self.enable_chunked_prefill:
@@ -316,6 +323,7 @@ class EngineArgs:
             ),
             shutdown_timeout=self.shutdown_timeout,
             optimization_level=self.optimization_level,  # type: ignore[arg-type]
+            performance_mode=self.performance_mode,  # type: ignore[arg-type]
             lora_config=(
                 LoRAConfig(self.max_lora_rank, self.max_loras, self.max_cpu_loras)
                 if self.enable_lora
