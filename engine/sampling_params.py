@@ -24,8 +24,9 @@ Simpler than vLLM:
   for them, so a field for them would be a promise the engine cannot keep.
 - vLLM runs the model-dependent checks (logprobs against ``max_logprobs``,
   logit_bias / allowed_token_ids against the vocabulary) in ``verify()``.
-  Glassbox has no ``max_logprobs`` limit and folds the vocabulary checks into
-  ``update_from_tokenizer``, since the tokenizer is what knows the vocab size.
+  Glassbox checks ``max_logprobs`` in ``InputProcessor._validate_logprobs`` and
+  folds the vocabulary checks into ``update_from_tokenizer``, since the
+  tokenizer is what knows the vocab size.
 - vLLM quietly keeps ``top_k=-1`` and lets the input batch treat any
   ``top_k <= 0`` as "disabled"; Glassbox rewrites -1 to 0 here so downstream
   code only ever sees 0 for "disabled".

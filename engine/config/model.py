@@ -124,6 +124,9 @@ class ModelConfig:
     enforce_eager: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict)
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (20, the OpenAI API's
+    limit, as in vLLM); -1: no limit (the whole vocabulary)."""
     logits_processors: list[str | type] | None = None
     """Custom logits processors (classes, or ``"module:Class"`` / dotted
     names), built once with the built-in ones when the worker starts."""
@@ -148,6 +151,15 @@ class ModelConfig:
         if self.logprobs_mode not in get_args(LogprobsMode):
             raise ValueError(
                 f"logprobs_mode must be one of {get_args(LogprobsMode)}, got {self.logprobs_mode!r}"
+            )
+        if (
+            not isinstance(self.max_logprobs, int)
+            or isinstance(self.max_logprobs, bool)
+            or self.max_logprobs < -1
+        ):
+            raise ValueError(
+                "max_logprobs must be an integer >= 0, or -1 for no limit, "
+                f"got {self.max_logprobs!r}"
             )
         self._check_quantization()
         config_folder = self.hf_config_path or self.model

@@ -136,6 +136,9 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     """What logprobs return: raw_logprobs, raw_logits (of the model's output), or
     processed_logprobs, processed_logits (after penalties, temperature, top-k/p)."""
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (logprobs=N; 20, the OpenAI
+    API's limit); -1: no limit (logprobs=-1 asks for the whole vocabulary)."""
     logits_processors: list[str | type] | None = None
     """Custom logits processors, as module:Class names (or classes, from Python)."""
     served_model_name: str | list[str] | None = None
@@ -271,6 +274,7 @@ class EngineArgs:
             hf_overrides=self.hf_overrides,
             enforce_eager=self.enforce_eager,
             logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
+            max_logprobs=self.max_logprobs,
             logits_processors=self.logits_processors,
             served_model_name=served_model_name,
             quantization=self.quantization,

@@ -86,6 +86,7 @@ def test_gpu_engine_mask_is_exact(word_model, backend, async_scheduling, monkeyp
         device="cuda",
         dtype="bfloat16",
         max_model_len=256,
+        max_logprobs=-1,  # logprobs=-1 below: every row's finite entries
         async_scheduling=async_scheduling,
         **decode_graphs(),
     )

@@ -119,6 +119,20 @@ class InputProcessor:
                     f"prompt token id {bad[0]} is out of vocabulary (vocab_size={vocab_size})"
                 )
 
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's ``SamplingParams._validate_logprobs``: at most ``max_logprobs``
+        per token, -1 (the whole vocabulary) counted as the vocabulary size."""
+        vocab_size = self.model_config.vocab_size
+        max_logprobs = self.model_config.max_logprobs
+        if max_logprobs == -1:
+            return
+        num_logprobs = vocab_size if params.logprobs == -1 else params.logprobs
+        if num_logprobs is not None and num_logprobs > max_logprobs:
+            raise ValueError(
+                f"Requested sample logprobs of {num_logprobs}, which is greater than "
+                f"max allowed: {max_logprobs} (raise max_logprobs, -1 for no limit)"
+            )
+
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         config = self.glassbox_config
         if self.tokenizer is None:
@@ -165,6 +179,7 @@ class InputProcessor:
             raise ValueError(
                 "min_p and logit_bias are not supported with speculative decoding; leave them unset"
             )
+        self._validate_logprobs(params)
         self._validate_lora_request(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)

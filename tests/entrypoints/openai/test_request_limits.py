@@ -353,3 +353,26 @@ def test_a_plain_request_id_is_used(server):
     response = post(server, "v1/completions", body_for("v1/completions", request_id=good))
     assert response.status_code == 200, response.text
     assert good in response.json()["id"]
+
+
+@pytest.mark.parametrize("limit, ok, refused", [(20, [0, 20], [21, -1]), (-1, [-1, 500], [-2])])
+def test_logprobs_limit_is_the_engines_max_logprobs(model_dir, limit, ok, refused):
+    """--max-logprobs reaches the server's check (20 by default, vLLM's)."""
+    import types
+
+    from engine.entrypoints.openai.completion.protocol import CompletionRequest
+    from engine.entrypoints.openai.engine.serving import GlassboxValidationError, OpenAIServing
+    from engine.sampling_params import RequestOutputKind
+
+    config = EngineArgs(model=str(model_dir), max_logprobs=limit).create_engine_config()
+    client = types.SimpleNamespace(model_config=config.model_config, tokenizer=None)
+    serving = OpenAIServing(client, models=None)  # type: ignore[arg-type]
+    request = CompletionRequest(model="m", prompt="w1")
+    final = RequestOutputKind.FINAL_ONLY
+    for n in ok:
+        assert serving.build_sampling_params(request, 4, n, final).logprobs == n
+    for n in refused:
+        with pytest.raises(
+            GlassboxValidationError, match=r"logprobs must be .* \(--max-logprobs\)"
+        ):
+            serving.build_sampling_params(request, 4, n, final)

@@ -222,6 +222,30 @@ def test_logprobs_mode_is_checked(model_dir):
         EngineArgs(model=str(model_dir), logprobs_mode="probs").create_engine_config()
 
 
+def test_max_logprobs_bounds_what_a_request_may_ask(model_dir):
+    """vLLM's max_logprobs (default 20): logprobs=-1 counts as the vocabulary."""
+    engine = make_engine(model_dir)
+    try:
+        vocab = engine.model_config.vocab_size
+        engine.add_request("ok", {"prompt_token_ids": ids("w1")}, greedy(logprobs=20))
+        for n, shown in [(21, 21), (-1, vocab)]:
+            with pytest.raises(ValueError) as error:
+                engine.add_request(f"r{n}", {"prompt_token_ids": ids("w1")}, greedy(logprobs=n))
+            assert str(error.value).startswith(
+                f"Requested sample logprobs of {shown}, which is greater than max allowed: 20"
+            )
+        assert [r.split("-")[0] for r in engine.output_processor.request_states] == ["ok"]
+    finally:
+        engine.shutdown()
+    unlimited = make_engine(model_dir, max_logprobs=-1)
+    try:
+        unlimited.add_request("all", {"prompt_token_ids": ids("w1")}, greedy(logprobs=-1))
+    finally:
+        unlimited.shutdown()
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1"):
+        EngineArgs(model=str(model_dir), max_logprobs=-2).create_engine_config()
+
+
 def test_stream_interval_comes_from_the_engine_arguments(model_dir):
     engine = make_engine(model_dir, stream_interval=4)
     try:

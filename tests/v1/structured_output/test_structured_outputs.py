@@ -63,7 +63,7 @@ def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(word_model: Path) -> LLM:
-    return LLM(str(word_model), max_model_len=256, async_scheduling=False)
+    return LLM(str(word_model), max_model_len=256, async_scheduling=False, max_logprobs=-1)
 
 
 @pytest.fixture(scope="module", autouse=True)

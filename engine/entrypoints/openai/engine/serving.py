@@ -59,9 +59,6 @@ from engine.v1.engine.exceptions import (
 )
 from engine.v1.engine.input_processor import load_generation_config
 
-# Top logprobs a request may ask for (vLLM's default --max-logprobs).
-MAX_LOGPROBS = 20
-
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -385,9 +382,14 @@ class OpenAIServing:
                 "output together); ask for fewer output tokens.",
                 max_tokens_field,
             )
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        limit = self.model_config.max_logprobs  # --max-logprobs; -1: no limit
+        if logprobs is not None and not (
+            0 <= logprobs <= limit or (limit == -1 and logprobs >= -1)
+        ):
+            allowed = "an integer >= 0, or -1" if limit == -1 else f"in [0, {limit}]"
             raise GlassboxValidationError(
-                f"{logprobs_field} must be in [0, {MAX_LOGPROBS}], got {logprobs}", logprobs_field
+                f"{logprobs_field} must be {allowed} (--max-logprobs), got {logprobs}",
+                logprobs_field,
             )
         if max_tokens is None:
             max_tokens = self.default_max_tokens
