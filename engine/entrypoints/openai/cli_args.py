@@ -16,6 +16,10 @@ Sessions: 01.
 Simpler than vLLM: the help comes from ``EngineArgs``' own field docstrings
 (a field without one falls back on the same-named field of a config class);
 vLLM's ``EngineArgs`` fields take theirs from the config classes they mirror.
+
+Differs from vLLM on purpose: ``--host`` defaults to 127.0.0.1, where vLLM
+binds every interface; a server started on a learner's laptop is not
+reachable from the network unless ``--host 0.0.0.0`` asks for it.
 """
 
 from __future__ import annotations
@@ -153,7 +157,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="HF checkpoint folder, or a Hub name already in the Hugging Face cache "
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (vLLM binds every interface; 0.0.0.0 does that here)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--api-key",
