@@ -21,8 +21,9 @@ class CacheConfig:
     """Tokens per KV block. vLLM's default on CUDA is 16; its CPU platform picks 128
     when the user sets none, Glassbox keeps 16 there so block tables stay readable."""
 
-    gpu_memory_utilization: float = 0.9
-    """Fraction of device memory the engine may use (weights + activations + KV)."""
+    gpu_memory_utilization: float = 0.92
+    """Fraction of device memory the engine may use (weights + activations + KV);
+    0.92 as in vLLM."""
 
     enable_prefix_caching: bool = True
     """Keep full blocks addressable by their hash after a request frees them."""

@@ -58,7 +58,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """Number of KV blocks, the null block included, instead of sizing the pool
     from memory."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.92
     """CUDA: fraction of GPU memory the engine may use (weights, activations, KV cache)."""
     kv_cache_memory_bytes: int | None = None
     """KV-cache size in bytes; None: from gpu_memory_utilization on CUDA, from
