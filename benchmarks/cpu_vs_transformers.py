@@ -654,7 +654,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n_out = len(questions) * args.max_tokens
     path = get_default_model_path()
 
-    engine_kwargs: dict[str, Any] = {}
+    # Statistics on (LLM's default is off, as in vLLM): the prefix-cache counters are reported.
+    engine_kwargs: dict[str, Any] = {"disable_log_stats": False}
     if args.block_size is not None:
         engine_kwargs["block_size"] = args.block_size
     if args.max_num_batched_tokens is not None:

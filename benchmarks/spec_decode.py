@@ -361,7 +361,9 @@ def run_mode(
     (with the outputs' token ids under ``token_ids``, removed before saving)."""
     from engine import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = dict(device=args.device, async_scheduling=mode.async_scheduling)
+    kwargs: dict[str, Any] = dict(
+        device=args.device, async_scheduling=mode.async_scheduling, disable_log_stats=False
+    )
     if mode.speculative_config is not None:
         kwargs["speculative_config"] = mode.speculative_config
     if args.load_format != "auto":

@@ -53,6 +53,9 @@ class LLM:
             raise TypeError(
                 f"LLM() got unexpected keyword argument(s): {', '.join(sorted(unknown))}"
             )
+        # As vLLM's LLM: no statistics unless asked (get_metrics() needs
+        # disable_log_stats=False); the API server keeps them on.
+        kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(
             engine_args, usage_context=UsageContext.LLM_CLASS

@@ -150,7 +150,7 @@ def _in_process_llm(path: str, **kwargs) -> LLM:
     old = os.environ.get("GLASSBOX_ENABLE_MULTIPROCESSING")
     os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"] = "0"
     try:
-        return LLM(path, **kwargs)
+        return LLM(path, disable_log_stats=False, **kwargs)  # the tests read metrics
     finally:
         if old is None:
             del os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"]

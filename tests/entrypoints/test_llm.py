@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import LLM
 from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -766,6 +767,18 @@ def test_metrics_off_with_disable_log_stats(model_dir):
     llm.generate("w1", greedy(max_tokens=1), use_tqdm=False)
     with pytest.raises(RuntimeError, match="disable_log_stats"):
         llm.get_metrics()
+
+
+def test_llm_collects_no_statistics_unless_asked(model_dir, monkeypatch):
+    """vLLM's LLM sets disable_log_stats=True unless told otherwise."""
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(model_dir), distributed_executor_backend=CountingExecutor)
+    try:
+        assert llm.llm_engine.stat_logger is None
+        with pytest.raises(RuntimeError, match=r"LLM's default, as in vLLM\); pass disable_log"):
+            llm.get_metrics()
+    finally:
+        llm.shutdown()
 
 
 # ---------------------------------------------------------------------------

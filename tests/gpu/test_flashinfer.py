@@ -441,6 +441,7 @@ def test_engine_flashinfer_with_chunking_and_preemption(fi, tiny_llama_head64):
             max_model_len=512,
             num_gpu_blocks_override=40,
             max_num_batched_tokens=64,
+            disable_log_stats=False,  # the preemption count is read below
             **decode_graphs(),
         )
         outs = llm.generate(

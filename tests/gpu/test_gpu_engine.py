@@ -73,6 +73,7 @@ def test_cuda_fp32_greedy_equals_cpu_with_chunking_and_preemption(tiny_llama):
         max_model_len=512,
         num_gpu_blocks_override=40,
         max_num_batched_tokens=64,
+        disable_log_stats=False,  # the preemption count is read below
         **decode_graphs(),
     )
     outs = llm.generate(

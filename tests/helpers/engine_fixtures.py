@@ -64,6 +64,8 @@ def make_llm(model_dir: str | Path, executor: type = CountingExecutor, **kwargs:
     previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
     os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
     try:
+        # The tests read metrics; LLM's own default (as vLLM's) is no statistics.
+        kwargs.setdefault("disable_log_stats", False)
         return LLM(str(model_dir), distributed_executor_backend=executor, **kwargs)
     finally:
         if previous is None:

@@ -64,7 +64,7 @@ from engine.v1.engine.input_processor import InputProcessor, PromptType
 from engine.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.v1.engine.parallel_sampling import ParentRequest
 from engine.v1.executor.abstract import Executor
-from engine.v1.metrics.loggers import StatLogger
+from engine.v1.metrics.loggers import METRICS_OFF, StatLogger
 from engine.v1.metrics.reader import Histogram, Metric
 
 logger = logging.getLogger(__name__)
@@ -433,15 +433,15 @@ class AsyncLLM:
 
     def get_metrics(self) -> list[Metric]:
         if self.stat_logger is None:
-            raise RuntimeError("metrics are off: the engine was built with disable_log_stats=True")
+            raise RuntimeError(METRICS_OFF)
         return self.stat_logger.get_metrics()
 
     def get_histograms(self) -> list[Histogram]:
         if self.stat_logger is None:
-            raise RuntimeError("metrics are off: the engine was built with disable_log_stats=True")
+            raise RuntimeError(METRICS_OFF)
         return self.stat_logger.get_histograms()
 
     def render_prometheus(self) -> str:
         if self.stat_logger is None:
-            raise RuntimeError("metrics are off: the engine was built with disable_log_stats=True")
+            raise RuntimeError(METRICS_OFF)
         return self.stat_logger.render_prometheus()

@@ -49,7 +49,7 @@ from engine.v1.engine.output_processor import OutputProcessor
 from engine.v1.engine.parallel_sampling import ParentRequest
 from engine.v1.engine.utils import multiprocessing_enabled
 from engine.v1.executor.abstract import Executor
-from engine.v1.metrics.loggers import StatLogger
+from engine.v1.metrics.loggers import METRICS_OFF, StatLogger
 from engine.v1.metrics.reader import Metric
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class LLMEngine:
 
     def get_metrics(self) -> list[Metric]:
         if self.stat_logger is None:
-            raise RuntimeError("metrics are off: the engine was built with disable_log_stats=True")
+            raise RuntimeError(METRICS_OFF)
         return self.stat_logger.get_metrics()
 
     def get_tokenizer(self) -> Any:

@@ -62,6 +62,12 @@ from engine.v1.metrics.reader import Counter, Gauge, Histogram, Metric
 from engine.v1.metrics.stats import SchedulerStats
 from engine.v1.spec_decode.metrics import SpecDecodingStats
 
+# What get_metrics() says on an engine without statistics.
+METRICS_OFF = (
+    "metrics are off: the engine was built with disable_log_stats=True (LLM's default, "
+    "as in vLLM); pass disable_log_stats=False"
+)
+
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,

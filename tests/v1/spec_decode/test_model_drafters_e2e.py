@@ -116,7 +116,7 @@ def engines() -> Iterator[Any]:
         previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
         os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
         try:
-            llm = LLM(model=str(model), **args)
+            llm = LLM(model=str(model), disable_log_stats=False, **args)  # metrics are read
         finally:
             if previous is None:
                 del os.environ[ENABLE_MULTIPROCESSING_ENV]

@@ -199,7 +199,7 @@ def _in_process(**kwargs: Any) -> LLM:
     previous = os.environ.get(ENABLE_MULTIPROCESSING_ENV)
     os.environ[ENABLE_MULTIPROCESSING_ENV] = "0"
     try:
-        return LLM(**kwargs)
+        return LLM(**{"disable_log_stats": False, **kwargs})  # the tests read metrics
     finally:
         if previous is None:
             del os.environ[ENABLE_MULTIPROCESSING_ENV]

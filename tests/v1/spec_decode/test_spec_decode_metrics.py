@@ -71,6 +71,7 @@ def test_engine_counters_match_the_trace(tmp_path, monkeypatch):
     trace = str(tmp_path / "t.jsonl")
     llm = LLM(
         str(make_tiny_model_dir(tmp_path / "tiny")),
+        disable_log_stats=False,
         load_format="dummy",
         device="cpu",
         dtype="float32",

@@ -76,7 +76,7 @@ def in_process_engines():
 
 def make_llm(word_model: Path, **kwargs) -> LLM:
     kwargs.setdefault("max_model_len", 256)
-    return LLM(str(word_model), **kwargs)
+    return LLM(str(word_model), **{"disable_log_stats": False, **kwargs})  # metrics are read
 
 
 # -- the mask ------------------------------------------------------------------
