@@ -237,3 +237,30 @@ def test_draft_max_model_len():
         override(3000, 2048, 4096)
     with pytest.raises(ValueError, match="max_model_len=3000 .* target model's max_model_len=2500"):
         override(3000, 4096, 2500)
+
+
+def test_spec_aliases_fill_the_speculative_config():
+    """vLLM's --spec-method / --spec-model / --spec-tokens (and LLM keywords)."""
+    import argparse
+
+    from engine.engine.arg_utils import EngineArgs
+    from engine.entrypoints.openai.cli_args import engine_args_from_cli, make_arg_parser
+
+    spec = EngineArgs(spec_method="ngram", spec_tokens=3)._speculative_config()
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    # An alias may complete a JSON config, never contradict it.
+    spec = EngineArgs(
+        spec_tokens=2, speculative_config={"method": "ngram", "prompt_lookup_max": 4}
+    )._speculative_config()
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max) == (2, 4)
+    with pytest.raises(ValueError, match=r"spec_method and speculative_config\['method'\] are"):
+        EngineArgs(
+            spec_method="ngram", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+        )._speculative_config()
+    assert EngineArgs()._speculative_config() is None
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(
+        ["m", "--spec-method", "ngram", "--spec-tokens", "4"]
+    )
+    assert (args.spec_method, args.spec_tokens) == ("ngram", 4)
+    spec = engine_args_from_cli(args)._speculative_config()
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 4)

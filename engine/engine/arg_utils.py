@@ -147,6 +147,12 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding, as a JSON object: {"method": "ngram",
     "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
+    spec_method: str | None = None
+    """Short for speculative_config's "method" (ngram, draft_model, eagle)."""
+    spec_model: str | None = None
+    """Short for speculative_config's "model" (the draft or EAGLE checkpoint)."""
+    spec_tokens: int | None = None
+    """Short for speculative_config's "num_speculative_tokens"."""
     structured_outputs_config: dict[str, Any] | None = None
     """Structured outputs, as a JSON object: {"backend": "auto" or "xgrammar",
     "disable_any_whitespace": false}."""
@@ -172,13 +178,28 @@ class EngineArgs:
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         spec = self.speculative_config
-        if spec is None or isinstance(spec, SpeculativeConfig):
+        aliases = {
+            "spec_method": ("method", self.spec_method),
+            "spec_model": ("model", self.spec_model),
+            "spec_tokens": ("num_speculative_tokens", self.spec_tokens),
+        }
+        given = {name: pair for name, pair in aliases.items() if pair[1] is not None}
+        if isinstance(spec, SpeculativeConfig) and not given:
             return spec
-        if not isinstance(spec, dict):
+        if spec is not None and not isinstance(spec, dict):
             raise ValueError(
                 f"speculative_config must be a JSON object (a dict), got {type(spec).__name__}"
             )
-        return SpeculativeConfig.from_dict(spec)
+        if given:
+            # vLLM's create_speculative_config: each alias fills one key, never both.
+            spec = dict(spec or {})
+            for name, (key, value) in given.items():
+                if key in spec:
+                    raise ValueError(
+                        f"{name} and speculative_config[{key!r}] are mutually exclusive"
+                    )
+                spec[key] = value
+        return None if spec is None else SpeculativeConfig.from_dict(spec)
 
     @classmethod
     def get_batch_defaults(
