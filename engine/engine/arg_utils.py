@@ -50,7 +50,7 @@ class EngineArgs:
     """Seed of the worker's global random generator (requests may bring their own)."""
     max_model_len: int | None = None
     """Tokens per sequence (prompt + output) at most; None: the model's own limit
-    from config.json."""
+    from config.json. On the CLIs 32k means 32,000 and 32K 32,768."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True
@@ -61,8 +61,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.92
     """CUDA: fraction of GPU memory the engine may use (weights, activations, KV cache)."""
     kv_cache_memory_bytes: int | None = None
-    """KV-cache size in bytes; None: from gpu_memory_utilization on CUDA, from
-    GLASSBOX_CPU_KVCACHE_SPACE (GiB, default 1) on the CPU."""
+    """KV-cache size in bytes (4G: 4 GiB on the CLIs); None: from
+    gpu_memory_utilization on CUDA, from GLASSBOX_CPU_KVCACHE_SPACE (GiB, default 1)
+    on the CPU."""
     max_num_batched_tokens: int | None = None
     """Token budget of one scheduler step; None: vLLM's default for the entry point
     and hardware (CPU: LLM 4096, serve 2048; GPU with 70 GiB or more: 16384 and

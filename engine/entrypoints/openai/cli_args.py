@@ -38,7 +38,14 @@ from functools import cache
 from typing import Any
 
 from engine.engine.arg_utils import EngineArgs
-from engine.utils.argparse_utils import optimization_level
+from engine.utils.argparse_utils import human_readable_int, max_model_len, optimization_level
+
+# Engine arguments that take vLLM's human-readable integers (32k, 4G).
+_HUMAN_READABLE = {
+    "max_num_batched_tokens": human_readable_int,
+    "kv_cache_memory_bytes": human_readable_int,
+    "max_model_len": max_model_len,
+}
 
 API_KEY_ENV = "GLASSBOX_API_KEY"
 
@@ -138,6 +145,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, "-O", type=optimization_level, metavar="{0,1,2,3}", **kwargs)
         elif field.name == "tensor_parallel_size":
             group.add_argument(flag, "-tp", type=kind, **kwargs)  # vLLM's short form
+        elif field.name in _HUMAN_READABLE:
+            group.add_argument(flag, type=_HUMAN_READABLE[field.name], **kwargs)
         elif _is_list(hints[field.name]):
             # logits_processors: one or more "module:Class" names.
             group.add_argument(flag, nargs="+", **kwargs)
