@@ -23,10 +23,11 @@ from engine.config import (
 )
 from engine.engine.arg_utils import EngineArgs
 from engine.entrypoints.cli.main import main
+from engine.sampling_params import SamplingParams
 from engine.usage.usage_lib import UsageContext
 from engine.v1.executor.abstract import Executor
 from tests.helpers.counting_executor import CountingExecutor
-from tests.helpers.engine_fixtures import EOS, VOCAB_SIZE, make_llm
+from tests.helpers.engine_fixtures import EOS, VOCAB_SIZE, get_executor, ids, make_llm
 from tests.helpers.tiny_model import make_tiny_model_dir
 
 
@@ -504,6 +505,39 @@ def test_available_memory_too_small_for_max_model_len(model_dir):
     llm = make_llm(model_dir, executor=just_enough)
     assert llm.llm_engine.glassbox_config.cache_config.num_gpu_blocks == 17
     assert not just_enough.instances[0].is_shutdown
+
+
+def test_max_model_len_minus_one_fits_the_kv_cache(model_dir, monkeypatch):
+    """vLLM's auto-fit: the model's 256 tokens need 16 blocks + the null block."""
+    llm = make_llm(model_dir, num_gpu_blocks_override=10, max_model_len=-1)
+    config = llm.llm_engine.glassbox_config
+    # 9 usable blocks of 16 tokens: the longest sequence that fits is 144.
+    assert config.model_config.original_max_model_len == -1
+    assert (config.model_config.max_model_len, config.scheduler_config.max_model_len) == (144, 144)
+    assert get_executor(llm).updated_max_model_len == 144  # the workers are told
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": ids("w1") * 140}, params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4  # 140 + 4 = 144: the context is full
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": ids("w1") * 145}, params, use_tqdm=False)
+    # When the whole context fits, it stays the model's own.
+    roomy = make_llm(model_dir, num_gpu_blocks_override=17, max_model_len=-1)
+    assert roomy.llm_engine.glassbox_config.model_config.max_model_len == 256
+    assert get_executor(roomy).updated_max_model_len is None
+    with pytest.raises(ValueError, match="Cannot auto-fit max_model_len"):
+        make_llm(model_dir, executor=sized_executor(num_blocks=1), max_model_len=-1)
+    # EngineCore in its own process: the front end learns the value at the handshake.
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    remote = engine.LLM(
+        str(model_dir),
+        distributed_executor_backend=CountingExecutor,
+        num_gpu_blocks_override=10,
+        max_model_len=-1,
+    )
+    try:
+        assert remote.llm_engine.model_config.max_model_len == 144
+    finally:
+        remote.shutdown()
 
 
 def test_no_memory_left_for_kv_cache(model_dir):

@@ -120,6 +120,8 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    """None: the model's own limit; -1 ("auto"): that limit, cut at start-up to
+    what the KV cache can hold (vLLM's auto-fit, ``get_kv_cache_configs``)."""
     hf_overrides: dict[str, Any] | None = None
     enforce_eager: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict)
@@ -137,6 +139,8 @@ class ModelConfig:
     """How the weights are stored: None (as the checkpoint says), "fp8" or "gguf"."""
     hf_config_path: str | None = None
     """Folder whose config.json describes the model; None: the model folder."""
+    # max_model_len as the user gave it (vLLM's name): -1 asks for the auto-fit.
+    original_max_model_len: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # A pathlib.Path works as a model or tokenizer; the rest of the engine
@@ -176,11 +180,13 @@ class ModelConfig:
         elif not self.skip_tokenizer_init:
             self.tokenizer = resolve_model_path(self.tokenizer, field="tokenizer")
         derived = self.get_derived_max_model_len()
-        if self.max_model_len is None:
+        self.original_max_model_len = self.max_model_len
+        if self.max_model_len is None or self.max_model_len == -1:
             self.max_model_len = derived
         elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
             raise ValueError(
-                f"max_model_len must be a positive integer, got {self.max_model_len!r}"
+                f"max_model_len must be a positive integer or -1 (auto-fit), "
+                f"got {self.max_model_len!r}"
             )
         elif self.max_model_len > derived:
             raise ValueError(

@@ -50,7 +50,8 @@ class EngineArgs:
     """Seed of the worker's global random generator (requests may bring their own)."""
     max_model_len: int | None = None
     """Tokens per sequence (prompt + output) at most; None: the model's own limit
-    from config.json. On the CLIs 32k means 32,000 and 32K 32,768."""
+    from config.json; -1 (auto on the CLIs): that limit, cut at start-up to the
+    longest sequence the KV cache holds. On the CLIs 32k means 32,000, 32K 32,768."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     enable_prefix_caching: bool = True

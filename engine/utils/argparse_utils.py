@@ -7,10 +7,8 @@ argument list before argparse sees it; ours gives argparse a short option
 And ``human_readable_int``, vLLM's parser of ``32k`` (32,000) and ``32K``
 (32,768) for the token and byte counts.
 Sessions: 01.
-
-Simpler than vLLM: ``--max-model-len auto`` (or -1), which vLLM resolves to the
-longest context the KV cache can hold, is refused with a message: Glassbox
-does not auto-fit the context yet.
+``--max-model-len auto`` (or -1) is vLLM's request to fit the context to the
+KV cache at start-up (``get_kv_cache_configs``).
 """
 
 from __future__ import annotations
@@ -56,10 +54,8 @@ def human_readable_int(text: str) -> int:
 
 
 def max_model_len(text: str) -> int:
-    """``--max-model-len``: ``human_readable_int``; vLLM's ``auto`` / -1 is refused."""
+    """``--max-model-len``: ``human_readable_int``, or ``auto`` / -1 (-1: fit the
+    context to the KV cache)."""
     if text.strip().lower() in ("auto", "-1"):
-        raise argparse.ArgumentTypeError(
-            "auto (-1) fits the context to the KV cache in vLLM; Glassbox does not do "
-            "that yet: give a length (e.g. 8k), or leave it out for the model's own"
-        )
+        return -1
     return human_readable_int(text)

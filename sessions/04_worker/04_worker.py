@@ -692,6 +692,12 @@ print("every kept sample in the trace's sampler.sampled events is in its step's 
 #    bytes per element; a block id names one page in every layer.
 # 3. **Divide** ([`get_num_blocks`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py#L935)): `available // page_size // num_layers`.
 #
+# Then the check that one `max_model_len` sequence fits. Asked for
+# `max_model_len=-1` (`--max-model-len auto`), vLLM first cuts `max_model_len`
+# to the longest sequence that does
+# ([`_auto_fit_max_model_len`](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/core/kv_cache_utils.py#L1839)),
+# tells the workers and, in its ready message, the front end; Glassbox too.
+#
 # The profiling run, the compile warm-up and the capture of piecewise graphs
 # (section 4) run the model through `_dummy_run`: a forward over the first
 # `n` entries of the runner's input buffers with no attention metadata, so

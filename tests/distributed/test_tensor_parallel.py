@@ -142,6 +142,24 @@ def _rank_params(worker, names: list[str]) -> dict:
     }
 
 
+def _max_model_len_of(worker) -> tuple[int, int]:
+    return worker.glassbox_config.model_config.max_model_len, worker.model_runner.max_model_len
+
+
+def test_auto_fitted_max_model_len_reaches_every_rank(checkpoints) -> None:
+    """max_model_len=-1: 17 blocks of 4 tokens, one the null block, hold 64."""
+    engine = {**ENGINE, "max_model_len": -1}
+    llm = LLM(
+        checkpoints["llama"], tensor_parallel_size=2, distributed_executor_backend="mp", **engine
+    )
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        assert executor.collective_rpc(_max_model_len_of) == [(64, 64), (64, 64)]
+        assert llm.llm_engine.model_config.max_model_len == 64
+    finally:
+        llm.shutdown()
+
+
 def test_each_rank_loads_its_shard(checkpoints) -> None:
     from safetensors.torch import load_file
 

@@ -56,6 +56,7 @@ class CountingExecutor(Executor):
         self.vocab_size = self.glassbox_config.model_config.vocab_size or 1000
         self.steps: list[SchedulerOutput] = []
         self.is_shutdown = False
+        self.updated_max_model_len: int | None = None
         CountingExecutor.all_executors.append(self)
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -70,6 +71,9 @@ class CountingExecutor(Executor):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.updated_max_model_len = max_model_len  # no workers: only recorded
 
     @non_blocking
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

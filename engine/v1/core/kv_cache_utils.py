@@ -12,7 +12,8 @@ Read it for:
     covers block *i*'s tokens **and** block *i-1*'s hash, so equal hashes mean
     equal prefixes, not just equal blocks.
   * ``get_kv_cache_configs`` -- how many blocks fit in the memory left over,
-    and the check that one ``max_model_len`` sequence fits at all. A block
+    and the check that one ``max_model_len`` sequence fits at all (with
+    ``max_model_len=-1``, first the longest one that does: the auto-fit). A block
     costs one page in every layer: with a draft model whose pages differ in
     size (``UniformTypeKVCacheSpecs``), the sum of the layers' page sizes.
 Sessions: 03 (KV cache).
@@ -22,8 +23,8 @@ LoRA or prompt-embedding keys; ``start_mm_idx`` is passed through untouched);
 one KV cache group of full-attention layers with one block size -- equal
 specs, or, with a draft model, one ``UniformTypeKVCacheSpecs`` of pages of
 different sizes (no hybrid grouping, page-size unification, hidden-state
-layers or DeepSeek-V4 layouts); no auto-fit of ``max_model_len=-1``, no
-context parallelism, no integer block hashes for KV events.
+layers or DeepSeek-V4 layouts); no context parallelism, no integer block
+hashes for KV events.
 
 Differs from vLLM on purpose:
   * ``NONE_HASH`` is seeded from the fixed string ``"glassbox"`` when
@@ -388,6 +389,43 @@ def estimate_max_model_len(
         model_config.max_model_len = original
 
 
+def _auto_fit_max_model_len(
+    glassbox_config: GlassboxConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: list[int],
+) -> None:
+    """``max_model_len=-1``: the longest context (at most the model's own) whose
+    sequence, plus the null block, fits every worker's memory. Sets it on the
+    model and scheduler configs; EngineCore tells the workers and the front end."""
+    model_config = glassbox_config.model_config
+    derived = model_config.max_model_len
+    fitted = derived
+    for worker_spec, memory in zip(kv_cache_specs, available_memory):
+        if not worker_spec:
+            continue
+        null_block_bytes = sum(spec.page_size_bytes for spec in worker_spec.values())
+        fitted = min(
+            fitted,
+            estimate_max_model_len(glassbox_config, worker_spec, memory - null_block_bytes),
+        )
+    if fitted <= 0:
+        raise ValueError(
+            "Cannot auto-fit max_model_len: the KV cache memory does not hold even one "
+            "token. Try increasing `gpu_memory_utilization` (or `kv_cache_memory_bytes`)."
+        )
+    if fitted >= derived:
+        logger.info("Auto-fit max_model_len: the model's whole context (%d) fits", derived)
+        return
+    model_config.max_model_len = fitted
+    glassbox_config.scheduler_config.max_model_len = fitted
+    logger.info(
+        "Auto-fit max_model_len: reduced from %d to %d to fit the KV cache memory (%.2f GiB)",
+        derived,
+        fitted,
+        min(available_memory) / 2**30,
+    )
+
+
 def check_enough_kv_cache_memory(
     glassbox_config: GlassboxConfig,
     kv_cache_spec: dict[str, KVCacheSpec],
@@ -594,6 +632,8 @@ def get_kv_cache_configs(
             for worker_groups in per_worker_groups
         ]
 
+    if glassbox_config.model_config.original_max_model_len == -1:
+        _auto_fit_max_model_len(glassbox_config, kv_cache_specs, available_memory)
     for worker_spec, memory in zip(kv_cache_specs, available_memory):
         check_enough_kv_cache_memory(glassbox_config, worker_spec, memory)
 

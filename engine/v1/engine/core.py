@@ -182,8 +182,13 @@ class EngineCore:
         available_memory = (
             0 if override is not None else self.model_executor.determine_available_memory()
         )
+        max_model_len_before = config.model_config.max_model_len
         # One worker: vLLM's per-worker lists have one entry each.
         kv_cache_configs = get_kv_cache_configs(config, [kv_cache_specs], [available_memory])
+        if config.model_config.max_model_len != max_model_len_before:
+            # max_model_len=-1 was fitted to the pool: workers in other processes
+            # hold their own copy of the config.
+            self.model_executor.update_max_model_len(config.model_config.max_model_len)
         kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
         config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         self.model_executor.initialize_from_config(kv_cache_configs[0])

@@ -45,6 +45,7 @@ class WorkerMethod(str, enum.Enum):
     GET_KV_CACHE_SPEC = "get_kv_cache_spec"
     DETERMINE_AVAILABLE_MEMORY = "determine_available_memory"
     INITIALIZE_FROM_CONFIG = "initialize_from_config"
+    UPDATE_MAX_MODEL_LEN = "update_max_model_len"
     EXECUTE_MODEL = "execute_model"
     SAMPLE_TOKENS = "sample_tokens"
     TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
@@ -113,6 +114,10 @@ class Executor(ABC):
         """Bytes the KV cache may use: the same block count on every rank, so
         the rank with the least memory decides."""
         return min(self.collective_rpc(WorkerMethod.DETERMINE_AVAILABLE_MEMORY))
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        """Tell every worker the auto-fitted ``max_model_len`` (``-1`` asked)."""
+        self.collective_rpc(WorkerMethod.UPDATE_MAX_MODEL_LEN, (max_model_len,))
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache tensors (and capture graphs, warm up)."""

@@ -77,6 +77,7 @@ def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
     return {
         WorkerMethod.GET_KV_CACHE_SPEC: worker.get_kv_cache_spec,
         WorkerMethod.DETERMINE_AVAILABLE_MEMORY: worker.determine_available_memory,
+        WorkerMethod.UPDATE_MAX_MODEL_LEN: worker.update_max_model_len,
         WorkerMethod.INITIALIZE_FROM_CONFIG: worker.initialize_from_config,
         WorkerMethod.EXECUTE_MODEL: worker.execute_model,
         WorkerMethod.SAMPLE_TOKENS: worker.sample_tokens,

@@ -58,6 +58,9 @@ class UniProcExecutor(Executor):
     def determine_available_memory(self) -> int:
         return self._worker().determine_available_memory()
 
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self._worker().update_max_model_len(max_model_len)
+
     def initialize_from_config(self, kv_cache_config) -> None:
         self._worker().initialize_from_config(kv_cache_config)
 

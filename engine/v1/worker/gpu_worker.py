@@ -153,6 +153,14 @@ class Worker(WorkerBase):
         assert self.model_runner is not None
         return self.model_runner.get_kv_cache_spec()
 
+    def update_max_model_len(self, max_model_len: int) -> None:
+        """The auto-fitted ``max_model_len`` (``max_model_len=-1``), decided by
+        EngineCore after sizing the KV cache."""
+        self.glassbox_config.model_config.max_model_len = max_model_len
+        self.glassbox_config.scheduler_config.max_model_len = max_model_len
+        if self.model_runner is not None:
+            self.model_runner.max_model_len = max_model_len
+
     def initialize_from_config(self, kv_cache_config) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(kv_cache_config)

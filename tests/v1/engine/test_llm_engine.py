@@ -246,6 +246,18 @@ def test_max_logprobs_bounds_what_a_request_may_ask(model_dir):
         EngineArgs(model=str(model_dir), max_logprobs=-2).create_engine_config()
 
 
+def test_auto_fitted_max_model_len_reaches_the_worker(model_dir):
+    """max_model_len=-1 with 10 blocks of 4 tokens (one is the null block): 36."""
+    engine = make_engine(model_dir, real_model=True, max_model_len=-1, num_gpu_blocks_override=10)
+    try:
+        worker = engine.engine_core.engine_core.model_executor.driver_worker
+        assert engine.model_config.max_model_len == 36
+        assert worker.model_runner.max_model_len == 36
+        assert worker.glassbox_config.scheduler_config.max_model_len == 36
+    finally:
+        engine.shutdown()
+
+
 def test_stream_interval_comes_from_the_engine_arguments(model_dir):
     engine = make_engine(model_dir, stream_interval=4)
     try:
