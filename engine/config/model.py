@@ -2,8 +2,10 @@
 
 vLLM twin: ``vllm/config/model.py`` (``ModelConfig``).
 Read it for: how ``max_model_len`` is derived from the HF config and checked,
-and which HF config fields the rest of the engine reads (layers, KV heads,
-head size, EOS).
+which HF config fields the rest of the engine reads (layers, KV heads,
+head size, EOS), and where default sampling parameters come from
+(``generation_config``: the model's file, "vllm" for none, or a folder;
+``get_diff_sampling_param``).
 Sessions: 01, 04.
 
 ``quantization`` names a scheme of layers/quantization/ (``"gguf"``). A
@@ -26,6 +28,7 @@ cache.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,6 +49,21 @@ _MAX_LEN_KEYS = (
 # as logprobs or as logits.
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
+logger = logging.getLogger(__name__)
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json keys that set default sampling parameters -> their
+# SamplingParams names (vLLM's get_diff_sampling_param).
+GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+# (source, values) of the sampling defaults already logged (vLLM warns once).
+_LOGGED_SAMPLING_DEFAULTS: set[tuple[str, str]] = set()
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
@@ -139,6 +157,13 @@ class ModelConfig:
     """How the weights are stored: None (as the checkpoint says), "fp8" or "gguf"."""
     hf_config_path: str | None = None
     """Folder whose config.json describes the model; None: the model folder."""
+    generation_config: str = "auto"
+    """Where default sampling parameters come from: "auto" (the model's
+    generation_config.json), "vllm" (none: SamplingParams' own defaults), or a
+    folder with a generation_config.json."""
+    override_generation_config: dict[str, Any] | None = None
+    """generation_config.json keys that replace the file's (vLLM's names:
+    temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)."""
     # max_model_len as the user gave it (vLLM's name): -1 asks for the auto-fit.
     original_max_model_len: int | None = field(default=None, init=False)
 
@@ -165,6 +190,7 @@ class ModelConfig:
                 "max_logprobs must be an integer >= 0, or -1 for no limit, "
                 f"got {self.max_logprobs!r}"
             )
+        self._check_generation_config()
         self._check_quantization()
         config_folder = self.hf_config_path or self.model
         if not self.hf_config:
@@ -193,6 +219,61 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} is larger than the model's maximum "
                 f"context length {derived} (from its config.json)"
             )
+
+    def _check_generation_config(self) -> None:
+        source = self.generation_config
+        if not isinstance(source, str) or not source:
+            raise ValueError(
+                f'generation_config must be "auto", "vllm" or a folder, got {source!r}'
+            )
+        if source not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(source, GENERATION_CONFIG_FILE)
+        ):
+            raise ValueError(
+                f"generation_config: {source!r} is not a folder with a {GENERATION_CONFIG_FILE} "
+                '(or use "auto" or "vllm")'
+            )
+        override = self.override_generation_config
+        if override is not None and not isinstance(override, dict):
+            raise ValueError(
+                "override_generation_config must be a JSON object (a dict), "
+                f"got {type(override).__name__}"
+            )
+
+    def try_get_generation_config(self) -> dict[str, Any]:
+        """The generation_config.json in effect ({} when there is none): the
+        model's for "auto" and "vllm" (its EOS ids still count), else the
+        folder's. vLLM's ``ModelConfig.try_get_generation_config``."""
+        folder = self.generation_config
+        if folder in ("auto", "vllm"):
+            folder = self.hf_config_path or self.model
+        path = os.path.join(folder, GENERATION_CONFIG_FILE)
+        if not os.path.isfile(path):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The default sampling parameters that differ from SamplingParams' own,
+        under SamplingParams' names (max_new_tokens -> max_tokens): from the
+        generation config in effect ({} for "vllm"), then the overrides."""
+        source = self.generation_config
+        config = {} if source == "vllm" else self.try_get_generation_config()
+        config = {**config, **(self.override_generation_config or {})}
+        diff = {
+            ours: config[theirs]
+            for theirs, ours in GENERATION_DEFAULT_KEYS.items()
+            if config.get(theirs) is not None
+        }
+        if diff and source != "vllm" and (source, str(diff)) not in _LOGGED_SAMPLING_DEFAULTS:
+            _LOGGED_SAMPLING_DEFAULTS.add((source, str(diff)))
+            logger.warning(
+                "Default sampling parameters come from %s: %s (--generation-config vllm "
+                "keeps SamplingParams' own)",
+                "the model's generation_config.json" if source == "auto" else source,
+                diff,
+            )
+        return diff
 
     @property
     def is_gguf(self) -> bool:

@@ -100,6 +100,12 @@ class EngineArgs:
     quantization gguf runs the embedded SmolLM2 from its Q4_1 file)."""
     hf_config_path: str | None = None
     """Folder with the model's config.json when MODEL is not one (a .gguf file)."""
+    generation_config: str = "auto"
+    """Default sampling parameters: auto (the model's generation_config.json), vllm
+    (none: SamplingParams' own), or a folder with a generation_config.json."""
+    override_generation_config: dict[str, Any] | None = None
+    """JSON object of generation_config.json keys that replace the file's, e.g.
+    {"temperature": 0.5}."""
     hf_overrides: dict[str, Any] | None = None
     """JSON object whose keys replace those of the model's config.json."""
     enforce_eager: bool = False
@@ -302,6 +308,8 @@ class EngineArgs:
             served_model_name=served_model_name,
             quantization=self.quantization,
             hf_config_path=hf_config_path,
+            generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
         )
         max_model_len = model_config.max_model_len
         assert max_model_len is not None

@@ -22,19 +22,9 @@ from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.usage.usage_lib import UsageContext
-from engine.v1.engine.input_processor import PromptType, load_generation_config
+from engine.v1.engine.input_processor import PromptType
 from engine.v1.engine.llm_engine import LLMEngine
 from engine.v1.metrics.reader import Metric
-
-# generation_config.json keys that become default sampling parameters.
-_GENERATION_DEFAULT_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 
 
 class LLM:
@@ -68,15 +58,11 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() adjusted by the model's generation_config.json, as
-        vLLM does by default (``generation_config="auto"``)."""
+        """SamplingParams() adjusted by the generation config in effect: the
+        model's generation_config.json by default (``generation_config="auto"``),
+        none with "vllm", then ``override_generation_config``."""
         if self.default_sampling_params is None:
-            config = load_generation_config(self.llm_engine.model_config.model)
-            self.default_sampling_params = {
-                ours: config[theirs]
-                for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
-                if config.get(theirs) is not None
-            }
+            self.default_sampling_params = self.llm_engine.model_config.get_diff_sampling_param()
         return SamplingParams(**self.default_sampling_params)
 
     def get_metrics(self) -> list[Metric]:

@@ -205,6 +205,22 @@ def test_default_sampling_params_come_from_generation_config(tmp_path):
     assert only(outputs).finish_reason == "length"
 
 
+def test_generation_config_vllm_and_overrides(tmp_path):
+    """--generation-config vllm ignores the model's defaults (its EOS still
+    counts); override_generation_config replaces single keys."""
+    model = make_tiny_model_dir(
+        tmp_path / "m",
+        generation_config={"eos_token_id": EOS, "max_new_tokens": 4, "temperature": 0.0},
+    )
+    neutral = make_llm(model, generation_config="vllm")
+    defaults = neutral.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.temperature) == (16, 1.0)
+    overridden = make_llm(model, override_generation_config={"max_new_tokens": 2})
+    defaults = overridden.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.temperature) == (2, 0.0)
+    assert only(overridden.generate("w5", use_tqdm=False)).text == " w6 w7"
+
+
 def test_default_sampling_params_without_generation_defaults(llm):
     defaults = llm.get_default_sampling_params()
     assert defaults.max_tokens == 16

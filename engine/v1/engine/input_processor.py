@@ -24,8 +24,6 @@ the caller), since tokenizing here already took the text apart.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,21 +40,12 @@ from engine.v1.sample.logits_processor import validate_logits_processors_paramet
 PromptType = str | Mapping[str, Any]
 
 
-def load_generation_config(model: str) -> dict[str, Any]:
-    """The checkpoint's generation_config.json, or {} when it has none."""
-    path = os.path.join(model, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 class InputProcessor:
     def __init__(self, glassbox_config: GlassboxConfig, tokenizer: Any | None) -> None:
         self.glassbox_config = glassbox_config
         self.model_config = glassbox_config.model_config
         self.tokenizer = tokenizer
-        self.generation_config = load_generation_config(self.model_config.model)
+        self.generation_config = self.model_config.try_get_generation_config()
 
     @staticmethod
     def assign_request_id(request: EngineCoreRequest) -> None:

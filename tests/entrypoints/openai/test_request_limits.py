@@ -376,3 +376,26 @@ def test_logprobs_limit_is_the_engines_max_logprobs(model_dir, limit, ok, refuse
             GlassboxValidationError, match=r"logprobs must be .* \(--max-logprobs\)"
         ):
             serving.build_sampling_params(request, 4, n, final)
+
+
+def test_server_defaults_follow_generation_config(tmp_path):
+    """--generation-config / --override-generation-config reach the endpoints."""
+    import types
+
+    from engine.entrypoints.openai.engine.serving import OpenAIServing
+
+    model = make_tiny_model_dir(
+        tmp_path / "m", generation_config={"eos_token_id": 2, "max_new_tokens": 5, "top_p": 0.9}
+    )
+
+    def serving(**kwargs):
+        config = EngineArgs(model=str(model), **kwargs).create_engine_config()
+        client = types.SimpleNamespace(model_config=config.model_config, tokenizer=None)
+        return OpenAIServing(client, models=None)  # type: ignore[arg-type]
+
+    auto = serving()
+    assert (auto.default_max_tokens, auto.default_sampling_params) == (5, {"top_p": 0.9})
+    neutral = serving(generation_config="vllm")
+    assert (neutral.default_max_tokens, neutral.default_sampling_params) == (None, {})
+    override = serving(override_generation_config={"top_p": 0.5, "max_new_tokens": 3})
+    assert (override.default_max_tokens, override.default_sampling_params) == (3, {"top_p": 0.5})

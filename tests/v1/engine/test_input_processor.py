@@ -8,10 +8,11 @@ import time
 
 import pytest
 
+from engine.engine.arg_utils import EngineArgs
 from engine.sampling_params import SamplingParams
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.v1.engine import EngineCoreRequest
-from engine.v1.engine.input_processor import InputProcessor, load_generation_config
+from engine.v1.engine.input_processor import InputProcessor
 from tests.helpers.engine_fixtures import EOS, VOCAB_SIZE, ids, make_config
 from tests.helpers.tiny_model import make_tiny_model_dir
 
@@ -177,9 +178,32 @@ def test_tokenizer_checks_on_params(processor):
     assert request.sampling_params.bad_words_token_ids == [ids("w3")]
 
 
-def test_load_generation_config(tmp_path, model_dir):
-    assert load_generation_config(str(model_dir)) == {"eos_token_id": EOS}
-    assert load_generation_config(str(tmp_path)) == {}
+def test_generation_config_sources(tmp_path, model_dir):
+    """vLLM's generation_config: "auto" (the model's file), "vllm" (no sampling
+    defaults, the model's EOS still read) or a folder; then the overrides."""
+    import json
+
+    def config(**kwargs):
+        return EngineArgs(model=str(model_dir), **kwargs).create_engine_config().model_config
+
+    assert config().try_get_generation_config() == {"eos_token_id": EOS}
+    assert config().get_diff_sampling_param() == {}
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 7, "do_sample": True})
+    )
+    chosen = config(generation_config=str(folder))
+    assert chosen.get_diff_sampling_param() == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 7}
+    overridden = config(generation_config=str(folder), override_generation_config={"top_p": 0.5})
+    assert overridden.get_diff_sampling_param()["top_p"] == 0.5
+    neutral = config(generation_config="vllm", override_generation_config={"top_k": 5})
+    assert neutral.get_diff_sampling_param() == {"top_k": 5}
+    assert neutral.try_get_generation_config() == {"eos_token_id": EOS}
+    with pytest.raises(ValueError, match="generation_config: .* is not a folder with a gen"):
+        config(generation_config=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="override_generation_config must be a JSON object"):
+        config(override_generation_config="top_p=0.5")
 
 
 def test_assign_request_id_keeps_the_users_id_and_adds_a_random_suffix(processor):

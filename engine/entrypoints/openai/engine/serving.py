@@ -5,8 +5,9 @@ and ``create_error_response`` from ``vllm/entrypoints/utils.py``.
 Read it for: the model check (unknown model -> 404), the mapping from Python
 errors to HTTP errors (a bad parameter -> 400 naming it, a dead or overloaded
 engine -> 503), how a request body becomes ``SamplingParams`` -- ``None``
-fields take the model's ``generation_config.json`` defaults, exactly as ``LLM``
-does -- and the length rules of vLLM's render step (``TokenizeParams`` in
+fields take the generation config's defaults (the model's
+``generation_config.json`` unless ``--generation-config`` says otherwise),
+exactly as ``LLM`` does -- and the length rules of vLLM's render step (``TokenizeParams`` in
 ``vllm/renderers/params.py``, ``get_max_tokens`` in ``vllm/entrypoints/utils.py``):
 ``max_tokens`` above ``max_model_len`` is a 400, so is a prompt that leaves less
 room than ``max_tokens`` asks for, and a request without ``max_tokens`` may
@@ -39,7 +40,6 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any, ParamSpec, TypeVar
 
-from engine.entrypoints.llm import _GENERATION_DEFAULT_KEYS
 from engine.entrypoints.openai.engine.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -57,7 +57,6 @@ from engine.v1.engine.exceptions import (
     EngineGenerateError,
     EngineOverloadedError,
 )
-from engine.v1.engine.input_processor import load_generation_config
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -220,16 +219,12 @@ class OpenAIServing:
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         # --max-input-chars: a cap on every prompt text, checked before tokenizing.
         self.max_input_chars = max_input_chars
-        config = load_generation_config(engine_client.model_config.model)
-        # generation_config.json values used where the request says nothing.
-        self.default_sampling_params = {
-            ours: config[theirs]
-            for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
-            if config.get(theirs) is not None and ours != "max_tokens"
-        }
+        # The generation config's values, used where the request says nothing.
+        defaults = engine_client.model_config.get_diff_sampling_param()
         # max_new_tokens caps only requests that leave max_tokens open (vLLM's
         # get_max_tokens); None lets them run to the end of the context.
-        self.default_max_tokens: int | None = config.get("max_new_tokens")
+        self.default_max_tokens: int | None = defaults.pop("max_tokens", None)
+        self.default_sampling_params = defaults
 
     # -- errors ------------------------------------------------------------------
     @staticmethod
