@@ -213,7 +213,9 @@ def describe_engine(engine_args: Any) -> dict[str, Any]:
         "model": config.model_config.model,
         "load_format": engine_args.load_format,
         "device": device,
-        "dtype": str(resolve_dtype(config.model_config.dtype, device)).removeprefix("torch."),
+        "dtype": str(
+            resolve_dtype(config.model_config.dtype, device, config.model_config.config_dtype)
+        ).removeprefix("torch."),
         "attention_backend": get_attn_backend(config).get_name(),
         "optimization_level": int(config.optimization_level or 0),
         "compilation_mode": config.compilation_config.mode.name,
@@ -403,7 +405,10 @@ def roofline_for(
     from engine.utils.torch_utils import resolve_dtype
 
     config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
-    dtype = resolve_dtype(config.model_config.dtype, config.device_config.resolve())
+    model_config = config.model_config
+    dtype = resolve_dtype(
+        model_config.dtype, config.device_config.resolve(), model_config.config_dtype
+    )
     model_bytes = count_model_bytes(config.model_config, dtype)
     seconds = throughput_bound_seconds(requests, model_bytes, bandwidth)
     return {
@@ -479,7 +484,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 requests,
                 engine["model"],
                 device=engine["device"],
-                dtype=engine_args.dtype,
+                dtype=engine["dtype"],  # what our engine resolved "auto" to
                 load_format=engine_args.load_format,
                 temperature=args.temperature,
                 max_batch_tokens=engine["max_num_batched_tokens"],

@@ -276,6 +276,13 @@ class ModelConfig:
         return diff
 
     @property
+    def config_dtype(self) -> str | None:
+        """The checkpoint's dtype as config.json states it ("bfloat16", ...):
+        ``dtype`` in transformers 5, ``torch_dtype`` before; None if unstated."""
+        value = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype")
+        return value if isinstance(value, str) else None
+
+    @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
 

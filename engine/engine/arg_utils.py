@@ -44,8 +44,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     """Load no tokenizer: prompts must be token ids, and outputs carry token ids only."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (float32 on the CPU, bfloat16 on CUDA),
-    float32, float16 or bfloat16."""
+    """Weights and activations dtype: auto (float32 on the CPU; on CUDA the
+    checkpoint's float16 or bfloat16, bfloat16 for a float32 one, as vLLM), float32,
+    float16 or bfloat16."""
     seed: int = 0
     """Seed of the worker's global random generator (requests may bring their own)."""
     max_model_len: int | None = None

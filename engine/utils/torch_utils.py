@@ -1,8 +1,10 @@
 """dtype and device helpers (vLLM twin: ``vllm/utils/torch_utils.py``).
 
-``resolve_dtype`` fixes what ``dtype="auto"`` means in Glassbox: float32 on the
-CPU (exact parity with transformers in tests; CPUs are slow at bf16 matmuls
-without AMX) and bfloat16 on CUDA. Sessions: 04.
+``resolve_dtype`` fixes what ``dtype="auto"`` means in Glassbox: on CUDA, as
+vLLM's ``_resolve_auto_dtype``, the checkpoint's own dtype when it is float16
+or bfloat16, and bfloat16 for a float32 (or unstated) one; float32 on the CPU
+(Glassbox's choice: exact parity with transformers in tests, and CPUs are slow
+at bf16 matmuls without AMX). Sessions: 04.
 """
 
 from __future__ import annotations
@@ -38,10 +40,18 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str, device: str | torch.device, config_dtype: str | None = None
+) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``config_dtype`` is the checkpoint's (config.json's
+    ``dtype`` / ``torch_dtype``), read only for "auto" on CUDA."""
     device_type = torch.device(device).type
     if dtype == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
+        if device_type != "cuda":
+            return torch.float32
+        if config_dtype in ("float16", "bfloat16"):
+            return _STR_TO_DTYPE[config_dtype]
+        return torch.bfloat16
     if dtype not in _STR_TO_DTYPE:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_STR_TO_DTYPE)}, got {dtype!r}")
     return _STR_TO_DTYPE[dtype]

@@ -88,7 +88,8 @@ def _model_dtype_and_head_size(
         return None, None
     from engine.utils.torch_utils import resolve_dtype
 
-    dtype = str(resolve_dtype(model_config.dtype, device)).removeprefix("torch.")
+    dtype = resolve_dtype(model_config.dtype, device, model_config.config_dtype)
+    dtype = str(dtype).removeprefix("torch.")
     return dtype, model_config.get_head_size()
 
 

@@ -328,7 +328,7 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         self.cache_config = glassbox_config.cache_config
         self.scheduler_config = glassbox_config.scheduler_config
         self.device = device
-        self.dtype = resolve_dtype(self.model_config.dtype, device)
+        self.dtype = resolve_dtype(self.model_config.dtype, device, self.model_config.config_dtype)
         self.block_size = self.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
         self.max_num_reqs = self.scheduler_config.max_num_seqs
