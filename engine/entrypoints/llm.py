@@ -18,6 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.engine.arg_utils import EngineArgs
+from engine.entrypoints.utils import log_non_default_args
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -47,6 +48,7 @@ class LLM:
         # disable_log_stats=False); the API server keeps them on.
         kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs(model=model, **kwargs)
+        log_non_default_args(engine_args)
         self.llm_engine = LLMEngine.from_engine_args(
             engine_args, usage_context=UsageContext.LLM_CLASS
         )

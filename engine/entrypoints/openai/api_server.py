@@ -96,6 +96,7 @@ from engine.entrypoints.serve.tokenize.protocol import (
     TokenizeResponse,
 )
 from engine.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
+from engine.entrypoints.utils import log_non_default_args
 from engine.tracing.engine_trace import ServerTrace
 from engine.usage.usage_lib import UsageContext
 from engine.v1.engine.async_llm import AsyncLLM
@@ -440,6 +441,8 @@ async def run_server(args: argparse.Namespace, sock: socket.socket | None = None
     if sock is None:
         sock = create_server_socket(args.host, args.port)
     async with build_async_engine_client(args) as engine_client:
+        # After the engine is up (vLLM logs first): a bad argument stays a one-line error.
+        log_non_default_args(args)
         app = build_app(args)
         await init_app_state(engine_client, app.state, args)
         host, port = sock.getsockname()[:2]
