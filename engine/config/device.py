@@ -40,20 +40,19 @@ class DeviceConfig:
         # cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess").
         return "cuda" if torch.cuda.device_count() > 0 else "cpu"
 
+    def get_device_memory_and_name(self) -> tuple[int, str]:
+        """(bytes, name) of the first visible GPU in one NVML query; (0, "") on
+        the CPU or when neither NVML nor an initialised CUDA can tell."""
+        info = _nvml_device_info() if self.resolve() == "cuda" else None
+        return info if info is not None else (0, "")
+
     def get_device_total_memory(self) -> int:
-        """Bytes of memory on the first visible GPU; 0 on the CPU or when
-        neither NVML nor an initialised CUDA can tell."""
-        if self.resolve() != "cuda":
-            return 0
-        info = _nvml_device_info()
-        return info[0] if info else 0
+        """Bytes of memory on the first visible GPU (0: CPU or unknown)."""
+        return self.get_device_memory_and_name()[0]
 
     def get_device_name(self) -> str:
-        """Name of the first visible GPU ("NVIDIA H200"); "" on the CPU or unknown."""
-        if self.resolve() != "cuda":
-            return ""
-        info = _nvml_device_info()
-        return info[1] if info else ""
+        """Name of the first visible GPU ("NVIDIA H200"; "": CPU or unknown)."""
+        return self.get_device_memory_and_name()[1]
 
 
 def _nvml_device_info() -> tuple[int, str] | None:

@@ -229,8 +229,8 @@ class EngineArgs:
                     UsageContext.OPENAI_API_SERVER: 128 * world_size,
                 },
             )
-        memory = device_config.get_device_total_memory()
-        name = device_config.get_device_name().lower()
+        memory, name = device_config.get_device_memory_and_name()
+        name = name.lower()
         # An H100/H200-class GPU gets bigger batches; A100s are excluded by name
         # because vLLM measured lower throughput there with the larger budget.
         if memory >= 70 * GiB_bytes and "a100" not in name:

@@ -389,6 +389,11 @@ def estimate_max_model_len(
         model_config.max_model_len = original
 
 
+def _null_block_bytes(kv_cache_spec: dict[str, KVCacheSpec]) -> int:
+    """Block 0 costs one page in every layer; the pool must hold it besides a sequence."""
+    return sum(spec.page_size_bytes for spec in kv_cache_spec.values())
+
+
 def _auto_fit_max_model_len(
     glassbox_config: GlassboxConfig,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
@@ -403,10 +408,11 @@ def _auto_fit_max_model_len(
     for worker_spec, memory in zip(kv_cache_specs, available_memory):
         if not worker_spec:
             continue
-        null_block_bytes = sum(spec.page_size_bytes for spec in worker_spec.values())
         fitted = min(
             fitted,
-            estimate_max_model_len(glassbox_config, worker_spec, memory - null_block_bytes),
+            estimate_max_model_len(
+                glassbox_config, worker_spec, memory - _null_block_bytes(worker_spec)
+            ),
         )
     if fitted <= 0:
         raise ValueError(
@@ -441,7 +447,7 @@ def check_enough_kv_cache_memory(
             "`gpu_memory_utilization` when initializing the engine (or set "
             "`num_gpu_blocks_override` / `kv_cache_memory_bytes`)."
         )
-    null_block_bytes = sum(spec.page_size_bytes for spec in kv_cache_spec.values())
+    null_block_bytes = _null_block_bytes(kv_cache_spec)
     needed = max_memory_usage_bytes(glassbox_config, kv_cache_spec.values()) + null_block_bytes
     if needed <= available_memory:
         return
