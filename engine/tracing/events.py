@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.11"
+TRACE_FORMAT_VERSION = "1.12"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -937,6 +937,21 @@ class LoRASlots(TraceEvent, kw_only=True, tag="lora.slots"):
     ] = {}
 
 
+class RunnerPromptLogprobs(TraceEvent, kw_only=True, tag="runner.prompt_logprobs"):
+    """Written by ``GPUModelRunner._get_prompt_logprobs_dict`` (worker) for each
+    request that asked for ``prompt_logprobs`` and ran prompt tokens this step
+    (1.12): which prompt positions got their logprobs, and whether the rows go
+    back to the front end now (the step that ends the request's prefill)."""
+
+    request_id: str
+    first_position: Annotated[int, doc("the first prompt position whose logits ran this step")]
+    num_positions: Annotated[
+        int, doc("positions that got a logprob row (the prompt's last one has none)")
+    ]
+    num_logprobs: Annotated[int, doc("top-k width asked for (-1 resolved to the vocabulary)")]
+    done: Annotated[bool, doc("the prefill ended: all P - 1 rows go out with the first token")]
+
+
 class WorkerRpcReceived(TraceEvent, kw_only=True, tag="worker.rpc_received"):
     """A worker process of a multi-process executor took a call off the
     broadcast queue (1.10): ``ts`` is when this rank received it, so the
@@ -1001,6 +1016,7 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         SamplerSampled,
         SpecProposed,
         LoRASlots,
+        RunnerPromptLogprobs,
     ),
     "Worker processes (tensor parallelism)": (WorkerRpcReceived, WorkerRpcDone),
     "Structured outputs": (

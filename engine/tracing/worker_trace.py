@@ -32,6 +32,7 @@ from engine.tracing.events import (
     RunnerForward,
     RunnerInit,
     RunnerInputs,
+    RunnerPromptLogprobs,
     SamplerSampled,
     SamplerStage,
     SpecProposed,
@@ -354,6 +355,20 @@ class RunnerTrace(SubsystemTrace):
                 token_slots={
                     r: slot_of.get(int(i), -1) for r, i in zip(req_ids, row_lora_ids, strict=True)
                 },
+            )
+        )
+
+    def prompt_logprobs(
+        self, req_id: str, first_position: int, num_positions: int, k: int, done: bool
+    ) -> None:
+        """``runner.prompt_logprobs``: one request's prompt positions this step."""
+        self.tracer.record(
+            RunnerPromptLogprobs(
+                request_id=req_id,
+                first_position=first_position,
+                num_positions=num_positions,
+                num_logprobs=k,
+                done=done,
             )
         )
 

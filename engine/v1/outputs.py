@@ -13,7 +13,10 @@ Read it for:
   *request*, indexed by ``req_id_to_index``; ``sampled_token_ids[i]`` is empty
   for a request whose prefill chunk did not reach the end of its prompt
   (nothing to sample yet). ``LogprobsTensors.tolists()`` makes the
-  ``LogprobsLists`` it carries.
+  ``LogprobsLists`` it carries; ``prompt_logprobs_dict`` holds, for a request
+  that asked for ``prompt_logprobs`` and finished its prefill this step, one
+  row per prompt position after the first (``LogprobsTensors.empty_cpu``
+  collects them chunk by chunk on the worker).
 Sessions: 01, 04, 05.
 
 Importable without torch: the scheduler imports this module and must stay
@@ -23,7 +26,8 @@ types never need torch to be defined).
 Simpler than vLLM: no ``cu_num_generated_tokens`` bookkeeping (with
 speculative decoding a request may get several tokens; their logprob rows
 follow each other in request order); ``LogprobsLists`` holds Python lists
-where vLLM holds numpy arrays.
+where vLLM holds numpy arrays, and prompt logprobs travel as
+``LogprobsLists`` too (vLLM sends the tensors).
 
 Differs from vLLM on purpose: ``LogprobsTensors.logprob_token_ids`` stay
 int64 (vLLM narrows them to int32 to halve the copy) so they can index a
@@ -77,6 +81,19 @@ class LogprobsTensors(NamedTuple):
     # likely. Tokens tied with it count as ahead of it.
     selected_token_ranks: torch.Tensor
 
+    @staticmethod
+    def empty_cpu(num_positions: int, num_tokens_per_position: int) -> LogprobsTensors:
+        """Host tensors to fill in slices: ``[num_positions, num_tokens_per_position]``
+        ids and logprobs, ``[num_positions]`` ranks (a prompt's logprobs, chunk by chunk)."""
+        import torch  # here, not at the top: the scheduler imports this module
+
+        shape = (num_positions, num_tokens_per_position)
+        return LogprobsTensors(
+            logprob_token_ids=torch.empty(shape, dtype=torch.int64),
+            logprobs=torch.empty(shape, dtype=torch.float32),
+            selected_token_ranks=torch.empty(num_positions, dtype=torch.int64),
+        )
+
     def tolists(self) -> LogprobsLists:
         """Copy to the CPU as plain Python lists (for the scheduler side)."""
         return LogprobsLists(
@@ -102,6 +119,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Rows follow req_ids order, one row per sampled token.
     logprobs: LogprobsLists | None = None
+    # Requests whose prefill ended this step and that asked for prompt_logprobs:
+    # rows for prompt positions 1..P-1 (position 0 has no logprob), each row
+    # [actual prompt token, top-1 .. top-k], its rank in the vocabulary.
     prompt_logprobs_dict: dict[str, LogprobsLists | None] = field(default_factory=dict)
 
 

@@ -13,7 +13,8 @@ What must hold:
   recomputed, and when prompts share a 200-token prefix that is served from
   the prefix cache;
 * ``logprobs=5`` reports the sampled token's and the top-5 log-probabilities
-  of transformers' logits to 1e-4;
+  of transformers' logits to 1e-4, and ``prompt_logprobs`` each prompt
+  token's, with chunks and preemption too;
 * bad input fails with a clear ValueError, and a bad request leaves the same
   ``LLM`` serving correct results.
 """
@@ -293,6 +294,97 @@ def test_logprobs_match_transformers_log_softmax(
         assert completion.cumulative_logprob == pytest.approx(
             expected_cumulative, abs=MAX_TOKENS * LOGPROB_ATOL
         )
+
+
+def _assert_prompt_logprobs_match(
+    tiny: TinyModel, prompt: list[int], prompt_logprobs: list | None, k: int
+) -> None:
+    """One entry per prompt token: None for the first, then the actual token
+    and the top ``k`` under transformers' log-softmax of the previous position.
+    Ranks and top-k membership are compared with ties closer than the
+    tolerance allowed to fall either way (fp32 sums in another order)."""
+    with torch.no_grad():
+        ref = tiny.hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    where = f"{tiny.arch}, prompt of {len(prompt)} tokens"
+    assert prompt_logprobs is not None, where
+    assert len(prompt_logprobs) == len(prompt), where
+    assert prompt_logprobs[0] is None, where
+    for pos in range(1, len(prompt)):
+        position, ref_row, token = prompt_logprobs[pos], ref[pos - 1], prompt[pos]
+        value = ref_row[token].item()
+        assert token in position, f"{where}, position {pos}"
+        entry = position[token]
+        assert entry.logprob == pytest.approx(value, abs=LOGPROB_ATOL), f"{where}, position {pos}"
+        best = int((ref_row > value + LOGPROB_ATOL).sum()) + 1
+        worst = int((ref_row >= value - LOGPROB_ATOL).sum())
+        assert best <= entry.rank <= worst, f"{where}, position {pos}"
+        # The actual token plus k others, or k if it is one of the top k.
+        assert len(position) in (k, k + 1), f"{where}, position {pos}"
+        top_values = sorted((e.logprob for t, e in position.items() if e.rank <= k), reverse=True)
+        ref_top = torch.topk(ref_row, k).values.tolist()
+        assert top_values == pytest.approx(ref_top, abs=LOGPROB_ATOL), f"{where}, position {pos}"
+        for token_id, e in position.items():
+            assert e.logprob == pytest.approx(ref_row[token_id].item(), abs=LOGPROB_ATOL)
+
+
+def test_prompt_logprobs_match_transformers(tiny: TinyModel, plain_llm: LLM) -> None:
+    """Beside requests that ask for none (their sampling must not change), and
+    with different widths in one batch."""
+    widths = [NUM_LOGPROBS, None, 0, 2, NUM_LOGPROBS]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=k)
+        for k in widths
+    ]
+    outputs = plain_llm.generate(_token_prompts(MIXED_PROMPTS), params, use_tqdm=False)
+    assert _generated(outputs) == [tiny.ref(p).token_ids for p in MIXED_PROMPTS]
+    for prompt, k, out in zip(MIXED_PROMPTS, widths, outputs):
+        if k is None:
+            assert out.prompt_logprobs is None
+            assert out.num_cached_tokens >= 0
+        else:
+            _assert_prompt_logprobs_match(tiny, prompt, out.prompt_logprobs, k)
+            # prompt_logprobs skips reading the prefix cache: every token ran.
+            assert out.num_cached_tokens == 0
+    _assert_idle(plain_llm)
+
+
+def test_prompt_logprobs_with_chunked_prefill_and_preemption(
+    tiny: TinyModel, tight_llm: LLM
+) -> None:
+    """48-token chunks: a prompt's rows come from several steps (the 3-, 17-
+    and 64-token prompts also end a chunk one token before their end, or
+    share a step with others), and preempted requests recompute theirs."""
+    preemptions_before = _metric(tight_llm, "glassbox:num_preemptions")
+    prompts = MIXED_PROMPTS[::-1]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=NUM_LOGPROBS
+    )
+    outputs = tight_llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+    assert _metric(tight_llm, "glassbox:num_preemptions") > preemptions_before
+    assert _generated(outputs) == [tiny.ref(p).token_ids for p in prompts]
+    for prompt, out in zip(prompts, outputs):
+        _assert_prompt_logprobs_match(tiny, prompt, out.prompt_logprobs, NUM_LOGPROBS)
+    _assert_idle(tight_llm)
+
+
+def test_prompt_logprobs_chunk_ending_one_token_short(tiny: TinyModel) -> None:
+    """Serial loop, 16-token budget, a 17-token prompt: the first chunk runs
+    positions 0..15, whose logits cover every prompt token after the first, so
+    the last chunk (one token) adds no row but is the step that sends them."""
+    llm = _in_process_llm(
+        str(tiny.path),
+        **{**PLAIN_ARGS, "max_num_batched_tokens": 16, "async_scheduling": False},
+    )
+    try:
+        prompt = MIXED_PROMPTS[1]
+        assert len(prompt) == 17
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+        [out] = llm.generate(_token_prompts([prompt]), params, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == tiny.ref(prompt).token_ids[:3]
+        _assert_prompt_logprobs_match(tiny, prompt, out.prompt_logprobs, 1)
+        _assert_idle(llm)
+    finally:
+        llm.shutdown()
 
 
 # ---------------------------------------------------------------------------

@@ -52,9 +52,9 @@ def _write(path, *records) -> str:
     return str(path)
 
 
-def test_this_glassbox_writes_version_1_11():
-    assert TRACE_FORMAT_VERSION == "1.11"
-    assert parse_version(TRACE_FORMAT_VERSION) == (1, 11)
+def test_this_glassbox_writes_version_1_12():
+    assert TRACE_FORMAT_VERSION == "1.12"
+    assert parse_version(TRACE_FORMAT_VERSION) == (1, 12)
     assert parse_version(1) == (1, 0)  # the first headers' plain integer
     assert parse_version("2") == (2, 0)
     with pytest.raises(TraceVersionError, match="unreadable"):
@@ -128,17 +128,17 @@ def test_a_trace_of_another_major_version_is_refused_naming_both_versions(tmp_pa
 def test_a_newer_minor_version_loads_and_skips_kinds_it_does_not_know(tmp_path):
     """A newer minor version only adds kinds (and fields): the reader warns,
     naming the kind, and skips those lines; the rest loads."""
-    unknown = {"kind": "sched.new_kind_of_1_11", "ts": 3, "pid": 1, "seq": 2, "what": [1, 2]}
-    path = _write(tmp_path / "newer.jsonl", _header("1.11"), KV_INIT, unknown, SCHED_UPDATE)
-    with pytest.warns(UserWarning, match=r"sched\.new_kind_of_1_11 \(1\)"):
+    unknown = {"kind": "sched.new_kind_of_1_13", "ts": 3, "pid": 1, "seq": 2, "what": [1, 2]}
+    path = _write(tmp_path / "newer.jsonl", _header("1.13"), KV_INIT, unknown, SCHED_UPDATE)
+    with pytest.warns(UserWarning, match=r"sched\.new_kind_of_1_13 \(1\)"):
         events = load_trace(path)
     assert [e.kind for e in events] == ["kv.init", "sched.update"]
     assert [e.seq for e in events] == [1, 3]
 
 
 def test_a_newer_minor_versions_extra_fields_are_ignored(tmp_path):
-    extra = dict(KV_INIT, field_added_in_1_11={"x": 1})
-    (event,) = load_trace(_write(tmp_path / "newer.jsonl", _header("1.11"), extra))
+    extra = dict(KV_INIT, field_added_in_1_13={"x": 1})
+    (event,) = load_trace(_write(tmp_path / "newer.jsonl", _header("1.13"), extra))
     assert type(event) is KVInit and event.num_blocks == 4
 
 

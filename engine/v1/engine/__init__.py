@@ -109,6 +109,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # On the request's first output only: its prompt split into computed and
     # cached tokens (the front end's RequestOutput.num_cached_tokens).
     prefill_stats: PrefillStats | None = None
+    # On the request's first output, if it asked for prompt_logprobs: one row
+    # per prompt position after the first (vLLM's name; rows, not tensors, here).
+    new_prompt_logprobs_tensors: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

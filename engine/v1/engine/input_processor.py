@@ -110,17 +110,19 @@ class InputProcessor:
 
     def _validate_logprobs(self, params: SamplingParams) -> None:
         """vLLM's ``SamplingParams._validate_logprobs``: at most ``max_logprobs``
-        per token, -1 (the whole vocabulary) counted as the vocabulary size."""
+        per token, sampled or prompt, -1 (the whole vocabulary) counted as the
+        vocabulary size."""
         vocab_size = self.model_config.vocab_size
         max_logprobs = self.model_config.max_logprobs
         if max_logprobs == -1:
             return
-        num_logprobs = vocab_size if params.logprobs == -1 else params.logprobs
-        if num_logprobs is not None and num_logprobs > max_logprobs:
-            raise ValueError(
-                f"Requested sample logprobs of {num_logprobs}, which is greater than "
-                f"max allowed: {max_logprobs} (raise max_logprobs, -1 for no limit)"
-            )
+        for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            num_logprobs = vocab_size if asked == -1 else asked
+            if num_logprobs is not None and num_logprobs > max_logprobs:
+                raise ValueError(
+                    f"Requested {kind} logprobs of {num_logprobs}, which is greater than "
+                    f"max allowed: {max_logprobs} (raise max_logprobs, -1 for no limit)"
+                )
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         config = self.glassbox_config
@@ -156,10 +158,11 @@ class InputProcessor:
                 f"{self.glassbox_config.scheduler_config.policy!r}; "
                 "use scheduling_policy='priority'"
             )
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and not params.skip_reading_prefix_cache:
+            # Cached prompt tokens are not run, so they would have no logits.
             raise ValueError(
-                "prompt_logprobs is not supported by Glassbox yet (only logprobs of "
-                "generated tokens are); leave prompt_logprobs unset"
+                "prompt_logprobs needs skip_reading_prefix_cache=True (its default when "
+                "prompt_logprobs is set): cached prompt tokens get no logits"
             )
         if self.glassbox_config.speculative_config is not None and (
             params.min_p > _SAMPLING_EPS or params.logit_bias

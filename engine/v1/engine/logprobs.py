@@ -15,10 +15,14 @@ Read it for two things the raw rows from EngineCore do not give a user:
     unfinished bytes before it carry "".
 Sessions: 05 (sampling: where logprobs come from), 01 (what the user sees).
 
-Simpler than vLLM: no prompt logprobs (the input processor refuses
-``prompt_logprobs``), so ``prompt_logprobs`` stays None and there is no
-``_update_prompt_logprobs``; no ``FlatLogprobs``; no ``logprob_token_ids``
-(``num_logprobs`` is ``SamplingParams.logprobs``).
+Prompt logprobs (``SamplingParams.prompt_logprobs``) arrive once, with the
+request's first token: one row per prompt position after the first, turned
+into ``{token_id: Logprob}`` positions after the ``None`` that stands for
+the first prompt token (``_update_prompt_logprobs``).
+
+Simpler than vLLM: the rows arrive as lists, not tensors; no
+``FlatLogprobs``; no ``logprob_token_ids`` (``num_logprobs`` is
+``SamplingParams.logprobs``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from engine.logprobs import (
     PromptLogprobs,
     SampleLogprobs,
     append_logprobs_for_next_position,
+    create_prompt_logprobs,
     create_sample_logprobs,
 )
 from engine.v1.engine import EngineCoreOutput, EngineCoreRequest
@@ -70,20 +75,24 @@ class LogprobsProcessor:
         cls, tokenizer: Any | None, request: EngineCoreRequest
     ) -> LogprobsProcessor:
         num_logprobs = request.sampling_params.logprobs
+        num_prompt_logprobs = request.sampling_params.prompt_logprobs
         wanted = num_logprobs is not None
         return cls(
             tokenizer=tokenizer,
             logprobs=create_sample_logprobs() if wanted else None,
-            prompt_logprobs=None,
+            prompt_logprobs=(None if num_prompt_logprobs is None else create_prompt_logprobs()),
             cumulative_logprob=0.0 if wanted else None,
             num_logprobs=num_logprobs,
-            num_prompt_logprobs=None,
+            num_prompt_logprobs=num_prompt_logprobs,
         )
 
     def update_from_output(self, output: EngineCoreOutput) -> None:
-        """Add the positions of one step's new tokens (if logprobs were asked for)."""
+        """Add the positions of one step's new tokens (if logprobs were asked
+        for), and the prompt's positions when they come."""
         if output.new_logprobs is not None and self.logprobs is not None:
             self._update_sample_logprobs(output.new_logprobs)
+        if output.new_prompt_logprobs_tensors is not None and self.prompt_logprobs is not None:
+            self._update_prompt_logprobs(output.new_prompt_logprobs_tensors)
 
     def _update_sample_logprobs(self, logprobs_lists: LogprobsLists) -> None:
         """One position per row; several rows when the step produced several tokens."""
@@ -109,9 +118,35 @@ class LogprobsProcessor:
                 self.logprobs, token_ids, logprobs, decoded, int(rank), self.num_logprobs
             )
 
+    def _update_prompt_logprobs(self, prompt_logprobs_lists: LogprobsLists) -> None:
+        """One position per prompt token after the first: the actual prompt
+        token (with its rank), then the top-k."""
+        assert self.prompt_logprobs is not None and self.num_prompt_logprobs is not None
+        for token_ids_row, logprobs_row, rank in zip(
+            prompt_logprobs_lists.logprob_token_ids,
+            prompt_logprobs_lists.logprobs,
+            prompt_logprobs_lists.sampled_token_ranks,
+        ):
+            token_ids = _as_list(token_ids_row)
+            decoded: list[str] | itertools.repeat[None] = NONES
+            if self.tokenizer is not None:
+                # Context for a split character: the prompt tokens before this one.
+                decoded = self._verify_tokens(
+                    [self.tokenizer.decode([t]) or "" for t in token_ids],
+                    token_ids,
+                    self._get_sampled_context_ids(self.prompt_logprobs),
+                )
+            append_logprobs_for_next_position(
+                self.prompt_logprobs,
+                token_ids,
+                _as_list(logprobs_row),
+                decoded,
+                int(rank),
+                self.num_prompt_logprobs,
+            )
+
     def pop_prompt_logprobs(self) -> PromptLogprobs | None:
-        """The prompt logprobs not handed out yet (DELTA sends them once).
-        Always None in Glassbox (no prompt logprobs)."""
+        """The prompt logprobs not handed out yet (DELTA sends them once)."""
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs:
             self.prompt_logprobs = []

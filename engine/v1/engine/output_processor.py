@@ -21,7 +21,7 @@ DELTA request's output only every N tokens (and for its first token and when
 it finishes); the tokens in between travel together in the next output.
 Sessions: 01 (engine loop).
 
-Simpler than vLLM: no prompt logprobs, pooling outputs, streaming
+Simpler than vLLM: no pooling outputs, streaming
 inputs, routed experts or per-request timing stats; the metrics are two
 token counts per batch (``num_prompt_tokens``, ``num_generation_tokens``).
 Glassbox's trace object stands where vLLM's ``tracing_enabled`` (OpenTelemetry

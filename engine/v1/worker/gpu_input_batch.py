@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams, SamplingType
+from engine.v1.outputs import LogprobsTensors
 from engine.v1.sample.logits_processor import (
     BatchUpdateBuilder,
     LogitsProcessors,
@@ -93,6 +94,9 @@ class CachedRequestState:
     output_token_ids: list[int]
     # The request's adapter (a LoRARequest; None: the base model).
     lora_request: Any = None
+    # Prompt logprobs gathered so far, while its prefill runs in chunks
+    # ([P - 1, k + 1] on the host); None before the first chunk and after the last.
+    in_progress_prompt_logprobs_cpu: LogprobsTensors | None = None
     # Always None: no prompt embeddings or pooling models yet.
     prompt_embeds: torch.Tensor | None = None
     pooling_params: Any = None

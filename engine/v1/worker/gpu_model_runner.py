@@ -21,6 +21,8 @@ Read it for one step of the worker:
      scheduled token and turn it into logits;
   4. ``sample_tokens`` -- the sampler picks one token per request; requests
      still in the middle of their prompt (a chunked prefill) throw theirs away.
+     Requests that asked for ``prompt_logprobs`` get the logprobs of the prompt
+     tokens this step ran (``_get_prompt_logprobs_dict``), sent with their first token.
      Structured outputs (session 06): first ``apply_grammar_bitmask`` sets the
      logits of every token a request's grammar forbids to -inf, in the
      runner and not in a logits processor, as in vLLM.
@@ -337,6 +339,9 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         # Pinned host staging makes the host->device copies asynchronous.
         self.pin_memory = device.type == "cuda"
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests that asked for prompt logprobs and have not finished their
+        # prefill: req_id -> top-k width (-1, the whole vocabulary, resolved).
+        self.num_prompt_logprobs: dict[str, int] = {}
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -518,6 +523,7 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         corrections = corrections or {}
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
         # Requests not scheduled this step (preempted ones included) leave the
         # batch but keep their state (and seeded generator) in self.requests,
@@ -548,6 +554,10 @@ class GPUModelRunner(LoRAModelRunnerMixin):
                 lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
+            if params.prompt_logprobs is not None:
+                vocab_size = self.model_config.vocab_size
+                k = vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+                self.num_prompt_logprobs[new.req_id] = k
             reqs_to_add.append(state)
 
         for i, req_id in enumerate(cached.req_ids):
@@ -997,6 +1007,7 @@ class GPUModelRunner(LoRAModelRunnerMixin):
             ModelRunnerOutput(
                 req_ids=state.req_ids,
                 req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
+                prompt_logprobs_dict=self._get_prompt_logprobs_dict(state),
             ),
             sampler_output,
             invalid_req_indices=state.discard_rows,
@@ -1035,6 +1046,64 @@ class GPUModelRunner(LoRAModelRunnerMixin):
             output.sampled_token_ids_cpu, output.async_copy_ready_event
         )
         return output
+
+    def _get_prompt_logprobs_dict(
+        self, state: ExecuteModelState
+    ) -> dict[str, LogprobsLists | None]:
+        """Logprobs of the prompt tokens this step ran, for the requests that
+        asked (``num_prompt_logprobs``). The hidden state at prompt position i
+        predicts token i + 1, so a prompt of P tokens has P - 1 rows, filled
+        chunk by chunk into host tensors; a request's rows are returned in the
+        step that ends its prefill, beside its first sampled token. They are
+        the model's raw distribution: no temperature, penalty or mask."""
+        if not self.num_prompt_logprobs:
+            return {}
+        assert state.hidden_states is not None and state.num_scheduled_tokens is not None
+        # Where each row's tokens start in the step's flattened batch.
+        row_starts = np.concatenate(([0], np.cumsum(state.num_scheduled_tokens)[:-1]))
+        row_of = {req_id: i for i, req_id in enumerate(state.req_ids)}
+        completed: dict[str, LogprobsLists | None] = {}
+        for req_id, num_prompt_logprobs in self.num_prompt_logprobs.items():
+            row = row_of.get(req_id)
+            if row is None:
+                continue  # not scheduled this step (e.g. preempted)
+            request = self.requests[req_id]
+            num_prompt_tokens = request.num_prompt_tokens
+            if request.in_progress_prompt_logprobs_cpu is None:
+                request.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(
+                    num_prompt_tokens - 1, num_prompt_logprobs + 1
+                )
+            rows = request.in_progress_prompt_logprobs_cpu
+            start = request.num_computed_tokens  # first position this step ran
+            num_tokens = int(state.num_scheduled_tokens[row])
+            # Positions start .. P - 2 have a prompt token after them.
+            num_logits = min(num_tokens, num_prompt_tokens - 1 - start)
+            done = start + num_tokens >= num_prompt_tokens
+            if done:
+                completed[req_id] = None  # its rows go out now (filled in below)
+            self.trace.prompt_logprobs(req_id, start, num_logits, num_prompt_logprobs, done)
+            if num_logits > 0:
+                offset = int(row_starts[row])
+                logits = self.model.compute_logits(
+                    state.hidden_states[offset : offset + num_logits]
+                )
+                targets = torch.tensor(
+                    request.prompt_token_ids[start + 1 : start + 1 + num_logits],
+                    device=logits.device,
+                )
+                logprobs = self.sampler.compute_logprobs(logits)
+                chunk = self.sampler.gather_logprobs(logprobs, num_prompt_logprobs, targets)
+                rows_now = slice(start, start + num_logits)
+                rows.logprob_token_ids[rows_now].copy_(chunk.logprob_token_ids)
+                rows.logprobs[rows_now].copy_(chunk.logprobs)
+                rows.selected_token_ranks[rows_now].copy_(chunk.selected_token_ranks)
+        for req_id in completed:
+            request = self.requests[req_id]
+            assert request.in_progress_prompt_logprobs_cpu is not None
+            completed[req_id] = request.in_progress_prompt_logprobs_cpu.tolists()
+            request.in_progress_prompt_logprobs_cpu = None
+            del self.num_prompt_logprobs[req_id]
+        return completed
 
     # ------------------------------------------------------------------
     # 5. Speculative decoding: drafts for the next step

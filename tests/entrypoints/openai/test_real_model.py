@@ -50,7 +50,11 @@ def greedy(**kwargs) -> SamplingParams:
 
 def test_offline_multiprocess_matches_in_process(model_dir, offline, monkeypatch):
     prompts = ["w1 w2 w3", "w7 w8 w9 w10 w11", {"prompt_token_ids": ids("w30 w31")}]
-    params = [greedy(max_tokens=8, logprobs=3), greedy(max_tokens=5), greedy(max_tokens=6)]
+    params = [
+        greedy(max_tokens=8, logprobs=3),
+        greedy(max_tokens=5, prompt_logprobs=2),
+        greedy(max_tokens=6),
+    ]
     reference = offline.generate(prompts, params, use_tqdm=False)
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
     llm = LLM(str(model_dir), **ENGINE_KWARGS)
@@ -67,6 +71,14 @@ def test_offline_multiprocess_matches_in_process(model_dir, offline, monkeypatch
             b.finish_reason,
         )
         assert len(a.token_ids) > 0
+        # Prompt logprobs cross the process hop with the first token.
+        assert (mp_out.prompt_logprobs is None) == (ref.prompt_logprobs is None)
+        mp_prompt, ref_prompt = mp_out.prompt_logprobs or [], ref.prompt_logprobs or []
+        assert len(mp_prompt) == len(ref_prompt)
+        for pa, pb in zip(mp_prompt, ref_prompt):
+            assert (pa is None) == (pb is None) and set(pa or {}) == set(pb or {})
+            for token_id, lp in (pa or {}).items():
+                assert lp.logprob == pytest.approx(pb[token_id].logprob, abs=1e-4)
         if a.logprobs is not None:
             # Requests reach the core one by one over ZMQ, so the first steps
             # can batch them differently; CPU matmuls then differ in the last
@@ -106,6 +118,39 @@ def test_completions_stream_equals_non_stream_equals_offline(server, offline, mo
     assert full.choices[0].text == streamed == reference.outputs[0].text
     assert full.usage.completion_tokens == 8
     assert full.usage.prompt_tokens == len(reference.prompt_token_ids)
+
+
+def test_completion_prompt_logprobs_match_offline(server, offline, model_dir):
+    """vLLM's ``prompt_logprobs`` extension: per prompt token after the first,
+    {token id: logprob, rank, decoded_token}; refused when streaming."""
+    import openai
+
+    client = server.get_client()
+    prompt = "w12 w13 w14 w15"
+    out = client.completions.create(
+        model=str(model_dir),
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 1},
+    )
+    (reference,) = offline.generate(prompt, greedy(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    expected = reference.prompt_logprobs
+    assert got[0] is None and len(got) == len(expected) == len(reference.prompt_token_ids)
+    for position, ref_position in zip(got[1:], expected[1:]):
+        assert {int(t) for t in position} == set(ref_position)
+        for token_id, entry in position.items():
+            ref_entry = ref_position[int(token_id)]
+            assert entry["logprob"] == pytest.approx(ref_entry.logprob, abs=1e-4)
+            assert (entry["rank"], entry["decoded_token"]) == (
+                ref_entry.rank,
+                ref_entry.decoded_token,
+            )
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs are not available"):
+        client.completions.create(
+            model=str(model_dir), prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1}
+        )
 
 
 def test_chat_stream_equals_non_stream_equals_offline(server, offline, model_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from engine.engine.arg_utils import EngineArgs
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -244,6 +245,76 @@ def test_max_logprobs_bounds_what_a_request_may_ask(model_dir):
         unlimited.shutdown()
     with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1"):
         EngineArgs(model=str(model_dir), max_logprobs=-2).create_engine_config()
+
+
+def test_prompt_logprobs_are_bounded_and_need_the_cache_skipped(model_dir):
+    engine = make_engine(model_dir)
+    try:
+        vocab = engine.model_config.vocab_size
+        prompt = {"prompt_token_ids": ids("w1 w2")}
+        for n, shown in [(21, 21), (-1, vocab)]:
+            with pytest.raises(ValueError) as error:
+                engine.add_request(f"r{n}", prompt, greedy(prompt_logprobs=n))
+            assert str(error.value).startswith(
+                f"Requested prompt logprobs of {shown}, which is greater than max allowed: 20"
+            )
+        with pytest.raises(ValueError, match="prompt_logprobs needs skip_reading_prefix_cache"):
+            engine.add_request(
+                "cached", prompt, greedy(prompt_logprobs=1, skip_reading_prefix_cache=False)
+            )
+        assert engine.output_processor.request_states == {}
+    finally:
+        engine.shutdown()
+
+
+def test_prompt_logprobs_arrive_once_with_the_first_token(model_dir, tmp_path):
+    """DELTA: the whole prompt's logprobs in the first output, none after;
+    the full vocabulary with -1 (rows that sum to one); one
+    ``runner.prompt_logprobs`` event per step with prompt tokens, 4-token
+    chunks here (the prompt of 10 runs in 3 steps)."""
+    from engine.tracing import TraceReplay
+
+    trace = tmp_path / "trace.jsonl"
+    engine = make_engine(
+        model_dir,
+        real_model=True,
+        max_logprobs=-1,
+        max_num_batched_tokens=4,
+        max_num_seqs=1,
+        trace_path=str(trace),
+        trace_level="lifecycle",
+    )
+    prompt = ids("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")
+    try:
+        vocab = engine.model_config.vocab_size
+        engine.add_request(
+            "d",
+            {"prompt_token_ids": prompt},
+            greedy(max_tokens=3, prompt_logprobs=-1, output_kind=DELTA),
+        )
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas += engine.step()
+        assert_nothing_left(engine)
+    finally:
+        engine.shutdown()
+    first, *rest = deltas
+    assert [len(o.outputs[0].token_ids) for o in deltas] == [1, 1, 1]
+    assert all(o.prompt_logprobs in (None, []) for o in rest)
+    positions = first.prompt_logprobs
+    assert len(positions) == len(prompt) and positions[0] is None
+    for pos, position in enumerate(positions[1:], 1):
+        assert len(position) == vocab and prompt[pos] in position
+        total = torch.logsumexp(torch.tensor([lp.logprob for lp in position.values()]), 0)
+        assert total.item() == pytest.approx(0.0, abs=1e-5)  # fp32 over a small vocabulary
+        assert sorted(lp.rank for lp in position.values()) == list(range(1, vocab + 1))
+    events = [e for e in TraceReplay(str(trace)).events if e.kind == "runner.prompt_logprobs"]
+    assert [(e.first_position, e.num_positions, e.done) for e in events] == [
+        (0, 4, False),
+        (4, 4, False),
+        (8, 1, True),
+    ]
+    assert {e.num_logprobs for e in events} == {vocab}
 
 
 def test_auto_fitted_max_model_len_reaches_the_worker(model_dir):

@@ -24,6 +24,7 @@ from engine.entrypoints.openai.engine.protocol import (
     UsageInfo,
     random_uuid,
 )
+from engine.logprobs import Logprob
 
 
 class CompletionRequest(SamplingFields):
@@ -55,6 +56,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     # vLLM extension: the stop string or stop token id that ended the choice.
     stop_reason: int | str | None = None
+    # vLLM extension: with prompt_logprobs, None for the first prompt token,
+    # then {token id: logprob, rank, decoded_token} per prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):

@@ -12,9 +12,11 @@ chunk, then ``data: [DONE]``.
 the constraint compiles, so a bad one is a 400 before anything is generated.
 Sessions: 01, 06.
 
-Simpler than vLLM: no echo, suffix, best_of, beam search or prompt logprobs
-(each is a 400 naming the field when set); no structural tags in
-``response_format``.
+``prompt_logprobs`` (vLLM's extension) puts each prompt token's logprob and
+top alternatives in the non-streamed choices, -inf written as -9999.0.
+
+Simpler than vLLM: no echo, suffix, best_of or beam search (each is a 400
+naming the field when set); no structural tags in ``response_format``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from engine.entrypoints.openai.engine.serving import (
     GlassboxValidationError,
     OpenAIServing,
     aclose_generator,
+    clamp_prompt_logprobs,
     logprob_token,
     make_usage_info,
     merge_async_iterators,
@@ -59,14 +62,23 @@ class OpenAIServingCompletion(OpenAIServing):
             ("echo", bool(request.echo)),
             ("suffix", request.suffix is not None),
             ("best_of", request.best_of is not None and request.best_of != request.n),
-            ("prompt_logprobs", request.prompt_logprobs is not None),
         ):
             if unsupported:
                 raise GlassboxValidationError(f"{field} is not supported by Glassbox", field)
+        if request.stream and request.prompt_logprobs not in (None, 0):
+            raise GlassboxValidationError(
+                "prompt_logprobs are not available when stream=True", "prompt_logprobs"
+            )
         prompts = _normalize_prompts(request.prompt)
         request_id = self._base_request_id(request, raw_request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = self.build_sampling_params(request, request.max_tokens, request.logprobs, kind)
+        params = self.build_sampling_params(
+            request,
+            request.max_tokens,
+            request.logprobs,
+            kind,
+            prompt_logprobs=request.prompt_logprobs,
+        )
         rendered = []
         for i, prompt in enumerate(prompts):
             try:
@@ -198,6 +210,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=output.finish_reason,
                         stop_reason=output.stop_reason,
+                        prompt_logprobs=clamp_prompt_logprobs(res.prompt_logprobs),
                     )
                 )
         return CompletionResponse(

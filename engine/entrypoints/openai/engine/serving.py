@@ -48,7 +48,7 @@ from engine.entrypoints.openai.engine.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.models.serving import OpenAIServingModels, unknown_model_message
-from engine.logprobs import Logprob
+from engine.logprobs import Logprob, PromptLogprobs
 from engine.lora.request import LoRARequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.v1.engine.async_llm import AsyncLLM
@@ -366,6 +366,7 @@ class OpenAIServing:
         *,
         max_tokens_field: str = "max_tokens",
         logprobs_field: str = "logprobs",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """``max_tokens`` / ``logprobs`` are the request's values, which the
         two endpoints take from differently named fields (named for errors)."""
@@ -397,7 +398,11 @@ class OpenAIServing:
                 kwargs[key] = 0 if key == "top_k" else 0.0
         try:
             return SamplingParams.from_optional(
-                **kwargs, max_tokens=max_tokens, logprobs=logprobs, output_kind=output_kind
+                **kwargs,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                output_kind=output_kind,
             )
         except ValueError as e:
             message = str(e)
@@ -418,3 +423,11 @@ def logprob_token(logprob: Logprob, token_id: int) -> str:
 def top_logprobs_by_rank(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The ``k`` most likely tokens at one position, most likely first."""
     return sorted(position.items(), key=lambda item: item[1].rank or 0)[:k]
+
+
+def clamp_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobs | None:
+    """-inf (a token the model rules out) as -9999.0: JSON has no infinity."""
+    for position in prompt_logprobs or []:
+        for entry in (position or {}).values():
+            entry.logprob = max(entry.logprob, -9999.0)
+    return prompt_logprobs

@@ -578,6 +578,7 @@ class Scheduler(SchedulerInterface):
         self.trace.update_started(scheduler_output.step)
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_running_reqs: set[Request] = set()
         # Async scheduling only: preempted while this step was in flight.
@@ -655,12 +656,16 @@ class Scheduler(SchedulerInterface):
             ):
                 new_logprobs = logprobs.slice_rows(row_start, row_start + len(new_token_ids))
 
+            # A request's prompt logprobs come all at once, in the step that
+            # ends its prefill: the step that samples its first token.
+            prompt_logprobs_lists = prompt_logprobs_dict.get(req_id)
             if new_token_ids or stopped:
                 outputs[request.client_index].append(
                     EngineCoreOutput(
                         request_id=req_id,
                         new_token_ids=new_token_ids,
                         new_logprobs=new_logprobs,
+                        new_prompt_logprobs_tensors=prompt_logprobs_lists,
                         finish_reason=finish_reason,
                         stop_reason=request.stop_reason,
                         events=request.take_events(),
