@@ -44,9 +44,11 @@ CUDA graphs (``capture_model``; ``_prepare_inputs`` asks the
 ``CudagraphDispatcher`` each step): on CUDA with a
 backend that supports them, uniform batches (pure decodes, and with
 speculation batches of 1 + k tokens per request) replay a FULL graph captured
-at the next capture size (FULL_DECODE_ONLY); the inputs and the attention
+at the next capture size; the inputs and the attention
 metadata live in persistent buffers whose *contents* change each step, and
-padding rows get slot -1 and zero-length requests. Mixed batches run eagerly.
+padding rows get slot -1 and zero-length requests. Under the default
+FULL_AND_PIECEWISE a mixed batch replays the compiled model's piecewise graphs
+(attention runs eagerly between them); without compilation it runs eagerly.
 
 The logits processors (``build_logitsprocs``) are built once here and live
 in the ``InputBatch``.
@@ -72,10 +74,8 @@ appends them and corrects the cursor the scheduler sent, which still counts
 the rejected drafts, and ``_scatter_draft_token_ids`` copies the drafts into
 the inputs on the device.
 
-Simpler than vLLM: no piecewise graphs (they need torch.compile), LoRA,
-multimodal or pipeline parallelism; no
-custom logits processors from the config (``build_logitsprocs`` accepts them,
-``ModelConfig`` has no ``logits_processors`` yet); one attention builder, so
+Simpler than vLLM: no multimodal inputs, pooling or pipeline parallelism; no
+CUDA graphs or compilation with LoRA; one attention builder, so
 ``reorder_batch_threshold`` is its threshold (vLLM takes the smallest over
 its attention groups).
 """
