@@ -153,6 +153,28 @@ def test_completion_prompt_logprobs_match_offline(server, offline, model_dir):
         )
 
 
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(server, offline, model_dir):
+    client = server.get_client()
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    out = client.chat.completions.create(
+        model=str(model_dir),
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 0},
+    )
+    (reference,) = offline.chat(messages, greedy(max_tokens=2, prompt_logprobs=0), use_tqdm=False)
+    got = out.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(reference.prompt_token_ids)
+    for token_id, position, ref_position in zip(
+        reference.prompt_token_ids[1:], got[1:], reference.prompt_logprobs[1:]
+    ):
+        assert list(position) == [str(token_id)]  # width 0: the prompt token alone
+        assert position[str(token_id)]["logprob"] == pytest.approx(
+            ref_position[token_id].logprob, abs=1e-4
+        )
+
+
 def test_chat_stream_equals_non_stream_equals_offline(server, offline, model_dir):
     client = server.get_client()
     messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]

@@ -28,6 +28,7 @@ from engine.entrypoints.openai.engine.protocol import (
     UsageInfo,
     random_uuid,
 )
+from engine.logprobs import Logprob
 
 
 class ChatContentPart(OpenAIBaseModel):
@@ -58,6 +59,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
+    # vLLM extension: logprobs of the rendered prompt's tokens (not streamed).
+    prompt_logprobs: int | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -94,6 +97,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM extension: with prompt_logprobs, None for the first prompt token,
+    # then {token id: logprob, rank, decoded_token} per prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

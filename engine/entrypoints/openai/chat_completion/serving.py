@@ -10,6 +10,8 @@ tokenized without adding special tokens again, the same way ``LLM.chat`` does
 ``SamplingParams`` (``SamplingFields.sampling_kwargs``); the input processor
 checks the constraint compiles while the prompt is rendered, so a bad schema is
 a 400 before the request reaches the engine, streaming or not.
+``prompt_logprobs`` (vLLM's extension) returns the rendered prompt's
+logprobs beside the choices, when not streaming.
 Sessions: 01, 06.
 
 Simpler than vLLM: no tool calls, reasoning parsers, harmony format or echo
@@ -39,6 +41,7 @@ from engine.entrypoints.openai.engine.serving import (
     GlassboxValidationError,
     OpenAIServing,
     aclose_generator,
+    clamp_prompt_logprobs,
     logprob_token,
     make_async,
     make_usage_info,
@@ -69,6 +72,10 @@ class OpenAIServingChat(OpenAIServing):
             raise GlassboxValidationError("echo is not supported by Glassbox", "echo")
         if request.top_logprobs is not None and not request.logprobs:
             raise GlassboxValidationError("top_logprobs needs logprobs=true", "top_logprobs")
+        if request.stream and request.prompt_logprobs not in (None, 0):
+            raise GlassboxValidationError(
+                "prompt_logprobs are not available when stream=True", "prompt_logprobs"
+            )
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
 
         request_id = self._base_request_id(request, raw_request_id)
@@ -84,6 +91,7 @@ class OpenAIServingChat(OpenAIServing):
             kind,
             max_tokens_field=max_tokens_field,
             logprobs_field="top_logprobs",
+            prompt_logprobs=request.prompt_logprobs,
         )
         prompt = await self.render_chat_async(
             request, getattr(request, max_tokens_field) or 0, max_tokens_field
@@ -302,6 +310,7 @@ class OpenAIServingChat(OpenAIServing):
             model=model_name,
             choices=choices,
             usage=make_usage_info(num_prompt_tokens, num_generated_tokens),
+            prompt_logprobs=clamp_prompt_logprobs(final_res.prompt_logprobs),
         )
 
     @staticmethod
