@@ -98,51 +98,39 @@ class LogprobsProcessor:
         """One position per row; several rows when the step produced several tokens."""
         assert self.logprobs is not None and self.num_logprobs is not None
         assert self.cumulative_logprob is not None
-        for token_ids_row, logprobs_row, rank in zip(
-            logprobs_lists.logprob_token_ids,
-            logprobs_lists.logprobs,
-            logprobs_lists.sampled_token_ranks,
-        ):
-            token_ids = _as_list(token_ids_row)
-            logprobs = _as_list(logprobs_row)
-            decoded: list[str] | itertools.repeat[None] = NONES
-            if self.tokenizer is not None:
-                decoded = self._verify_tokens(
-                    [self.tokenizer.decode([t]) or "" for t in token_ids],
-                    token_ids,
-                    self._get_sampled_context_ids(self.logprobs),
-                )
-            # Column 0 is the sampled token.
-            self.cumulative_logprob += logprobs[0]
-            append_logprobs_for_next_position(
-                self.logprobs, token_ids, logprobs, decoded, int(rank), self.num_logprobs
-            )
+        self._append_positions(self.logprobs, logprobs_lists, self.num_logprobs)
+        for logprobs_row in logprobs_lists.logprobs:
+            self.cumulative_logprob += float(logprobs_row[0])  # column 0: the sampled token
 
     def _update_prompt_logprobs(self, prompt_logprobs_lists: LogprobsLists) -> None:
         """One position per prompt token after the first: the actual prompt
         token (with its rank), then the top-k."""
         assert self.prompt_logprobs is not None and self.num_prompt_logprobs is not None
+        self._append_positions(
+            self.prompt_logprobs, prompt_logprobs_lists, self.num_prompt_logprobs
+        )
+
+    def _append_positions(
+        self,
+        positions: SampleLogprobs | PromptLogprobs,
+        rows: LogprobsLists,
+        num_logprobs: int,
+    ) -> None:
+        """A ``{token_id: Logprob}`` position per row, cut to ``num_logprobs``."""
         for token_ids_row, logprobs_row, rank in zip(
-            prompt_logprobs_lists.logprob_token_ids,
-            prompt_logprobs_lists.logprobs,
-            prompt_logprobs_lists.sampled_token_ranks,
+            rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks
         ):
             token_ids = _as_list(token_ids_row)
             decoded: list[str] | itertools.repeat[None] = NONES
             if self.tokenizer is not None:
-                # Context for a split character: the prompt tokens before this one.
+                # A split character's context: the tokens of the positions before.
                 decoded = self._verify_tokens(
                     [self.tokenizer.decode([t]) or "" for t in token_ids],
                     token_ids,
-                    self._get_sampled_context_ids(self.prompt_logprobs),
+                    self._get_sampled_context_ids(positions),
                 )
             append_logprobs_for_next_position(
-                self.prompt_logprobs,
-                token_ids,
-                _as_list(logprobs_row),
-                decoded,
-                int(rank),
-                self.num_prompt_logprobs,
+                positions, token_ids, _as_list(logprobs_row), decoded, int(rank), num_logprobs
             )
 
     def pop_prompt_logprobs(self) -> PromptLogprobs | None:
