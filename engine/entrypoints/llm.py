@@ -55,9 +55,20 @@ class LLM:
         self.request_counter = itertools.count()
         self.default_sampling_params: dict[str, Any] | None = None
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An ``LLM`` from every field of ``engine_args``, as given (so its
+        ``disable_log_stats`` too, where ``LLM(...)`` defaults it to True)."""
+        return cls(**vars(engine_args))
+
     # -- helpers ---------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """Processes that run the model: the tensor-parallel size (Glassbox has
+        no pipeline or data parallelism, so ``include_dp`` changes nothing)."""
+        return self.llm_engine.glassbox_config.parallel_config.world_size
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() adjusted by the generation config in effect: the

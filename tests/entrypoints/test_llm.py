@@ -865,3 +865,22 @@ def test_shutdown_shuts_the_executor_down(llm):
     llm.shutdown()
     assert executor.is_shutdown
     assert isinstance(executor, CountingExecutor)
+
+
+def test_from_engine_args_takes_every_field(model_dir, monkeypatch):
+    """vLLM's ``LLM.from_engine_args``: the fields as given, so statistics
+    follow ``EngineArgs``' own default (on), not ``LLM()``'s (off)."""
+    from engine.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    args = EngineArgs(
+        model=str(model_dir), block_size=4, distributed_executor_backend=CountingExecutor
+    )
+    llm = LLM.from_engine_args(args)
+    try:
+        assert llm.llm_engine.glassbox_config.cache_config.block_size == 4
+        assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+        assert only(llm.generate("w5", greedy(max_tokens=2), use_tqdm=False)).text == " w6 w7"
+        assert metrics_by_name(llm)  # statistics on, as EngineArgs has them
+    finally:
+        llm.shutdown()
