@@ -98,6 +98,37 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; outputs come back in input order.
         ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
+        request_ids = self._add_completion_requests(
+            prompts, sampling_params, lora_request, priority
+        )
+        return self._run_engine(len(request_ids), use_tqdm=use_tqdm)
+
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[str]:
+        """Queue ``prompts`` as ``generate`` would, without running a step;
+        ``wait_for_completion`` runs them. Returns the engine's request ids.
+        (``use_tqdm``: vLLM's argument; adding requests shows no bar here.)"""
+        return self._add_completion_requests(prompts, sampling_params, lora_request, priority)
+
+    def wait_for_completion(self, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Step until every queued request is done; their outputs in the order
+        they were added."""
+        total = self.llm_engine.get_num_unfinished_requests()
+        return self._run_engine(total, use_tqdm=use_tqdm)
+
+    def _add_completion_requests(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None,
+        priority: list[int] | None,
+    ) -> list[str]:
         prompt_list = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -119,8 +150,7 @@ class LLM:
             lora_list = list(lora_request)
         else:
             lora_list = [lora_request] * len(prompt_list)
-        self._validate_and_add_requests(prompt_list, params_list, priority, lora_list)
-        return self._run_engine(len(prompt_list), use_tqdm=use_tqdm)
+        return self._validate_and_add_requests(prompt_list, params_list, priority, lora_list)
 
     def chat(
         self,
@@ -196,7 +226,7 @@ class LLM:
         params: list[SamplingParams],
         priority: list[int] | None,
         lora_requests: list[LoRARequest | None] | None = None,
-    ) -> None:
+    ) -> list[str]:
         added: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -216,6 +246,7 @@ class LLM:
             # One bad prompt rejects the whole batch; leave nothing queued.
             self.llm_engine.abort_request(added, internal=True)
             raise
+        return added
 
     def _run_engine(self, total: int, use_tqdm: bool) -> list[RequestOutput]:
         pbar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)

@@ -884,3 +884,19 @@ def test_from_engine_args_takes_every_field(model_dir, monkeypatch):
         assert metrics_by_name(llm)  # statistics on, as EngineArgs has them
     finally:
         llm.shutdown()
+
+
+def test_enqueue_then_wait_for_completion(llm):
+    """vLLM's two-part generate: requests queued by several ``enqueue`` calls
+    run together in ``wait_for_completion``, their outputs in the order added."""
+    first = llm.enqueue(["w5", "w20"], greedy(max_tokens=2))
+    second = llm.enqueue("w9", greedy(max_tokens=3))
+    assert llm.llm_engine.get_num_unfinished_requests() == 3
+    assert get_executor(llm).steps == []  # nothing ran yet
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == user_ids(first + second)
+    assert [o.outputs[0].text for o in outputs] == [" w6 w7", " w21 w22", " w10 w11 w12"]
+    # All three were scheduled in the first step.
+    assert len(get_executor(llm).steps[0].scheduled_new_reqs) == 3
+    assert llm.wait_for_completion(use_tqdm=False) == []
+    assert_engine_idle(llm)
