@@ -1100,6 +1100,88 @@ print("sampled token's returned logprob and rank == the trace's raw ones:",
 # CUDA that also turns FlashInfer's sampler off, since it never
 # materialises the filtered distribution.
 #
+# ### 4e. The prompt's own logprobs
+#
+# `logprobs` describes the tokens the model chose. `prompt_logprobs=k` asks
+# the same about the tokens it was given: for every prompt token after the
+# first, its log-probability given the tokens before it, its rank in the
+# vocabulary, and the `k` likeliest alternatives at that position. It costs
+# no extra forward pass. The prefill already computed a hidden state at every
+# prompt position; normally only the last one reaches the LM head. For such a
+# request the runner sends the others through it too, one prefill chunk at a
+# time, and returns the rows with the first sampled token (vLLM:
+# `GPUModelRunner._get_prompt_logprobs_dict`,
+# [gpu_model_runner.py#L5338](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/worker/gpu_model_runner.py#L5338);
+# the front end's `LogprobsProcessor._update_prompt_logprobs`,
+# [logprobs.py#L121](https://github.com/vllm-project/vllm/blob/52a31ccecca203effd490a5b496dc5f8d9496654/vllm/v1/engine/logprobs.py#L121)).
+# A block served from the prefix cache would skip its tokens' forward, so such
+# a request does not read the cache (`skip_reading_prefix_cache`).
+#
+# **Predict, then run.** Score "The capital of France is Paris." Which
+# token will the model find least likely? And is the number it gives
+# " Paris" here the one a request that *generates* after "The capital of
+# France is" reports for " Paris"?
+
+# %%
+from engine.utils.torch_utils import resolve_dtype
+
+assert vllm_line("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._get_prompt_logprobs_dict") == 5338
+assert vllm_line("vllm/v1/engine/logprobs.py", "LogprobsProcessor._update_prompt_logprobs") == 121
+SCORED, ASKED = "The capital of France is Paris.", "The capital of France is"
+add("scored", SCORED, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+add("asked", ASKED, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+scoring = {}
+while llm_engine.has_unfinished_requests():
+    for out in llm_engine.step():
+        if out.finished:
+            scoring[out.request_id] = out
+scored = scoring["scored"]
+print("position  token        logprob  rank  the model's first choice there")
+for pos, (token_id, position) in enumerate(zip(scored.prompt_token_ids, scored.prompt_logprobs)):
+    if position is None:
+        print(f"{pos:>8}  {word(token_id):<11}  (first token: nothing before it to predict it)")
+        continue
+    entry = position[token_id]
+    best = min(position.items(), key=lambda item: item[1].rank)
+    print(f"{pos:>8}  {word(token_id):<11} {entry.logprob:8.2f}  {entry.rank:>4}  {word(best[0])}")
+
+# %% [markdown]
+# The first row has no number: nothing comes before the first token. The
+# rows come from the same forward pass as the prefill; the trace's
+# `runner.prompt_logprobs` event says which positions each step scored and
+# when the rows left (with the first sampled token):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+llm_engine.tracer.flush()
+scoring_events = load_trace(str(TRACE))
+scored_id = next(e.request_id for e in scoring_events
+                 if e.kind == "request.added" and e.external_req_id == "scored")
+for e in scoring_events:
+    if e.kind == "runner.prompt_logprobs" and e.request_id == scored_id:
+        print(f"positions {e.first_position}..{e.first_position + e.num_positions - 1} scored, "
+              f"top-{e.num_logprobs}, rows sent: {e.done}")
+asked = scoring["asked"]
+paris = scored.prompt_token_ids[len(asked.prompt_token_ids)]
+print("the scored prompt starts with the asked one:",
+      scored.prompt_token_ids[: len(asked.prompt_token_ids)] == asked.prompt_token_ids)
+print(f"the next token there is {word(paris)}; the generating request's top 5 has it:",
+      paris in asked.outputs[0].logprobs[0])
+# fp32 on the CPU: the same sums in another batch shape agree to ~1e-6. bf16 on
+# a GPU keeps 8 bits of mantissa, and the two requests run different kernel shapes.
+mc = llm_engine.model_config
+TOLERANCE = 1e-4 if resolve_dtype(mc.dtype, DEVICE, mc.config_dtype) == torch.float32 else 0.1
+print("the same logprob both ways, within the dtype's tolerance:",
+      abs(scored.prompt_logprobs[len(asked.prompt_token_ids)][paris].logprob
+          - asked.outputs[0].logprobs[0][paris].logprob) < TOLERANCE)
+
+# %% [markdown]
+# A prompt logprob is what the model would have reported had it been asked
+# to generate at that position: the raw distribution, before any penalty,
+# temperature or filter (there is no sampling at prompt positions). Summed,
+# the rows give the prompt's log-likelihood, which is how a served model is
+# used to score text rather than write it.
+#
 # ## 5. What top-k and top-p cost
 #
 # Top-p needs the tokens in probability order, which means sorting the
