@@ -111,7 +111,8 @@ OUT_OF_RANGE = [
     ("v1/chat/completions", "top_logprobs", 5),  # without logprobs=true
     ("v1/chat/completions", "max_completion_tokens", -3),
     ("v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("v1/completions", "echo", True),
+    ("v1/completions", "suffix", " the end"),
+    ("v1/completions", "prompt_logprobs", -2),
     ("v1/completions", "cache_salt", ""),
     ("v1/chat/completions", "cache_salt", ""),
 ]

@@ -153,6 +153,44 @@ def test_completion_prompt_logprobs_match_offline(server, offline, model_dir):
         )
 
 
+def test_completion_echo_puts_the_prompt_first(server, offline, model_dir):
+    """vLLM's echo: the prompt before the text; with logprobs the prompt's
+    tokens first (the very first with a null logprob); max_tokens=0 gives the
+    prompt alone, with its log-likelihood -- what evaluation harnesses send."""
+    client = server.get_client()
+    prompt = "w21 w22 w23"
+    base = dict(model=str(model_dir), prompt=prompt, temperature=0, logprobs=1)
+    (reference,) = offline.generate(
+        prompt, greedy(max_tokens=2, logprobs=1, prompt_logprobs=1), use_tqdm=False
+    )
+    num_prompt = len(reference.prompt_token_ids)
+    ref_prompt = [
+        None if p is None else p[t].logprob
+        for t, p in zip(reference.prompt_token_ids, reference.prompt_logprobs)
+    ]
+
+    full = client.completions.create(
+        max_tokens=2, echo=True, extra_body={"ignore_eos": True}, **base
+    )
+    choice = full.choices[0]
+    assert choice.text == prompt + reference.outputs[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == num_prompt + 2 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(ref_prompt[1:], abs=1e-4)
+    assert lp.tokens[0] == "w21"  # the first token has no logprob but keeps its text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    only = client.completions.create(max_tokens=0, echo=True, **base)
+    assert only.choices[0].text == prompt
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref_prompt[1:], abs=1e-4)
+
+    streamed = list(client.completions.create(max_tokens=0, echo=True, stream=True, **base))
+    chunks = [c for c in streamed if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == prompt
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens[:num_prompt]
+
+
 def test_chat_prompt_logprobs_cover_the_rendered_prompt(server, offline, model_dir):
     client = server.get_client()
     messages = [{"role": "user", "content": "w5 w6 w7"}]

@@ -14,15 +14,19 @@ Sessions: 01, 06.
 
 ``prompt_logprobs`` (vLLM's extension) puts each prompt token's logprob and
 top alternatives in the non-streamed choices, -inf written as -9999.0.
+``echo`` puts the prompt before each choice's text; with ``logprobs`` the
+prompt's tokens come first in them (the first with a null logprob), and with
+``max_tokens=0`` the choice is the prompt alone: how evaluation harnesses ask
+a server for the log-likelihood of a text.
 
-Simpler than vLLM: no echo, suffix, best_of or beam search (each is a 400
-naming the field when set); no structural tags in ``response_format``.
+Simpler than vLLM: no suffix, best_of or beam search (each is a 400 naming the
+field when set); no structural tags in ``response_format``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from engine.entrypoints.openai.completion.protocol import (
@@ -42,6 +46,7 @@ from engine.entrypoints.openai.engine.serving import (
     make_usage_info,
     merge_async_iterators,
 )
+from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 
@@ -59,7 +64,6 @@ class OpenAIServingCompletion(OpenAIServing):
         if self.engine_client.errored:
             raise self.engine_client.dead_error
         for field, unsupported in (
-            ("echo", bool(request.echo)),
             ("suffix", request.suffix is not None),
             ("best_of", request.best_of is not None and request.best_of != request.n),
         ):
@@ -72,12 +76,18 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _normalize_prompts(request.prompt)
         request_id = self._base_request_id(request, raw_request_id)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        # Echoed logprobs start with the prompt's; max_tokens=0 with echo: the
+        # prompt alone (the engine still samples one token, which is dropped).
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs
+        echo_only = bool(request.echo) and request.max_tokens == 0
         params = self.build_sampling_params(
             request,
-            request.max_tokens,
+            1 if echo_only else request.max_tokens,
             request.logprobs,
             kind,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         rendered = []
         for i, prompt in enumerate(prompts):
@@ -138,15 +148,26 @@ class OpenAIServingCompletion(OpenAIServing):
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        has_echoed = [False] * (num_prompts * n)
         try:
             async for prompt_index, res in result_generator:
                 for output in res.outputs:
                     i = prompt_index * n + output.index
                     num_tokens[i] += len(output.token_ids)
+                    if request.echo and not has_echoed[i]:
+                        # The first chunk of a choice carries the prompt.
+                        text, token_ids, positions = self._echoed(res, output, request)
+                        has_echoed[i] = True
+                    elif request.echo and request.max_tokens == 0:
+                        continue  # only the dropped token: nothing to send
+                    else:
+                        text, token_ids, positions = output.text, output.token_ids, output.logprobs
                     logprobs = None
-                    if request.logprobs is not None and output.logprobs is not None:
-                        logprobs = self._create_completion_logprobs(output, text_offsets[i])
-                    text_offsets[i] += len(output.text)
+                    if request.logprobs is not None and positions is not None:
+                        logprobs = self._create_completion_logprobs(
+                            token_ids, positions, text_offsets[i]
+                        )
+                    text_offsets[i] += len(text)
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         object="text_completion",
@@ -155,7 +176,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices=[
                             CompletionResponseStreamChoice(
                                 index=i,
-                                text=output.text,
+                                text=text,
                                 logprobs=logprobs,
                                 finish_reason=output.finish_reason,
                                 stop_reason=output.stop_reason,
@@ -200,13 +221,17 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt_tokens += len(res.prompt_token_ids or [])
             for output in sorted(res.outputs, key=lambda o: o.index):
                 num_generated_tokens += len(output.token_ids)
+                if request.echo:
+                    text, token_ids, positions = self._echoed(res, output, request)
+                else:
+                    text, token_ids, positions = output.text, output.token_ids, output.logprobs
                 logprobs = None
-                if request.logprobs is not None and output.logprobs is not None:
-                    logprobs = self._create_completion_logprobs(output, 0)
+                if request.logprobs is not None and positions is not None:
+                    logprobs = self._create_completion_logprobs(token_ids, positions, 0)
                 choices.append(
                     CompletionResponseChoice(
                         index=prompt_index * request.n + output.index,
-                        text=output.text,
+                        text=text,
                         logprobs=logprobs,
                         finish_reason=output.finish_reason,
                         stop_reason=output.stop_reason,
@@ -220,26 +245,53 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=make_usage_info(num_prompt_tokens, num_generated_tokens),
         )
 
-    @staticmethod
+    def _echoed(
+        self, res: RequestOutput, output: CompletionOutput, request: CompletionRequest
+    ) -> tuple[str, list[int], list[dict[int, Logprob] | None] | None]:
+        """The prompt, then the choice's own tokens (none with max_tokens=0):
+        text, token ids, and logprob positions when logprobs were asked for."""
+        prompt_ids = list(res.prompt_token_ids or [])
+        prompt_text = res.prompt
+        if prompt_text is None:  # the prompt came as token ids
+            tokenizer = self.engine_client.tokenizer
+            prompt_text = tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+        prompt_positions = clamp_prompt_logprobs(res.prompt_logprobs)
+        if request.max_tokens == 0:
+            return prompt_text, prompt_ids, prompt_positions
+        positions = None
+        if prompt_positions is not None and output.logprobs is not None:
+            positions = [*prompt_positions, *output.logprobs]
+        return prompt_text + output.text, [*prompt_ids, *output.token_ids], positions
+
     def _create_completion_logprobs(
-        output: CompletionOutput, initial_text_offset: int
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[dict[int, Logprob] | None],
+        initial_text_offset: int,
     ) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: per token its text, logprob, the top
-        alternatives and where it starts in the choice's text."""
+        alternatives and where it starts in the choice's text. An echoed
+        prompt's first token has no logprob (null, like its top alternatives)."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
         offset = initial_text_offset
-        for token_id, position in zip(output.token_ids, output.logprobs or []):
-            sampled = position.get(token_id)
-            token = (
-                logprob_token(sampled, token_id) if sampled is not None else f"token_id:{token_id}"
-            )
+        tokenizer = self.engine_client.tokenizer
+        for token_id, position in zip(token_ids, positions):
+            entry = position.get(token_id) if position is not None else None
+            if entry is not None:
+                token = logprob_token(entry, token_id)
+            elif tokenizer is not None:
+                token = tokenizer.decode([token_id])
+            else:
+                token = f"token_id:{token_id}"
             tokens.append(token)
-            token_logprobs.append(sampled.logprob if sampled is not None else None)
+            token_logprobs.append(max(entry.logprob, -9999.0) if entry is not None else None)
             top_logprobs.append(
-                {logprob_token(lp, tid): max(lp.logprob, -9999.0) for tid, lp in position.items()}
+                None
+                if position is None
+                else {logprob_token(lp, t): max(lp.logprob, -9999.0) for t, lp in position.items()}
             )
             text_offset.append(offset)
             offset += len(token)
