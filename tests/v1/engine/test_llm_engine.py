@@ -317,6 +317,31 @@ def test_prompt_logprobs_arrive_once_with_the_first_token(model_dir, tmp_path):
     assert {e.num_logprobs for e in events} == {vocab}
 
 
+def test_prompt_logprobs_of_an_aborted_prefill_leave_nothing(model_dir):
+    """Aborted between two chunks of its prompt: the runner forgets the rows
+    it was filling; a later request with the same prompt gets all of them."""
+    engine = make_engine(model_dir, real_model=True, max_num_batched_tokens=4)
+    prompt = {"prompt_token_ids": ids("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")}
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    try:
+        engine.add_request("a", prompt, greedy(max_tokens=2, prompt_logprobs=1))
+        engine.step()
+        engine.step()  # at most 8 of the 10 prompt tokens have run
+        assert len(runner.num_prompt_logprobs) == 1
+        engine.abort_request(["a"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step()  # the step that tells the worker about the abort
+        assert runner.num_prompt_logprobs == {}
+        assert all(r.in_progress_prompt_logprobs_cpu is None for r in runner.requests.values())
+        engine.add_request("b", prompt, greedy(max_tokens=2, prompt_logprobs=1))
+        (done,) = run(engine)
+        assert len(done.prompt_logprobs) == 10 and all(done.prompt_logprobs[1:])
+        assert_nothing_left(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_auto_fitted_max_model_len_reaches_the_worker(model_dir):
     """max_model_len=-1 with 10 blocks of 4 tokens (one is the null block): 36."""
     engine = make_engine(model_dir, real_model=True, max_model_len=-1, num_gpu_blocks_override=10)
