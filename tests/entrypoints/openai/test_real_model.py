@@ -213,6 +213,53 @@ def test_chat_prompt_logprobs_cover_the_rendered_prompt(server, offline, model_d
         )
 
 
+def test_chat_echo_repeats_the_continued_assistant_turn(server, offline, model_dir):
+    """vLLM's chat echo: the last message's content comes first when it is the
+    assistant's (the turn ``continue_final_message`` extends); else nothing."""
+    client = server.get_client()
+    messages = [
+        {"role": "user", "content": "w5 w6"},
+        {"role": "assistant", "content": "w8 w9"},
+    ]
+    kwargs = dict(
+        model=str(model_dir),
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        extra_body={
+            "ignore_eos": True,
+            "echo": True,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
+    (reference,) = offline.chat(
+        messages,
+        greedy(max_tokens=3),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.content == "w8 w9" + reference.outputs[0].text
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices
+    )
+    assert streamed == full.choices[0].message.content
+    # A user turn last: nothing to echo.
+    plain = client.chat.completions.create(
+        model=str(model_dir),
+        messages=messages[:1],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True, "echo": True},
+    )
+    (alone,) = offline.chat(messages[:1], greedy(max_tokens=3), use_tqdm=False)
+    assert plain.choices[0].message.content == alone.outputs[0].text
+
+
 def test_chat_stream_equals_non_stream_equals_offline(server, offline, model_dir):
     client = server.get_client()
     messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]

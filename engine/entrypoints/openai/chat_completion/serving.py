@@ -14,9 +14,11 @@ a 400 before the request reaches the engine, streaming or not.
 logprobs beside the choices, when not streaming.
 Sessions: 01, 06.
 
-Simpler than vLLM: no tool calls, reasoning parsers, harmony format or echo
-(setting one is a 400 naming the field); no structural tags in
-``response_format``.
+``echo`` puts the last message's content before each choice's when that
+message has the response's role (continuing an assistant turn).
+
+Simpler than vLLM: no tool calls, reasoning parsers or harmony format (setting
+one is a 400 naming the field); no structural tags in ``response_format``.
 """
 
 from __future__ import annotations
@@ -68,8 +70,6 @@ class OpenAIServingChat(OpenAIServing):
             raise self.engine_client.dead_error
         if request.tools:
             raise GlassboxValidationError("tools are not supported by Glassbox", "tools")
-        if request.echo:
-            raise GlassboxValidationError("echo is not supported by Glassbox", "echo")
         if request.top_logprobs is not None and not request.logprobs:
             raise GlassboxValidationError("top_logprobs needs logprobs=true", "top_logprobs")
         if request.stream and request.prompt_logprobs not in (None, 0):
@@ -246,6 +246,17 @@ class OpenAIServingChat(OpenAIServing):
                             ),
                             0,
                         )
+                    echoed = self._echoed_content(request)
+                    for i in range(num_choices if echoed else 0):
+                        yield chunk_json(
+                            ChatCompletionResponseStreamChoice(
+                                index=i,
+                                delta=DeltaMessage(content=echoed),
+                                logprobs=None,
+                                finish_reason=None,
+                            ),
+                            0,
+                        )
                     first_iteration = False
                 for output in res.outputs:
                     i = output.index
@@ -297,7 +308,9 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatCompletionResponseChoice(
                     index=output.index,
-                    message=ChatMessage(role=self.response_role, content=output.text),
+                    message=ChatMessage(
+                        role=self.response_role, content=self._echoed_content(request) + output.text
+                    ),
                     logprobs=logprobs,
                     finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason,
@@ -312,6 +325,18 @@ class OpenAIServingChat(OpenAIServing):
             usage=make_usage_info(num_prompt_tokens, num_generated_tokens),
             prompt_logprobs=clamp_prompt_logprobs(final_res.prompt_logprobs),
         )
+
+    def _echoed_content(self, request: ChatCompletionRequest) -> str:
+        """With ``echo``, the last message's text when it has the response's role
+        (the turn being continued), else ""."""
+        if not request.echo or not request.messages:
+            return ""
+        last = request.messages[-1]
+        if last.role != self.response_role or not last.content:
+            return ""
+        if isinstance(last.content, list):  # content parts: their text, one per line
+            return "\n".join(part.text or "" for part in last.content)
+        return last.content
 
     @staticmethod
     def _create_chat_logprobs(
