@@ -1063,7 +1063,8 @@ class GPUModelRunner(LoRAModelRunnerMixin):
         row_starts = np.concatenate(([0], np.cumsum(state.num_scheduled_tokens)[:-1]))
         row_of = {req_id: i for i, req_id in enumerate(state.req_ids)}
         completed: dict[str, LogprobsLists | None] = {}
-        for req_id, num_prompt_logprobs in self.num_prompt_logprobs.items():
+        # A copy: requests whose prefill ends here leave the dict in the loop.
+        for req_id, num_prompt_logprobs in list(self.num_prompt_logprobs.items()):
             row = row_of.get(req_id)
             if row is None:
                 continue  # not scheduled this step (e.g. preempted)
@@ -1079,8 +1080,6 @@ class GPUModelRunner(LoRAModelRunnerMixin):
             # Positions start .. P - 2 have a prompt token after them.
             num_logits = min(num_tokens, num_prompt_tokens - 1 - start)
             done = start + num_tokens >= num_prompt_tokens
-            if done:
-                completed[req_id] = None  # its rows go out now (filled in below)
             self.trace.prompt_logprobs(req_id, start, num_logits, num_prompt_logprobs, done)
             if num_logits > 0:
                 offset = int(row_starts[row])
@@ -1097,12 +1096,10 @@ class GPUModelRunner(LoRAModelRunnerMixin):
                 rows.logprob_token_ids[rows_now].copy_(chunk.logprob_token_ids)
                 rows.logprobs[rows_now].copy_(chunk.logprobs)
                 rows.selected_token_ranks[rows_now].copy_(chunk.selected_token_ranks)
-        for req_id in completed:
-            request = self.requests[req_id]
-            assert request.in_progress_prompt_logprobs_cpu is not None
-            completed[req_id] = request.in_progress_prompt_logprobs_cpu.tolists()
-            request.in_progress_prompt_logprobs_cpu = None
-            del self.num_prompt_logprobs[req_id]
+            if done:  # the rows go out with the first sampled token
+                completed[req_id] = rows.tolists()
+                request.in_progress_prompt_logprobs_cpu = None
+                del self.num_prompt_logprobs[req_id]
         return completed
 
     # ------------------------------------------------------------------

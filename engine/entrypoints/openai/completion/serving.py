@@ -219,6 +219,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt_tokens = num_generated_tokens = 0
         for prompt_index, res in enumerate(final_res_batch):
             num_prompt_tokens += len(res.prompt_token_ids or [])
+            prompt_logprobs = clamp_prompt_logprobs(res.prompt_logprobs)
             for output in sorted(res.outputs, key=lambda o: o.index):
                 num_generated_tokens += len(output.token_ids)
                 if request.echo:
@@ -235,7 +236,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=output.finish_reason,
                         stop_reason=output.stop_reason,
-                        prompt_logprobs=clamp_prompt_logprobs(res.prompt_logprobs),
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         return CompletionResponse(
@@ -255,7 +256,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if prompt_text is None:  # the prompt came as token ids
             tokenizer = self.engine_client.tokenizer
             prompt_text = tokenizer.decode(prompt_ids) if tokenizer is not None else ""
-        prompt_positions = clamp_prompt_logprobs(res.prompt_logprobs)
+        # -inf becomes -9999.0 in _create_completion_logprobs.
+        prompt_positions = res.prompt_logprobs
         if request.max_tokens == 0:
             return prompt_text, prompt_ids, prompt_positions
         positions = None
