@@ -203,8 +203,10 @@ def test_sync_mp_client_add_abort_and_utility(model_dir):
         with pytest.raises(RuntimeError, match="no utility method"):
             client.call_utility("_private")
         own = {a.removeprefix("ipc://") for a in client.resources.ipc_addresses}
-        # The start-up handshake's socket file went with the handshake.
-        assert own and ipc_socket_files() - sockets_before == own
+        assert own and own <= ipc_socket_files()
+        # The start-up handshake's socket file went with the handshake: other tests'
+        # engines (parallel workers) may add files, but none without a listener.
+        assert not stale_ipc_files(sockets_before)
     finally:
         client.shutdown()
     # libzmq leaves a bound ipc socket's file behind; the client removes its own.
