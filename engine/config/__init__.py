@@ -9,6 +9,7 @@ from engine.config.lora import LoRAConfig
 from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
+from engine.config.profiler import ProfilerConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.config.structured_outputs import StructuredOutputsConfig
@@ -24,6 +25,7 @@ __all__ = [
     "ModelConfig",
     "ObservabilityConfig",
     "ParallelConfig",
+    "ProfilerConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
     "StructuredOutputsConfig",

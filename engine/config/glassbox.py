@@ -48,6 +48,7 @@ from engine.config.lora import LoRAConfig
 from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
+from engine.config.profiler import ProfilerConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.config.structured_outputs import StructuredOutputsConfig
@@ -103,6 +104,7 @@ class GlassboxConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     shutdown_timeout: int = 0
     """Seconds a stopping engine lets the requests in flight finish before it
     aborts them; 0 aborts them at once."""

@@ -23,6 +23,7 @@ from engine.config import (
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -165,6 +166,10 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | None = None
     """Structured outputs, as a JSON object: {"backend": "auto" or "xgrammar",
     "disable_any_whitespace": false}."""
+    profiler_config: dict[str, Any] | None = None
+    """Profiling windows (start_profile / stop_profile, the server's
+    /start_profile), as a JSON object: {"profiler": "torch",
+    "torch_profiler_dir": "./traces"}; None: profiling off."""
     enable_lora: bool = False
     """Serve LoRA adapters: requests may name one (lora_request)."""
     max_loras: int = 1
@@ -356,6 +361,11 @@ class EngineArgs:
                 self.structured_outputs_config
                 if isinstance(self.structured_outputs_config, StructuredOutputsConfig)
                 else StructuredOutputsConfig.from_dict(self.structured_outputs_config or {})
+            ),
+            profiler_config=(
+                self.profiler_config
+                if isinstance(self.profiler_config, ProfilerConfig)
+                else ProfilerConfig.from_dict(self.profiler_config or {})
             ),
             shutdown_timeout=self.shutdown_timeout,
             optimization_level=self.optimization_level,  # type: ignore[arg-type]

@@ -86,6 +86,15 @@ class LLM:
     ) -> bool:
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Open the workers' profiling window (needs ``profiler_config``); with
+        ``profile_prefix`` the traces are named ``<prefix>_tp<r>_rank<g>``."""
+        self.llm_engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Close the window: the traces and op tables are written now."""
+        self.llm_engine.stop_profile()
+
     # -- generate ----------------------------------------------------------------
     def generate(
         self,

@@ -19,6 +19,7 @@ from engine.tracing.events import (
     ApiChunk,
     ApiRequest,
     EngineOutputReady,
+    EngineProfile,
     EngineStepLaunched,
     OutputReceived,
     OutputSent,
@@ -78,6 +79,10 @@ class EngineCoreTrace(SubsystemTrace):
             self.tracer.set_step(self._newest_step)
         if not scheduler.has_requests() and not batch_queue:
             self.tracer.flush()
+
+    def profiled(self, is_start: bool, profile_prefix: str | None) -> None:
+        """``engine.profile``: the workers' profiling window opened or closed."""
+        self.tracer.record(EngineProfile(is_start=is_start, profile_prefix=profile_prefix))
 
     def request_received(self, request_type: Any, request: Any) -> None:
         """The input thread decoded a request (``EngineCoreRequestType``)."""

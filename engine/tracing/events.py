@@ -30,7 +30,7 @@ import msgspec
 # Version of the format: "major.minor". A reader refuses a trace of a newer
 # major version (a field renamed or re-defined, a kind whose meaning changed);
 # a newer minor version only adds kinds or fields, which an older reader skips.
-TRACE_FORMAT_VERSION = "1.12"
+TRACE_FORMAT_VERSION = "1.13"
 
 
 def doc(text: str) -> msgspec.Meta:
@@ -165,6 +165,19 @@ class EngineOutputReady(TraceEvent, kw_only=True, tag="engine.output_ready"):
             "as it runs inside the wait)"
         ),
     ]
+
+
+class EngineProfile(TraceEvent, kw_only=True, tag="engine.profile"):
+    """Written by ``EngineCore`` once a ``start_profile`` or ``stop_profile``
+    call has reached every worker (1.13): the steps after a start, less
+    ``delay_iterations``, are in the profiler traces of
+    ``profiler_config.torch_profiler_dir``, each labelled with its prompt and
+    generation work. Perfetto export: an instant on the scheduler's thread."""
+
+    is_start: Annotated[bool, doc("true for start_profile, false for stop_profile")]
+    profile_prefix: Annotated[
+        str | None, doc("the start's name for the traces (absent: none, or a stop)")
+    ] = None
 
 
 class KVInit(TraceEvent, kw_only=True, tag="kv.init"):
@@ -980,7 +993,7 @@ class WorkerRpcDone(TraceEvent, kw_only=True, tag="worker.rpc_done"):
 EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
     "The file": (TraceHeader, TraceEnd),
     "Engine set-up": (EngineConfig, KVInit, RunnerInit, RunnerCompiled, RunnerCudagraphs),
-    "Engine loop (engine core)": (EngineStepLaunched, EngineOutputReady),
+    "Engine loop (engine core)": (EngineStepLaunched, EngineOutputReady, EngineProfile),
     "Requests (front end)": (RequestAdded, RequestOutputEvent, RequestFinished),
     "Process hops": (
         RequestSent,

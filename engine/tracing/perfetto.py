@@ -407,7 +407,7 @@ class _Builder:
     def _kv_instants(self) -> None:
         for e in self.events:
             k = e.kind
-            if k.startswith("kv.") or k in ("engine.config", "sched.preempted"):
+            if k.startswith("kv.") or k in ("engine.config", "engine.profile", "sched.preempted"):
                 tid = TID_KV if k.startswith("kv.") else TID_SCHEDULER
                 self._instant(e, tid, k, _event_args(e))
 

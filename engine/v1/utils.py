@@ -2,12 +2,18 @@
 
 ``ConstantList`` is the read-only view that ``Request`` hands out for its token
 lists: readers can index and iterate, only the request itself may append.
+``compute_iteration_details`` splits a step into prompt (context) and
+generation work: the label of each step in a profiler trace.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Generic, TypeVar, overload
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
+
+if TYPE_CHECKING:
+    from engine.v1.core.sched.output import SchedulerOutput
 
 T = TypeVar("T")
 
@@ -58,3 +64,31 @@ class ConstantList(Generic[T], Sequence[T]):
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many size-``b`` blocks hold ``a`` items."""
     return -(-a // b)
+
+
+@dataclass
+class IterationDetails:
+    """One step's requests and tokens: prompt work (new requests and later
+    prefill chunks) and generation work (requests with an output token)."""
+
+    num_ctx_requests: int
+    num_ctx_tokens: int
+    num_generation_requests: int
+    num_generation_tokens: int
+
+
+def compute_iteration_details(scheduler_output: SchedulerOutput) -> IterationDetails:
+    new_req_ids = {req.req_id for req in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    in_prompt = {
+        req_id for req_id, num_out in zip(cached.req_ids, cached.num_output_tokens) if num_out == 0
+    }
+    details = IterationDetails(0, 0, 0, 0)
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        if req_id in new_req_ids or req_id in in_prompt:
+            details.num_ctx_requests += 1
+            details.num_ctx_tokens += num_tokens
+        else:
+            details.num_generation_requests += 1
+            details.num_generation_tokens += num_tokens
+    return details

@@ -52,9 +52,9 @@ def _write(path, *records) -> str:
     return str(path)
 
 
-def test_this_glassbox_writes_version_1_12():
-    assert TRACE_FORMAT_VERSION == "1.12"
-    assert parse_version(TRACE_FORMAT_VERSION) == (1, 12)
+def test_this_glassbox_writes_version_1_13():
+    assert TRACE_FORMAT_VERSION == "1.13"
+    assert parse_version(TRACE_FORMAT_VERSION) == (1, 13)
     assert parse_version(1) == (1, 0)  # the first headers' plain integer
     assert parse_version("2") == (2, 0)
     with pytest.raises(TraceVersionError, match="unreadable"):

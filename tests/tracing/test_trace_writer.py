@@ -72,7 +72,7 @@ def test_the_file_opens_with_a_header(tmp_path):
     tracer.close()
     header, event, end = _lines(path)
     assert header["kind"] == HEADER_KIND and "seq" not in header  # seq 0: the default
-    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.12"
+    assert header["trace_format_version"] == TRACE_FORMAT_VERSION == "1.13"
     assert header["glassbox_version"] == __import__("engine").__version__
     assert header["trace_level"] == "full" and header["pid"] == event["pid"]
     assert "role" not in header  # not a part file: no role

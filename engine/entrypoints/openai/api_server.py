@@ -89,6 +89,7 @@ from engine.entrypoints.openai.server_utils import (
     with_cancellation,
 )
 from engine.entrypoints.serve.lora.api_router import attach_router as attach_lora_router
+from engine.entrypoints.serve.profile.api_router import attach_router as attach_profile_router
 from engine.entrypoints.serve.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -335,6 +336,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="Glassbox OpenAI-compatible server", version=engine.__version__)
     app.include_router(router)
     attach_lora_router(app)
+    attach_profile_router(app, args)
     app.state.args = args
     app.add_exception_handler(RequestValidationError, validation_exception_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)

@@ -21,6 +21,8 @@ steps in another:
   ``abort(..., internal=True)`` takes internal ids.
 * Engine death -- the client turns it into ``EngineDeadError``; the handler
   hands it to every collector, and ``errored`` / ``check_health`` report it.
+``start_profile`` / ``stop_profile`` open a profiling window in the workers
+and, with the torch profiler, one in this process too (``FrontendProfiler``).
 Sessions: 01 (engine loop across two processes).
 
 Simpler than vLLM: no pooling, streaming-input generators, pause/resume,
@@ -47,6 +49,7 @@ from engine.config import GlassboxConfig
 from engine.engine.arg_utils import EngineArgs
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
+from engine.profiler.wrapper import FrontendProfiler
 from engine.sampling_params import SamplingParams
 from engine.tracing import Tracer, merge_trace_parts, part_path
 from engine.tracing.engine_trace import OutputProcessorTrace
@@ -122,6 +125,7 @@ class AsyncLLM:
             self.stat_logger.log_engine_initialized(
                 glassbox_config.cache_config.block_size, glassbox_config.cache_config.num_gpu_blocks
             )
+        self.profiler = FrontendProfiler.create(glassbox_config.profiler_config)
         self.output_handler: asyncio.Task | None = None
         self._shut_down = False
         self.max_unfinished_sequences = glassbox_config.scheduler_config.max_unfinished_sequences
@@ -169,6 +173,8 @@ class AsyncLLM:
         self._shut_down = True
         if (engine_core := getattr(self, "engine_core", None)) is not None:
             engine_core.shutdown(timeout)
+        if (profiler := getattr(self, "profiler", None)) is not None:
+            profiler.shutdown()  # a window still open writes its trace
         handler = self.output_handler
         if handler is not None and not handler.done():
             loop = handler.get_loop()
@@ -430,6 +436,18 @@ class AsyncLLM:
         return await self.engine_core.reset_prefix_cache_async(
             reset_running_requests, reset_connector
         )
+
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        calls = [self.engine_core.profile_async(True, profile_prefix)]
+        if self.profiler is not None:
+            calls.append(self.profiler.start())
+        await asyncio.gather(*calls)
+
+    async def stop_profile(self) -> None:
+        calls = [self.engine_core.profile_async(False)]
+        if self.profiler is not None:
+            calls.append(self.profiler.stop())
+        await asyncio.gather(*calls)
 
     def get_metrics(self) -> list[Metric]:
         if self.stat_logger is None:

@@ -327,6 +327,11 @@ class EngineCore:
     ) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Open or close the workers' profiling window (a utility call)."""
+        self.model_executor.profile(is_start, profile_prefix)
+        self.trace.profiled(is_start, profile_prefix)
+
     def get_num_unfinished_requests(self) -> int:
         """Glassbox's own utility call (tests and the front end ask it)."""
         return self.scheduler.get_num_unfinished_requests()

@@ -123,6 +123,9 @@ class EngineCoreClient(ABC):
     ) -> bool:
         raise NotImplementedError
 
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        raise NotImplementedError
+
     async def get_output_async(self) -> EngineCoreOutputs:
         raise NotImplementedError
 
@@ -135,6 +138,9 @@ class EngineCoreClient(ABC):
     async def reset_prefix_cache_async(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
+        raise NotImplementedError
+
+    async def profile_async(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         raise NotImplementedError
 
 
@@ -165,6 +171,9 @@ class InprocClient(EngineCoreClient):
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self.engine_core.profile(is_start, profile_prefix)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self.engine_core.shutdown()
@@ -457,6 +466,9 @@ class SyncMPClient(MPClient):
     ) -> bool:
         return self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
 
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self.call_utility("profile", is_start, profile_prefix)
+
 
 class AsyncMPClient(MPClient):
     """asyncio client for ``AsyncLLM``; all socket work happens on its event loop."""
@@ -555,6 +567,9 @@ class AsyncMPClient(MPClient):
         return await self.call_utility_async(
             "reset_prefix_cache", reset_running_requests, reset_connector
         )
+
+    async def profile_async(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        await self.call_utility_async("profile", is_start, profile_prefix)
 
 
 def get_open_zmq_inproc_path() -> str:

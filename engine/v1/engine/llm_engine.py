@@ -249,6 +249,12 @@ class LLMEngine:
     ) -> bool:
         return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        self.engine_core.profile(True, profile_prefix)
+
+    def stop_profile(self) -> None:
+        self.engine_core.profile(False)
+
     def shutdown(self) -> None:
         """Stop EngineCore (its process, in multi-process mode) and close the
         trace. Safe to call twice."""

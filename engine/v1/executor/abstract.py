@@ -49,6 +49,7 @@ class WorkerMethod(str, enum.Enum):
     EXECUTE_MODEL = "execute_model"
     SAMPLE_TOKENS = "sample_tokens"
     TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
+    PROFILE = "profile"
 
 
 class Executor(ABC):
@@ -153,6 +154,10 @@ class Executor(ABC):
         return self.collective_rpc(
             WorkerMethod.TAKE_DRAFT_TOKEN_IDS, unique_reply_rank=self.output_rank
         )
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Open or close every worker's profiling window (each writes its own trace)."""
+        self.collective_rpc(WorkerMethod.PROFILE, (is_start, profile_prefix))
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """``callback`` runs (once, on another thread) if the executor fails

@@ -82,6 +82,7 @@ def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
         WorkerMethod.EXECUTE_MODEL: worker.execute_model,
         WorkerMethod.SAMPLE_TOKENS: worker.sample_tokens,
         WorkerMethod.TAKE_DRAFT_TOKEN_IDS: worker.take_draft_token_ids,
+        WorkerMethod.PROFILE: worker.profile,
     }
 
 

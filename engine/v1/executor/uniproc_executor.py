@@ -81,6 +81,9 @@ class UniProcExecutor(Executor):
     def take_draft_token_ids(self):
         return self._worker().take_draft_token_ids()
 
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self._worker().profile(is_start, profile_prefix)
+
     @cached_property
     def max_concurrent_batches(self) -> int:
         return 2 if self.glassbox_config.scheduler_config.async_scheduling else 1

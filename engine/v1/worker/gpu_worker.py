@@ -12,6 +12,10 @@ Read it for how the number of KV blocks is decided:
     ``kv_cache_memory_bytes``, else ``GLASSBOX_CPU_KVCACHE_SPACE`` GiB
     (default 1), the twin of vLLM's ``VLLM_CPU_KVCACHE_SPACE``.
 ``num_gpu_blocks_override`` skips all of this (EngineCore never asks).
+``profile`` opens and closes a profiling window (``profiler_config``): the
+profiler is made at the first start and steps at the top of every
+``execute_model``, which runs inside a label naming the step's prompt and
+generation work (``engine/profiler/wrapper.py``).
 On the CPU, ``init_device`` also sizes torch's threads to the cores this
 process may use (``engine/utils/cpu_resource_utils.py``; vLLM does this for its
 ``CPUWorker`` in ``vllm/utils/ompmultiprocessing.py``).
@@ -20,6 +24,7 @@ Sessions: 04 (worker).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -33,10 +38,13 @@ from engine.distributed.parallel_state import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from engine.distributed.utils import get_worker_rank_suffix
+from engine.profiler.wrapper import WorkerProfiler, make_worker_profiler
 from engine.tracing import NULL_TRACER, Tracer
 from engine.tracing.worker_trace import RunnerTrace
 from engine.utils.cpu_resource_utils import init_cpu_threads_env, plan_cpu_threads
 from engine.utils.torch_utils import release_device_memory
+from engine.v1.utils import compute_iteration_details
 from engine.v1.worker.gpu_model_runner import GPUModelRunner
 from engine.v1.worker.worker_base import WorkerBase
 
@@ -76,6 +84,9 @@ class Worker(WorkerBase):
         self.local_world_size = local_world_size
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
+        # Made at the first start_profile (None: never started).
+        self.profiler: WorkerProfiler | None = None
+        self.profiler_config = glassbox_config.profiler_config
 
     def init_device(self) -> None:
         device_type = self.glassbox_config.device_config.resolve()
@@ -86,6 +97,8 @@ class Worker(WorkerBase):
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
         else:
+            if self.profiler_config.profiler == "cuda":
+                raise ValueError("profiler_config.profiler='cuda' needs a CUDA device; use 'torch'")
             self.device = torch.device("cpu")
             # This process runs the model: size torch's threads to its share
             # of the cores (the ranks of one machine split them).
@@ -175,7 +188,43 @@ class Worker(WorkerBase):
 
     def execute_model(self, scheduler_output):
         assert self.model_runner is not None
-        return self.model_runner.execute_model(scheduler_output)
+        with self.annotate_profile(scheduler_output):
+            return self.model_runner.execute_model(scheduler_output)
+
+    def annotate_profile(self, scheduler_output) -> contextlib.AbstractContextManager:
+        """Advance the profiler one step and label the step's work."""
+        if self.profiler is None:
+            return contextlib.nullcontext()
+        self.profiler.step()
+        d = compute_iteration_details(scheduler_output)
+        return self.profiler.annotate_context_manager(
+            f"execute_context_{d.num_ctx_requests}({d.num_ctx_tokens})"
+            f"_generation_{d.num_generation_requests}({d.num_generation_tokens})"
+        )
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Open (``is_start``) or close the profiling window. The first start
+        names the trace ``<profile_prefix>_<rank suffix>``; later windows
+        keep that name (each writes its own file)."""
+        if self.profiler_config.profiler is None:
+            raise RuntimeError(
+                "profiling is off: start the engine with profiler_config, e.g. --profiler-config "
+                '\'{"profiler": "torch", "torch_profiler_dir": "./traces"}\''
+            )
+        if not is_start:
+            if self.profiler is None:
+                logger.warning("stop_profile before any start_profile: nothing to stop")
+                return
+            self.profiler.stop()
+            return
+        if self.profiler is None:
+            assert self.device is not None, "init_device() first"
+            suffix = get_worker_rank_suffix(global_rank=self.rank)
+            name = f"{profile_prefix}_{suffix}" if profile_prefix else suffix
+            self.profiler = make_worker_profiler(
+                self.profiler_config, name, self.local_rank, self.device
+            )
+        self.profiler.start()
 
     def sample_tokens(self, grammar_output=None):
         assert self.model_runner is not None
@@ -186,6 +235,8 @@ class Worker(WorkerBase):
         return self.model_runner.take_draft_token_ids()
 
     def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.shutdown()  # a window still open writes its trace
         if self.model_runner is not None:
             # What outlives this engine in the process (Dynamo's caches, the
             # config the caller keeps) must not keep its weights, KV cache or graphs.

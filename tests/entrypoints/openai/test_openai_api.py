@@ -10,6 +10,9 @@ non-streamed text, which must equal ``LLM.generate`` / ``LLM.chat`` offline.
 
 from __future__ import annotations
 
+import gzip
+import json
+import os
 import re
 
 import httpx
@@ -374,3 +377,38 @@ def test_server_trace_links_the_http_request_to_both_processes(model_dir, tmp_pa
     api_chunks = [e for e in events if e.kind == "api.chunk"]
     assert {e.request_id for e in api_chunks} == {"traced"}
     assert api_request.ts <= received.ts <= api_chunks[-1].ts
+
+
+def test_profile_endpoints_exist_only_with_a_profiler(server):
+    # As vLLM: without --profiler-config a client cannot make the server profile.
+    assert httpx.post(server.url_for("start_profile")).status_code == 404
+    assert httpx.post(server.url_for("stop_profile")).status_code == 404
+
+
+def test_profile_endpoints_write_the_worker_and_front_end_traces(model_dir, tmp_path):
+    out = tmp_path / "traces"
+    # No Python stacks: torch cannot always read their names back for the op table.
+    config = {
+        "profiler": "torch",
+        "torch_profiler_dir": str(out),
+        "torch_profiler_with_stack": False,
+    }
+    # The tiny tokenizer's folder with random weights: a real worker to profile.
+    flags = ["--load-format", "dummy", "--hf-overrides", '{"intermediate_size": 32}']
+    flags += [*ENGINE_FLAGS, "--profiler-config", json.dumps(config)]
+    with RemoteOpenAIServer(model_dir, flags) as server:
+        assert httpx.post(server.url_for("start_profile"), timeout=30).status_code == 200
+        answer = server.get_client().completions.create(
+            model=str(model_dir), prompt="w5", max_tokens=3, temperature=0
+        )
+        assert answer.usage.completion_tokens == 3
+        assert httpx.post(server.url_for("stop_profile"), timeout=30).status_code == 200
+        core_pid = server.engine_core_pid
+    (worker,) = out.glob("tp0_rank0.*.pt.trace.json.gz")
+    events = json.load(gzip.open(worker))["traceEvents"]
+    assert core_pid in {e["pid"] for e in events if e.get("ph") == "X"}
+    labels = [e["name"] for e in events if e.get("name", "").startswith("execute_context_")]
+    assert labels[0] == "execute_context_1(1)_generation_0(0)"
+    (front_end,) = out.glob(f"*_{os.getpid()}.async_llm.*.pt.trace.json.gz")
+    assert json.load(gzip.open(front_end))["traceEvents"]
+    assert (out / "profiler_out_0.txt").exists()

@@ -1,0 +1,2 @@
+"""``POST /start_profile`` and ``/stop_profile``
+(vLLM twin: ``vllm/entrypoints/serve/profile/``)."""

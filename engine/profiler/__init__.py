@@ -1,0 +1,1 @@
+"""Profiling windows of the workers (vLLM twin: ``vllm/profiler/``)."""
