@@ -214,3 +214,28 @@ def test_sessions_show_vllm_source_inline(twin: Path) -> None:
     assert "show_vllm(" in twin.read_text(encoding="utf-8"), (
         f"{twin.name} never calls lab.show_vllm: show at least one cited passage inline"
     )
+
+
+# A reading-table row as ``lab.reading_table`` renders it into a notebook's output.
+READING_ROW = re.compile(r"\| `([\w.]+)` \| [^|\n]* \| `(engine/[\w/.]+)` \| (\d+|—) \|")
+NOTEBOOKS = sorted(p for p in (ROOT / "sessions").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_committed_reading_tables_give_our_lines_as_they_are_now(notebook: Path) -> None:
+    """The committed outputs cite our own line numbers: after an edit that moves
+    a cited definition, the notebook must be run again (nbval does not compare
+    these cells)."""
+    import json
+
+    stale = []
+    for cell in json.loads(notebook.read_text())["cells"]:
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("data", {}).get("text/markdown", "")) + "".join(
+                output.get("text", "")
+            )
+            for name, path, line in READING_ROW.findall(text):
+                now = lab.our_line(path, name) if (ROOT / path).exists() else None
+                if str(now or "—") != line:
+                    stale.append(f"{path} {name}: notebook says {line}, now {now or '—'}")
+    assert not stale, "run the notebook again:\n" + "\n".join(stale)
