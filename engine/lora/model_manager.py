@@ -9,11 +9,15 @@ a free slot of every wrapped layer (``lora_index_to_id`` says which id holds
 which slot); ``set_adapter_mapping`` turns each token's adapter id into its
 slot for the punica wrapper. The LRU variant evicts the least recently used
 active adapter when the slots are full, and the least recently used
-registered one beyond ``max_cpu_loras``. Sessions: 06.
+registered one beyond ``max_cpu_loras``, passing over the pinned ones
+(``pin_adapter``). Sessions: 06.
 
 Simpler than vLLM: linear layers only (q/k/v/o and gate/up/down), no
 embedding or LM-head adapters, no packed-module padding rules beyond the
-model's ``packed_modules_mapping``.
+model's ``packed_modules_mapping``. A pinned adapter stays in host memory but
+not in a device slot (vLLM pins both): the scheduler plans each step's
+adapters against all ``max_loras`` slots, so a slot held by a pinned adapter
+no request runs with would be one the step could not have.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class LoRAModelManager:
         self.modules: dict[str, BaseLinearLayerWithLoRA] = {}
         self._registered_adapters: dict[int, LoRAModel] = {}
         self._active_adapters: dict[int, None] = {}
+        self._pinned: set[int] = set()  # never evicted from host memory
         self._create_lora_modules()
 
     @property
@@ -80,6 +85,29 @@ class LoRAModelManager:
                 self.modules[name] = wrapped
 
     # -- adapters -------------------------------------------------------------
+    def check_adapter(self, lora: LoRAModel) -> None:
+        """Every pair of ``lora`` fits its layer's slots (an adapter trained for
+        another base model does not): ValueError naming the first that does not."""
+        known = set()
+        for name, module in self.modules.items():
+            prefix, _, leaf = name.rpartition(".")
+            parts = self.packed_modules_mapping.get(leaf, [leaf])
+            for part, out_size in zip(parts, module.output_slices, strict=True):
+                known.add(f"{prefix}.{part}")
+                weights = lora.get_lora(f"{prefix}.{part}")
+                if weights is None:
+                    continue
+                want_a = (weights.rank, module.input_size)
+                want_b = (out_size, weights.rank)
+                got_a, got_b = tuple(weights.lora_a.shape), tuple(weights.lora_b.shape)
+                if got_a != want_a or got_b != want_b:
+                    raise ValueError(
+                        f"{prefix}.{part}: lora_A {list(got_a)} / lora_B {list(got_b)} do not fit "
+                        f"this model's layer (lora_A {list(want_a)}, lora_B {list(want_b)})"
+                    )
+        if unknown := sorted(set(lora.loras) - known):
+            raise ValueError(f"{unknown[0]}: no such layer in this model")
+
     def add_adapter(self, lora: LoRAModel) -> bool:
         if lora.id in self._registered_adapters:
             return False
@@ -88,6 +116,7 @@ class LoRAModelManager:
 
     def remove_adapter(self, adapter_id: int) -> bool:
         self.deactivate_adapter(adapter_id)
+        self._pinned.discard(adapter_id)
         return self._registered_adapters.pop(adapter_id, None) is not None
 
     def list_adapters(self) -> dict[int, LoRAModel]:
@@ -154,7 +183,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
             self._registered_adapters.move_to_end(lora.id)
             return False
         while len(self._registered_adapters) >= (self.lora_config.max_cpu_loras or 1):
-            oldest = next(iter(self._registered_adapters))
+            # pin_adapter leaves room for a step's max_loras adapters: one is unpinned.
+            oldest = next(i for i in self._registered_adapters if i not in self._pinned)
             if oldest in self._active_adapters:  # it leaves its slot too
                 self.evicted_from_slots.append(oldest)
             self.remove_adapter(oldest)
@@ -172,3 +202,19 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
             self.evicted_from_slots.append(oldest)
         self._registered_adapters.move_to_end(lora_id)
         return super().activate_adapter(lora_id)
+
+    def pin_adapter(self, lora_id: int) -> bool:
+        """Keep a loaded adapter in host memory for good (no more disk reads).
+        At most ``max_cpu_loras - max_loras`` may be pinned, so that a step's
+        adapters always find room."""
+        if lora_id not in self._registered_adapters:
+            raise ValueError(f"LoRA {lora_id} is not loaded: add_lora it first")
+        room = (self.lora_config.max_cpu_loras or 1) - self.lora_slots
+        if lora_id not in self._pinned and len(self._pinned) >= room:
+            raise ValueError(
+                f"cannot pin LoRA {lora_id}: at most max_cpu_loras - max_loras = {room} "
+                "adapters may be pinned (a step needs max_loras unpinned places); "
+                "raise max_cpu_loras"
+            )
+        self._pinned.add(lora_id)
+        return True

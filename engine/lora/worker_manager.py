@@ -7,7 +7,14 @@ Read it for what happens when a request names an adapter the worker has not
 seen: ``_load_adapter`` reads its folder (``PEFTHelper`` for the config,
 ``LoRAModel.from_local_checkpoint`` for the tensors) into host memory, and
 ``set_active_adapters`` puts the step's adapters into device slots (evicting
-the least recently used) and maps every token to its slot. Sessions: 06.
+the least recently used) and maps every token to its slot. ``add_adapter``,
+``remove_adapter`` and ``pin_adapter`` are the engine's ``add_lora`` /
+``remove_lora`` / ``pin_lora``: load an adapter before any request names it
+(so a broken one fails that call, not a step), drop it, keep it loaded.
+Sessions: 06.
+
+Simpler than vLLM: ``add_adapter`` loads into host memory only; the step
+that first uses the adapter puts it into a slot (vLLM's also activates it).
 """
 
 from __future__ import annotations
@@ -51,15 +58,22 @@ class LRUCacheWorkerLoRAManager:
         return self._adapter_manager
 
     def _load_adapter(self, lora_request: LoRARequest) -> LoRAModel:
-        peft_helper = PEFTHelper.from_local_dir(lora_request.lora_path)
-        peft_helper.validate_legal(self.lora_config.max_lora_rank)
-        lora = LoRAModel.from_local_checkpoint(
-            lora_request.lora_path,
-            self.adapter_manager.supported_lora_modules,
-            peft_helper,
-            lora_request.lora_int_id,
-            self.dtype,
-        )
+        try:
+            peft_helper = PEFTHelper.from_local_dir(lora_request.lora_path)
+            peft_helper.validate_legal(self.lora_config.max_lora_rank)
+            lora = LoRAModel.from_local_checkpoint(
+                lora_request.lora_path,
+                self.adapter_manager.supported_lora_modules,
+                peft_helper,
+                lora_request.lora_int_id,
+                self.dtype,
+            )
+            self.adapter_manager.check_adapter(lora)
+        except Exception as e:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} ({lora_request.lora_path}) "
+                f"could not be loaded: {e}"
+            ) from e
         for weights in lora.loras.values():
             weights.lora_a = weights.lora_a.to(self.device)
             weights.lora_b = weights.lora_b.to(self.device)
@@ -76,13 +90,30 @@ class LRUCacheWorkerLoRAManager:
                 f"{len(requests)} adapters in one step, more than max_loras={manager.lora_slots}"
             )
         for request in requests:  # mark them recently used before anything is evicted
-            if request.lora_int_id in manager._active_adapters:
-                manager._active_adapters.move_to_end(request.lora_int_id)
+            for cache in (manager._active_adapters, manager._registered_adapters):
+                if request.lora_int_id in cache:
+                    cache.move_to_end(request.lora_int_id)
         for request in sorted(requests, key=lambda r: r.lora_int_id):
             if not manager.has_adapter(request.lora_int_id):
                 manager.add_adapter(self._load_adapter(request))
             manager.activate_adapter(request.lora_int_id)
         manager.set_adapter_mapping(token_lora_ids)
+
+    def add_adapter(self, lora_request: LoRARequest) -> bool:
+        """Load into host memory now (False: it already was; now most recently used)."""
+        manager = self.adapter_manager
+        self.loaded = []
+        manager.evicted_from_slots, manager.evicted_from_cpu = [], []
+        if manager.has_adapter(lora_request.lora_int_id):
+            return manager.add_adapter(manager.list_adapters()[lora_request.lora_int_id])
+        # Read (and check) it before anything is evicted for it.
+        return manager.add_adapter(self._load_adapter(lora_request))
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        return self.adapter_manager.remove_adapter(adapter_id)
+
+    def pin_adapter(self, adapter_id: int) -> bool:
+        return self.adapter_manager.pin_adapter(adapter_id)
 
     def list_adapters(self) -> set[int]:
         return set(self.adapter_manager.list_adapters())

@@ -935,7 +935,9 @@ class GrammarMasked(TraceEvent, kw_only=True, tag="so.masked"):
 
 class LoRASlots(TraceEvent, kw_only=True, tag="lora.slots"):
     """Written by ``GPUModelRunner.set_active_loras`` (worker) when a step
-    changed which adapters are loaded or sit in the device slots (1.9)."""
+    changed which adapters are loaded or sit in the device slots (1.9), and
+    by ``add_lora`` when it loaded an adapter between steps (1.13; no
+    ``token_slots``)."""
 
     slots: Annotated[list[int], doc("adapter id per device slot; 0: empty")]
     loaded: Annotated[list[int], doc("adapter ids read from disk for this step")] = []

@@ -387,11 +387,13 @@ async def init_app_state(engine_client: AsyncLLM, state: Any, args: argparse.Nam
     state.engine_client = engine_client
     state.trace = ServerTrace.create(engine_client.tracer)
     state.openai_serving_models = models = OpenAIServingModels(
+        engine_client,
         [BaseModelPath(name, model_path) for name in served_model_names(args)],
         engine_client.model_config.max_model_len,
         lora_modules=[LoRAModulePath.parse(m) for m in _arg(args, "lora_modules") or []],
         lora_config=engine_client.glassbox_config.lora_config,
     )
+    await models.init_static_loras()
     # One renderer thread for the whole server (vLLM: one per renderer).
     serving_kwargs: dict[str, Any] = {
         "executor": make_renderer_executor(),

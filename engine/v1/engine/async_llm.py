@@ -437,6 +437,20 @@ class AsyncLLM:
             reset_running_requests, reset_connector
         )
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the workers now (the server's load endpoint)."""
+        self.input_processor._validate_lora_request(lora_request)
+        return await self.engine_core.add_lora_async(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.engine_core.remove_lora_async(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self.engine_core.list_loras_async()
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self.engine_core.pin_lora_async(lora_id)
+
     async def start_profile(self, profile_prefix: str | None = None) -> None:
         calls = [self.engine_core.profile_async(True, profile_prefix)]
         if self.profiler is not None:

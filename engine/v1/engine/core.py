@@ -62,12 +62,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import logging
 import os
 import queue
 import signal
 import threading
 import time
+import typing
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -77,6 +79,7 @@ import msgspec
 import zmq
 
 from engine.config import GlassboxConfig
+from engine.lora.request import LoRARequest
 from engine.tracing import Tracer, part_path
 from engine.tracing.core_trace import SchedulerTrace, StructuredOutputTrace
 from engine.tracing.engine_trace import EngineCoreTrace
@@ -327,6 +330,19 @@ class EngineCore:
     ) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    # LoRA adapters, as utility calls too (vLLM's names).
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.model_executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_executor.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.model_executor.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.model_executor.pin_lora(lora_id)
+
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         """Open or close the workers' profiling window (a utility call)."""
         self.model_executor.profile(is_start, profile_prefix)
@@ -348,6 +364,23 @@ IDLE_WAKE_S = 0.1
 HANDSHAKE_TIMEOUT_MINS = 5
 # After the parent dies, how long a clean exit may take before a hard one.
 PARENT_DEATH_EXIT_GRACE_S = 10.0
+
+
+def _convert_msgspec_args(method: Callable[..., Any], args: tuple) -> tuple:
+    """A utility call's arguments arrive as plain msgpack values: turn each one
+    whose parameter is a msgspec struct (``add_lora``'s ``LoRARequest``) back
+    into that struct."""
+    try:
+        hints = typing.get_type_hints(method)
+    except NameError:  # an annotation only a type checker can resolve: no structs
+        return args
+    converted = []
+    for name, value in zip(inspect.signature(method).parameters, args):
+        hint = hints.get(name)
+        if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+            value = value if isinstance(value, hint) else msgspec.convert(value, hint)
+        converted.append(value)
+    return (*converted, *args[len(converted) :])
 
 
 class EngineShutdownState(enum.IntEnum):
@@ -641,7 +674,8 @@ class EngineCoreProc(EngineCore):
             try:
                 if method_name.startswith("_") or not callable(getattr(self, method_name, None)):
                     raise AttributeError(f"EngineCore has no utility method {method_name!r}")
-                output.result = getattr(self, method_name)(*args)
+                method = getattr(self, method_name)
+                output.result = method(*_convert_msgspec_args(method, args))
             except Exception as e:
                 logger.exception("Utility call %s failed", method_name)
                 output.failure_message = f"call to {method_name} failed: {e}"

@@ -249,6 +249,24 @@ class LLMEngine:
     ) -> bool:
         return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the workers now, before a request names it: a
+        broken one fails here. False: it was loaded already."""
+        self.input_processor._validate_lora_request(lora_request)
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop a loaded adapter (a request still naming it loads it again)."""
+        return self.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded in the workers' host memory."""
+        return self.engine_core.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter in host memory: the LRU never evicts it."""
+        return self.engine_core.pin_lora(lora_id)
+
     def start_profile(self, profile_prefix: str | None = None) -> None:
         self.engine_core.profile(True, profile_prefix)
 

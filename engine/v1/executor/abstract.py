@@ -33,6 +33,7 @@ from engine.tracing import NULL_TRACER, Tracer
 
 if TYPE_CHECKING:
     from engine.config import GlassboxConfig
+    from engine.lora.request import LoRARequest
     from engine.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from engine.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -50,6 +51,10 @@ class WorkerMethod(str, enum.Enum):
     SAMPLE_TOKENS = "sample_tokens"
     TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
     PROFILE = "profile"
+    ADD_LORA = "add_lora"
+    REMOVE_LORA = "remove_lora"
+    PIN_LORA = "pin_lora"
+    LIST_LORAS = "list_loras"
 
 
 class Executor(ABC):
@@ -158,6 +163,20 @@ class Executor(ABC):
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         """Open or close every worker's profiling window (each writes its own trace)."""
         self.collective_rpc(WorkerMethod.PROFILE, (is_start, profile_prefix))
+
+    # LoRA adapters: every rank holds every adapter (its slice of each weight).
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into every worker's host memory (False: it was loaded)."""
+        return all(self.collective_rpc(WorkerMethod.ADD_LORA, (lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return all(self.collective_rpc(WorkerMethod.REMOVE_LORA, (lora_id,)))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return all(self.collective_rpc(WorkerMethod.PIN_LORA, (lora_id,)))
+
+    def list_loras(self) -> set[int]:
+        return self.collective_rpc(WorkerMethod.LIST_LORAS, unique_reply_rank=0)
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """``callback`` runs (once, on another thread) if the executor fails

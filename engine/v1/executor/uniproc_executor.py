@@ -84,6 +84,18 @@ class UniProcExecutor(Executor):
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         self._worker().profile(is_start, profile_prefix)
 
+    def add_lora(self, lora_request) -> bool:
+        return self._worker().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._worker().remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._worker().pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._worker().list_loras()
+
     @cached_property
     def max_concurrent_batches(self) -> int:
         return 2 if self.glassbox_config.scheduler_config.async_scheduling else 1

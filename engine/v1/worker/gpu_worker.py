@@ -202,6 +202,22 @@ class Worker(WorkerBase):
             f"_generation_{d.num_generation_requests}({d.num_generation_tokens})"
         )
 
+    def add_lora(self, lora_request) -> bool:
+        assert self.model_runner is not None
+        return self.model_runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        assert self.model_runner is not None
+        return self.model_runner.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        assert self.model_runner is not None
+        return self.model_runner.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        assert self.model_runner is not None
+        return self.model_runner.list_loras()
+
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         """Open (``is_start``) or close the profiling window. The first start
         names the trace ``<profile_prefix>_<rank suffix>``; later windows

@@ -37,9 +37,10 @@ def model(tmp_path_factory) -> dict:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (words / name).exists():
             shutil.copy(words / name, root / "base" / name)
-    for name, seed in (("a", 1), ("b", 2)):
+    for name, seed in (("a", 1), ("b", 2), ("broken", 3)):
         save_peft_adapter(root / "base", root / name, seed=seed, r=8)
-    return {"base": str(root / "base"), "a": str(root / "a"), "b": str(root / "b")}
+    (root / "broken" / "adapter_model.safetensors").write_bytes(b"truncated")
+    return {name: str(root / name) for name in ("base", "a", "b", "broken")}
 
 
 def _offline_text(model: dict, adapter: str | None) -> str:
@@ -53,6 +54,10 @@ def _offline_text(model: dict, adapter: str | None) -> str:
     finally:
         del os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"]
     return out.outputs[0].text
+
+
+def _model_ids(server: RemoteOpenAIServer) -> set[str]:
+    return {m.id for m in server.get_client().models.list().data}
 
 
 def _complete(server: RemoteOpenAIServer, model: str):
@@ -89,6 +94,15 @@ def test_adapters_are_models_of_their_own(model, monkeypatch) -> None:
             json={"lora_name": "c", "lora_path": "/nowhere"},
         )
         assert bad.status_code == 400 and "no adapter_config.json" in bad.text
+        # The engine reads the weights at load time: a broken file is a 400, not a dead engine.
+        broken = httpx.post(
+            server.url_for("v1", "load_lora_adapter"),
+            json={"lora_name": "broken", "lora_path": model["broken"]},
+        )
+        assert broken.status_code == 400, broken.text
+        assert "LoRA adapter 'broken' (" in broken.text and "could not be loaded" in broken.text
+        assert "broken" not in _model_ids(server)
+        assert _complete(server, "b").choices[0].text == want["b"]
         gone = httpx.post(server.url_for("v1", "unload_lora_adapter"), json={"lora_name": "b"})
         assert gone.status_code == 200
         missing = httpx.post(server.url_for("v1", "unload_lora_adapter"), json={"lora_name": "b"})
@@ -129,3 +143,10 @@ def test_lora_modules_need_enable_lora(model) -> None:
     assert result.returncode == 2
     assert b"--lora-modules needs --enable-lora" in result.stderr
     assert b"Traceback" not in result.stderr
+
+
+def test_a_broken_startup_adapter_stops_the_server(model) -> None:
+    args = ["--enable-lora", "--max-lora-rank", "8", "--max-model-len", "64"]
+    with pytest.raises(RuntimeError, match="the API server failed to start") as failed:
+        RemoteOpenAIServer(model["base"], [*args, "--lora-modules", f"broken={model['broken']}"])
+    assert "LoRA adapter 'broken'" in str(failed.value.__cause__)

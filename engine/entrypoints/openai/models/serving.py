@@ -8,7 +8,11 @@ adapters come from ``--lora-modules name=path`` at start-up and, when
 ``GLASSBOX_ALLOW_RUNTIME_LORA_UPDATING`` is set (vLLM's
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), from ``POST /v1/load_lora_adapter``;
 each gets the next integer id, and a request naming it runs with its
-``LoRARequest``. Sessions: 01, 06 (LoRA).
+``LoRARequest``. A load (``init_static_loras`` for the start-up ones) has the
+engine read the adapter at once (``engine_client.add_lora``), as vLLM's does:
+a broken adapter, or one trained for another base model, is refused there
+with a 400 instead of failing the first request that names it.
+Sessions: 01, 06 (LoRA).
 
 Simpler than vLLM: no LoRA resolver plugins, no in-place reload.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config.lora import LoRAConfig
 from engine.entrypoints.openai.engine.protocol import ModelCard, ModelList, ModelPermission
@@ -65,6 +70,11 @@ class LoRAModulePath:
         return cls(name, path)
 
 
+def _reason(error: Exception) -> str:
+    """An engine utility call's failure without the "call to add_lora failed: " prefix."""
+    return str(error).removeprefix("call to add_lora failed: ")
+
+
 class LoRAAdapterError(ValueError):
     """A load or unload the server refuses; ``status`` is its HTTP status."""
 
@@ -76,6 +86,7 @@ class LoRAAdapterError(ValueError):
 class OpenAIServingModels:
     def __init__(
         self,
+        engine_client: Any,
         base_model_paths: list[BaseModelPath],
         max_model_len: int | None,
         lora_modules: list[LoRAModulePath] | None = None,
@@ -83,14 +94,19 @@ class OpenAIServingModels:
     ) -> None:
         if not base_model_paths:
             raise ValueError("base_model_paths must name at least one model")
+        self.engine_client = engine_client
         self.base_model_paths = base_model_paths
         self.max_model_len = max_model_len
         self.lora_config = lora_config
+        self.static_lora_modules = lora_modules or []
         self.lora_requests: dict[str, LoRARequest] = {}
         self._lora_parents: dict[str, str] = {}
         self._lora_ids = itertools.count(1)
-        for module in lora_modules or []:
-            self.load_lora_adapter(module.name, module.path, module.base_model_name)
+
+    async def init_static_loras(self) -> None:
+        """Load the ``--lora-modules`` adapters (the server does not start with a broken one)."""
+        for module in self.static_lora_modules:
+            await self.load_lora_adapter(module.name, module.path, module.base_model_name)
 
     def is_base_model(self, model_name: str) -> bool:
         return any(model.name == model_name for model in self.base_model_paths)
@@ -99,7 +115,7 @@ class OpenAIServingModels:
         """The name responses carry: the adapter's, else the first served name."""
         return lora_request.lora_name if lora_request else self.base_model_paths[0].name
 
-    def load_lora_adapter(
+    async def load_lora_adapter(
         self, lora_name: str, lora_path: str, base_model_name: str | None = None
     ) -> LoRARequest:
         if self.lora_config is None:
@@ -113,11 +129,15 @@ class OpenAIServingModels:
         except ValueError as e:
             raise LoRAAdapterError(f"lora adapter '{lora_name}': {e}") from None
         request = LoRARequest(lora_name, next(self._lora_ids), lora_path)
+        try:
+            await self.engine_client.add_lora(request)
+        except Exception as e:
+            raise LoRAAdapterError(_reason(e)) from None  # it names the adapter
         self.lora_requests[lora_name] = request
         self._lora_parents[lora_name] = base_model_name or self.base_model_paths[0].name
         return request
 
-    def unload_lora_adapter(self, lora_name: str) -> None:
+    async def unload_lora_adapter(self, lora_name: str) -> None:
         if lora_name not in self.lora_requests:
             raise LoRAAdapterError(f"The lora adapter '{lora_name}' cannot be found.", 404)
         del self.lora_requests[lora_name]

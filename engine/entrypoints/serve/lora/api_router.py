@@ -42,7 +42,7 @@ def _error(e: LoRAAdapterError) -> Response:
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
     models: OpenAIServingModels = raw_request.app.state.openai_serving_models
     try:
-        models.load_lora_adapter(request.lora_name, request.lora_path)
+        await models.load_lora_adapter(request.lora_name, request.lora_path)
     except LoRAAdapterError as e:
         return _error(e)
     return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
@@ -52,7 +52,7 @@ async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Reques
 async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
     models: OpenAIServingModels = raw_request.app.state.openai_serving_models
     try:
-        models.unload_lora_adapter(request.lora_name)
+        await models.unload_lora_adapter(request.lora_name)
     except LoRAAdapterError as e:
         return _error(e)
     return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
