@@ -10,7 +10,8 @@ seen: ``_load_adapter`` reads its folder (``PEFTHelper`` for the config,
 the least recently used) and maps every token to its slot. ``add_adapter``,
 ``remove_adapter`` and ``pin_adapter`` are the engine's ``add_lora`` /
 ``remove_lora`` / ``pin_lora``: load an adapter before any request names it
-(so a broken one fails that call, not a step), drop it, keep it loaded.
+(so a broken one fails that call, not a step), drop it, keep it loaded;
+``check_adapter`` reads one without keeping it (the engine's ``check_lora``).
 Sessions: 06.
 
 Simpler than vLLM: ``add_adapter`` loads into host memory only; the step
@@ -77,7 +78,6 @@ class LRUCacheWorkerLoRAManager:
         for weights in lora.loras.values():
             weights.lora_a = weights.lora_a.to(self.device)
             weights.lora_b = weights.lora_b.to(self.device)
-        self.loaded.append(lora_request.lora_int_id)
         return lora
 
     def set_active_adapters(self, requests: set[LoRARequest], token_lora_ids: np.ndarray) -> None:
@@ -96,6 +96,7 @@ class LRUCacheWorkerLoRAManager:
         for request in sorted(requests, key=lambda r: r.lora_int_id):
             if not manager.has_adapter(request.lora_int_id):
                 manager.add_adapter(self._load_adapter(request))
+                self.loaded.append(request.lora_int_id)
             manager.activate_adapter(request.lora_int_id)
         manager.set_adapter_mapping(token_lora_ids)
 
@@ -107,7 +108,14 @@ class LRUCacheWorkerLoRAManager:
         if manager.has_adapter(lora_request.lora_int_id):
             return manager.add_adapter(manager.list_adapters()[lora_request.lora_int_id])
         # Read (and check) it before anything is evicted for it.
-        return manager.add_adapter(self._load_adapter(lora_request))
+        added = manager.add_adapter(self._load_adapter(lora_request))
+        self.loaded.append(lora_request.lora_int_id)
+        return added
+
+    def check_adapter(self, lora_request: LoRARequest) -> None:
+        """Read an adapter and check it fits, keeping nothing (Glassbox's own:
+        the front end asks before the first request naming it is scheduled)."""
+        self._load_adapter(lora_request)
 
     def remove_adapter(self, adapter_id: int) -> bool:
         return self.adapter_manager.remove_adapter(adapter_id)

@@ -6,7 +6,9 @@
   first request naming it; the trace records the load outside a step.
 * A garbage weights file, an adapter trained for a base model of another
   size and one with layers this model lacks are refused, naming the adapter
-  and the reason; the engine keeps serving.
+  and the reason; the engine keeps serving. So is a request naming one
+  without ``add_lora`` (the front end has the workers read a new adapter
+  once, ``check_lora``), where the step loading it used to end the engine.
 * Pinning: a pinned adapter survives the LRU host cache; at most
   ``max_cpu_loras - max_loras`` may be pinned, and only loaded ones.
 * Through the EngineCore process: the ``LoRARequest`` argument survives the
@@ -77,6 +79,9 @@ def test_added_adapters_serve_and_broken_ones_are_refused(adapters, tmp_path, mo
             with pytest.raises(ValueError, match=message):
                 engine.add_lora(adapters[name])
         assert engine.list_loras() == {1}  # nothing half-loaded
+        with pytest.raises(ValueError, match=r"LoRA adapter 'for_wide' .* could not be loaded"):
+            _tokens(llm, adapters["for_wide"])  # never added: checked when first named
+        assert engine.list_loras() == {1} and not engine.has_unfinished_requests()
         assert _tokens(llm, adapters["a"]) == want
         assert engine.remove_lora(1) is True and engine.list_loras() == set()
         assert _tokens(llm, adapters["a"]) == want  # named again: loaded again
@@ -119,6 +124,8 @@ def test_adapter_calls_cross_the_process_boundary(adapters, monkeypatch):
         assert engine.list_loras() == {2}
         with pytest.raises(RuntimeError, match=r"add_lora failed: LoRA adapter 'garbage'"):
             engine.add_lora(adapters["garbage"])
+        with pytest.raises(ValueError, match=r"^LoRA adapter 'garbage' \(.*\) could not be loaded"):
+            _tokens(llm, adapters["garbage"])
         assert len(_tokens(llm, adapters["b"])) == GREEDY.max_tokens  # still serving
         assert engine.remove_lora(2) is True
     finally:

@@ -102,6 +102,8 @@ class AsyncLLM:
             part_path(self._trace_path, "frontend") if self._trace_path else None, obs.trace_level
         )
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
+        # Adapters the workers have read once and found to fit (_check_new_adapter).
+        self._checked_loras: set[LoRARequest] = set()
         self.output_processor = OutputProcessor(
             self.tokenizer,
             log_stats=log_stats,
@@ -211,6 +213,7 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             # A ValueError, so generate() reports it as a bad request.
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        await self._check_new_adapter(lora_request)
         num_sequences = params.n if isinstance(params, SamplingParams) else 1
         # Before tokenizing: an overloaded engine should not spend work on it.
         self.check_capacity(num_sequences)
@@ -437,10 +440,22 @@ class AsyncLLM:
             reset_running_requests, reset_connector
         )
 
+    async def _check_new_adapter(self, lora_request: LoRARequest | None) -> None:
+        """Glassbox's own: the first request naming an adapter has the workers
+        read it (``check_lora``): a broken one is a ValueError (HTTP 400)
+        rather than a failure in the step that would load it."""
+        if lora_request is None or lora_request in self._checked_loras:
+            return
+        self.input_processor._validate_lora_request(lora_request)
+        await self.engine_core.check_lora_async(lora_request)
+        self._checked_loras.add(lora_request)
+
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the workers now (the server's load endpoint)."""
         self.input_processor._validate_lora_request(lora_request)
-        return await self.engine_core.add_lora_async(lora_request)
+        added = await self.engine_core.add_lora_async(lora_request)
+        self._checked_loras.add(lora_request)
+        return added
 
     async def remove_lora(self, lora_id: int) -> bool:
         return await self.engine_core.remove_lora_async(lora_id)

@@ -334,6 +334,12 @@ class EngineCore:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.model_executor.add_lora(lora_request)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Glassbox's own: read an adapter and check it fits, keeping nothing.
+        The front end asks the first time a request names an adapter, so a
+        broken one fails that request, not the step that would load it."""
+        self.model_executor.check_lora(lora_request)
+
     def remove_lora(self, lora_id: int) -> bool:
         return self.model_executor.remove_lora(lora_id)
 

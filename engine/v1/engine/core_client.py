@@ -130,6 +130,9 @@ class EngineCoreClient(ABC):
     def add_lora(self, lora_request: LoRARequest) -> bool:
         raise NotImplementedError
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        raise NotImplementedError
+
     def remove_lora(self, lora_id: int) -> bool:
         raise NotImplementedError
 
@@ -157,6 +160,9 @@ class EngineCoreClient(ABC):
         raise NotImplementedError
 
     async def add_lora_async(self, lora_request: LoRARequest) -> bool:
+        raise NotImplementedError
+
+    async def check_lora_async(self, lora_request: LoRARequest) -> None:
         raise NotImplementedError
 
     async def remove_lora_async(self, lora_id: int) -> bool:
@@ -202,6 +208,9 @@ class InprocClient(EngineCoreClient):
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.engine_core.add_lora(lora_request)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        self.engine_core.check_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         return self.engine_core.remove_lora(lora_id)
@@ -509,6 +518,12 @@ class SyncMPClient(MPClient):
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.call_utility("add_lora", lora_request)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        try:
+            self.call_utility("check_lora", lora_request)
+        except RuntimeError as e:  # the adapter's fault: bad input, as in-process
+            raise ValueError(str(e).removeprefix("call to check_lora failed: ")) from None
+
     def remove_lora(self, lora_id: int) -> bool:
         return self.call_utility("remove_lora", lora_id)
 
@@ -622,6 +637,12 @@ class AsyncMPClient(MPClient):
 
     async def add_lora_async(self, lora_request: LoRARequest) -> bool:
         return await self.call_utility_async("add_lora", lora_request)
+
+    async def check_lora_async(self, lora_request: LoRARequest) -> None:
+        try:
+            await self.call_utility_async("check_lora", lora_request)
+        except RuntimeError as e:  # the adapter's fault: bad input, as in-process
+            raise ValueError(str(e).removeprefix("call to check_lora failed: ")) from None
 
     async def remove_lora_async(self, lora_id: int) -> bool:
         return await self.call_utility_async("remove_lora", lora_id)

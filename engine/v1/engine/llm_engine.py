@@ -86,6 +86,8 @@ class LLMEngine:
         )
         self.tracer = Tracer(trace_file, obs.trace_level)
         self.input_processor = InputProcessor(glassbox_config, self.tokenizer)
+        # Adapters the workers have read once and found to fit (_check_new_adapter).
+        self._checked_loras: set[LoRARequest] = set()
         self.output_processor = OutputProcessor(
             self.tokenizer,
             log_stats=log_stats,
@@ -155,6 +157,7 @@ class LLMEngine:
             raise TypeError(f"request_id must be a string, got {type(request_id)}")
         if not request_id:
             raise ValueError("request_id must be a non-empty string, got ''")
+        self._check_new_adapter(lora_request)
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority, lora_request
         )
@@ -249,11 +252,23 @@ class LLMEngine:
     ) -> bool:
         return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def _check_new_adapter(self, lora_request: LoRARequest | None) -> None:
+        """Glassbox's own: the first request naming an adapter has the workers
+        read it (``check_lora``), so a broken one is a ValueError here rather
+        than a failure in the step that would load it (vLLM's engine dies there)."""
+        if lora_request is None or lora_request in self._checked_loras:
+            return
+        self.input_processor._validate_lora_request(lora_request)
+        self.engine_core.check_lora(lora_request)
+        self._checked_loras.add(lora_request)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the workers now, before a request names it: a
         broken one fails here. False: it was loaded already."""
         self.input_processor._validate_lora_request(lora_request)
-        return self.engine_core.add_lora(lora_request)
+        added = self.engine_core.add_lora(lora_request)
+        self._checked_loras.add(lora_request)
+        return added
 
     def remove_lora(self, lora_id: int) -> bool:
         """Drop a loaded adapter (a request still naming it loads it again)."""

@@ -52,6 +52,7 @@ class WorkerMethod(str, enum.Enum):
     TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
     PROFILE = "profile"
     ADD_LORA = "add_lora"
+    CHECK_LORA = "check_lora"
     REMOVE_LORA = "remove_lora"
     PIN_LORA = "pin_lora"
     LIST_LORAS = "list_loras"
@@ -168,6 +169,10 @@ class Executor(ABC):
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into every worker's host memory (False: it was loaded)."""
         return all(self.collective_rpc(WorkerMethod.ADD_LORA, (lora_request,)))
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Every worker reads the adapter and checks it fits, keeping nothing."""
+        self.collective_rpc(WorkerMethod.CHECK_LORA, (lora_request,))
 
     def remove_lora(self, lora_id: int) -> bool:
         return all(self.collective_rpc(WorkerMethod.REMOVE_LORA, (lora_id,)))

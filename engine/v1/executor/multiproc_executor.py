@@ -84,6 +84,7 @@ def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
         WorkerMethod.TAKE_DRAFT_TOKEN_IDS: worker.take_draft_token_ids,
         WorkerMethod.PROFILE: worker.profile,
         WorkerMethod.ADD_LORA: worker.add_lora,
+        WorkerMethod.CHECK_LORA: worker.check_lora,
         WorkerMethod.REMOVE_LORA: worker.remove_lora,
         WorkerMethod.PIN_LORA: worker.pin_lora,
         WorkerMethod.LIST_LORAS: worker.list_loras,

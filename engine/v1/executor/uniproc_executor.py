@@ -87,6 +87,9 @@ class UniProcExecutor(Executor):
     def add_lora(self, lora_request) -> bool:
         return self._worker().add_lora(lora_request)
 
+    def check_lora(self, lora_request) -> None:
+        self._worker().check_lora(lora_request)
+
     def remove_lora(self, lora_id: int) -> bool:
         return self._worker().remove_lora(lora_id)
 

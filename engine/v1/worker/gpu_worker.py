@@ -206,6 +206,10 @@ class Worker(WorkerBase):
         assert self.model_runner is not None
         return self.model_runner.add_lora(lora_request)
 
+    def check_lora(self, lora_request) -> None:
+        assert self.model_runner is not None
+        self.model_runner.check_lora(lora_request)
+
     def remove_lora(self, lora_id: int) -> bool:
         assert self.model_runner is not None
         return self.model_runner.remove_lora(lora_id)

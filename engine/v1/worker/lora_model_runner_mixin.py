@@ -59,6 +59,9 @@ class LoRAModelRunnerMixin:
         self.trace.lora_slots(self._lora_manager(), [], np.zeros(0, dtype=np.int64))
         return added
 
+    def check_lora(self, lora_request: Any) -> None:
+        self._lora_manager().check_adapter(lora_request)
+
     def remove_lora(self, lora_id: int) -> bool:
         return self._lora_manager().remove_adapter(lora_id)
 
