@@ -12,7 +12,7 @@ Sessions: 01 (engine loop).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -85,6 +85,26 @@ class LLM:
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``method(worker, *args, **kwargs)`` in every worker; one answer
+        per rank. ``method`` is a top-level function (the workers import it by
+        name) or a ``WorkerMethod`` name. With EngineCore in its own process
+        (the default) the call and its answers travel pickled, which needs
+        ``GLASSBOX_ALLOW_INSECURE_SERIALIZATION=1``, as vLLM's needs
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` in every worker, e.g. to count or inspect weights;
+        move tensors to the CPU before returning them."""
+        return self.llm_engine.apply_model(func)
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """Open the workers' profiling window (needs ``profiler_config``); with

@@ -15,10 +15,18 @@ items, no out-of-band tensor queues), and no pickle fallback -- an object
 msgpack cannot express is a ``TypeError`` naming its type, because the only
 things that cross Glassbox's hop are its own msgspec structs. Like vLLM's, an
 encoder or decoder object is not thread-safe; each IO thread owns its own.
+
+One opt-in exception: ``collective_rpc`` / ``apply_model`` from the front end
+send a function to the workers, and that call and its result travel pickled
+(as msgpack bytes) only when ``GLASSBOX_ALLOW_INSECURE_SERIALIZATION=1``
+(vLLM's ``VLLM_ALLOW_INSECURE_SERIALIZATION``): unpickling runs code, so a
+process must not accept pickles unless its user said so.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import sys
 from collections.abc import Sequence
 from inspect import isclass
@@ -148,3 +156,34 @@ class MsgpackDecoder:
 
 def _as_buffer(buf: bytestr) -> bytes | bytearray | memoryview:
     return buf.buffer if isinstance(buf, zmq.Frame) else buf
+
+
+ALLOW_INSECURE_SERIALIZATION_ENV = "GLASSBOX_ALLOW_INSECURE_SERIALIZATION"
+
+
+def check_insecure_serialization(what: str) -> None:
+    """ValueError unless the user allowed pickles across the process hop."""
+    if os.environ.get(ALLOW_INSECURE_SERIALIZATION_ENV, "").lower() not in ("1", "true"):
+        raise ValueError(
+            f"{what} sends its call to the EngineCore process pickled: set "
+            f"{ALLOW_INSECURE_SERIALIZATION_ENV}=1 before the engine starts (vLLM: "
+            "VLLM_ALLOW_INSECURE_SERIALIZATION) or run EngineCore in this process "
+            "(GLASSBOX_ENABLE_MULTIPROCESSING=0)"
+        )
+
+
+def pickle_call(value: Any, what: str) -> bytes:
+    """``value`` pickled for the hop (after ``check_insecure_serialization``)."""
+    check_insecure_serialization(what)
+    try:
+        return pickle.dumps(value, protocol=5)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(
+            f"{what} cannot send its arguments to the EngineCore process ({e}); pass a "
+            "top-level function of an importable module"
+        ) from e
+
+
+def unpickle_call(payload: bytes, what: str) -> Any:
+    check_insecure_serialization(what)
+    return pickle.loads(payload)

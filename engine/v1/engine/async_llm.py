@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from copy import copy
 from typing import Any
 
@@ -465,6 +465,17 @@ class AsyncLLM:
 
     async def pin_lora(self, lora_id: int) -> bool:
         return await self.engine_core.pin_lora_async(lora_id)
+
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Every worker's answer to ``method(worker, *args, **kwargs)`` (needs
+        ``GLASSBOX_ALLOW_INSECURE_SERIALIZATION=1``: EngineCore is another process)."""
+        return await self.engine_core.collective_rpc_async(method, timeout, args, kwargs)
 
     async def start_profile(self, profile_prefix: str | None = None) -> None:
         calls = [self.engine_core.profile_async(True, profile_prefix)]

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import inspect
 import logging
 import os
@@ -110,11 +111,11 @@ from engine.v1.engine.utils import (
     SignalCallback,
     make_zmq_socket,
 )
-from engine.v1.executor.abstract import Executor
+from engine.v1.executor.abstract import Executor, WorkerMethod
 from engine.v1.kv_cache_interface import KVCacheConfig
 from engine.v1.outputs import ModelRunnerOutput
 from engine.v1.request import Request, RequestStatus
-from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, pickle_call, unpickle_call
 from engine.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -330,6 +331,24 @@ class EngineCore:
     ) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Every worker's answer to ``method``: a function, called as
+        ``method(worker, *args, **kwargs)``, or the name of a ``WorkerMethod``."""
+        call = worker_call(method, kwargs)
+        return self.model_executor.collective_rpc(call, tuple(args), timeout=timeout)
+
+    def collective_rpc_serialized(self, payload: bytes) -> bytes:
+        """Glassbox's own: ``collective_rpc`` sent by a front end in another
+        process, call and answers pickled (only when the user allowed it)."""
+        method, timeout, args, kwargs = unpickle_call(payload, "collective_rpc")
+        return pickle_call(self.collective_rpc(method, timeout, args, kwargs), "collective_rpc")
+
     # LoRA adapters, as utility calls too (vLLM's names).
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.model_executor.add_lora(lora_request)
@@ -370,6 +389,29 @@ IDLE_WAKE_S = 0.1
 HANDSHAKE_TIMEOUT_MINS = 5
 # After the parent dies, how long a clean exit may take before a hard one.
 PARENT_DEATH_EXIT_GRACE_S = 10.0
+
+
+def worker_call(
+    method: str | Callable[..., Any], kwargs: dict[str, Any] | None
+) -> WorkerMethod | Callable[..., Any]:
+    """What ``collective_rpc`` hands the executor: a name becomes its
+    ``WorkerMethod`` (the one table of worker calls), keyword arguments are
+    bound into the function."""
+    if isinstance(method, str):
+        try:
+            worker_method = WorkerMethod(method)
+        except ValueError:
+            names = ", ".join(m.value for m in WorkerMethod)
+            raise ValueError(
+                f"collective_rpc: the workers have no method {method!r} to call by name "
+                f"({names}); pass a function(worker, ...) instead"
+            ) from None
+        if kwargs:
+            raise ValueError("collective_rpc: keyword arguments go with a function, not a name")
+        return worker_method
+    if not callable(method):
+        raise TypeError(f"collective_rpc: method must be a name or a function, got {method!r}")
+    return functools.partial(method, **kwargs) if kwargs else method
 
 
 def _convert_msgspec_args(method: Callable[..., Any], args: tuple) -> tuple:

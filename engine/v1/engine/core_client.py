@@ -36,7 +36,7 @@ import threading
 import uuid
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +57,7 @@ from engine.v1.engine import (
     EngineCoreRequestType,
     UtilityOutput,
 )
-from engine.v1.engine.core import EngineCore, EngineCoreProc
+from engine.v1.engine.core import EngineCore, EngineCoreProc, worker_call
 from engine.v1.engine.exceptions import EngineDeadError
 from engine.v1.engine.utils import (
     CoreEngineProcManager,
@@ -68,7 +68,7 @@ from engine.v1.engine.utils import (
     make_zmq_socket,
 )
 from engine.v1.executor.abstract import Executor
-from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from engine.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, pickle_call, unpickle_call
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,15 @@ class EngineCoreClient(ABC):
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         raise NotImplementedError
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        raise NotImplementedError
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         raise NotImplementedError
 
@@ -157,6 +166,15 @@ class EngineCoreClient(ABC):
         raise NotImplementedError
 
     async def profile_async(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        raise NotImplementedError
+
+    async def collective_rpc_async(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
         raise NotImplementedError
 
     async def add_lora_async(self, lora_request: LoRARequest) -> bool:
@@ -205,6 +223,9 @@ class InprocClient(EngineCoreClient):
 
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         self.engine_core.profile(is_start, profile_prefix)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.engine_core.add_lora(lora_request)
@@ -515,6 +536,12 @@ class SyncMPClient(MPClient):
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         self.call_utility("profile", is_start, profile_prefix)
 
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
+        worker_call(method, kwargs)  # a bad name fails here, not in the other process
+        payload = pickle_call((method, timeout, args, kwargs), "collective_rpc")
+        answer = self.call_utility("collective_rpc_serialized", payload)
+        return unpickle_call(answer, "collective_rpc")
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.call_utility("add_lora", lora_request)
 
@@ -634,6 +661,12 @@ class AsyncMPClient(MPClient):
 
     async def profile_async(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         await self.call_utility_async("profile", is_start, profile_prefix)
+
+    async def collective_rpc_async(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
+        worker_call(method, kwargs)  # a bad name fails here, not in the other process
+        payload = pickle_call((method, timeout, args, kwargs), "collective_rpc")
+        answer = await self.call_utility_async("collective_rpc_serialized", payload)
+        return unpickle_call(answer, "collective_rpc")
 
     async def add_lora_async(self, lora_request: LoRARequest) -> bool:
         return await self.call_utility_async("add_lora", lora_request)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from copy import copy
 from typing import Any
 
@@ -281,6 +282,22 @@ class LLMEngine:
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a loaded adapter in host memory: the LRU never evicts it."""
         return self.engine_core.pin_lora(lora_id)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Every worker's answer to ``method(worker, *args, **kwargs)`` (a
+        top-level function, or a ``WorkerMethod`` name); across processes
+        only with ``GLASSBOX_ALLOW_INSECURE_SERIALIZATION=1``."""
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` in every worker, one answer per rank."""
+        return self.collective_rpc("apply_model", args=(func,))
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         self.engine_core.profile(True, profile_prefix)

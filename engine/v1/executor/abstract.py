@@ -50,12 +50,33 @@ class WorkerMethod(str, enum.Enum):
     EXECUTE_MODEL = "execute_model"
     SAMPLE_TOKENS = "sample_tokens"
     TAKE_DRAFT_TOKEN_IDS = "take_draft_token_ids"
+    APPLY_MODEL = "apply_model"
     PROFILE = "profile"
     ADD_LORA = "add_lora"
     CHECK_LORA = "check_lora"
     REMOVE_LORA = "remove_lora"
     PIN_LORA = "pin_lora"
     LIST_LORAS = "list_loras"
+
+
+def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
+    """Each ``WorkerMethod`` -> the worker's bound method (the one dispatch table)."""
+    return {
+        WorkerMethod.GET_KV_CACHE_SPEC: worker.get_kv_cache_spec,
+        WorkerMethod.DETERMINE_AVAILABLE_MEMORY: worker.determine_available_memory,
+        WorkerMethod.UPDATE_MAX_MODEL_LEN: worker.update_max_model_len,
+        WorkerMethod.INITIALIZE_FROM_CONFIG: worker.initialize_from_config,
+        WorkerMethod.EXECUTE_MODEL: worker.execute_model,
+        WorkerMethod.SAMPLE_TOKENS: worker.sample_tokens,
+        WorkerMethod.TAKE_DRAFT_TOKEN_IDS: worker.take_draft_token_ids,
+        WorkerMethod.APPLY_MODEL: worker.apply_model,
+        WorkerMethod.PROFILE: worker.profile,
+        WorkerMethod.ADD_LORA: worker.add_lora,
+        WorkerMethod.CHECK_LORA: worker.check_lora,
+        WorkerMethod.REMOVE_LORA: worker.remove_lora,
+        WorkerMethod.PIN_LORA: worker.pin_lora,
+        WorkerMethod.LIST_LORAS: worker.list_loras,
+    }
 
 
 class Executor(ABC):
@@ -106,10 +127,12 @@ class Executor(ABC):
         args: tuple[Any, ...] = (),
         non_block: bool = False,
         unique_reply_rank: int | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """Run ``method`` on every worker: a ``WorkerMethod`` names a ``Worker``
         method, a function is called as ``method(worker, *args)``. Returns every
-        rank's result, or only ``unique_reply_rank``'s (a future if ``non_block``)."""
+        rank's result, or only ``unique_reply_rank``'s (a future if ``non_block``);
+        ``TimeoutError`` when the answers take more than ``timeout`` seconds."""
         raise NotImplementedError(f"{type(self).__name__} has no collective_rpc")
 
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:

@@ -59,7 +59,7 @@ from engine.utils.network_utils import (
 )
 from engine.utils.system_utils import get_mp_context
 from engine.v1.engine.utils import process_ended
-from engine.v1.executor.abstract import Executor, WorkerMethod
+from engine.v1.executor.abstract import Executor, WorkerMethod, worker_handlers
 from engine.v1.outputs import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -72,23 +72,10 @@ WORKER_TERMINATE_GRACE_S = 4.0
 WORKER_DEATH_GRACE_S = 1.0
 
 
-def worker_handlers(worker: Any) -> dict[WorkerMethod, Callable[..., Any]]:
-    """Each ``WorkerMethod`` -> the worker's bound method (the one dispatch table)."""
-    return {
-        WorkerMethod.GET_KV_CACHE_SPEC: worker.get_kv_cache_spec,
-        WorkerMethod.DETERMINE_AVAILABLE_MEMORY: worker.determine_available_memory,
-        WorkerMethod.UPDATE_MAX_MODEL_LEN: worker.update_max_model_len,
-        WorkerMethod.INITIALIZE_FROM_CONFIG: worker.initialize_from_config,
-        WorkerMethod.EXECUTE_MODEL: worker.execute_model,
-        WorkerMethod.SAMPLE_TOKENS: worker.sample_tokens,
-        WorkerMethod.TAKE_DRAFT_TOKEN_IDS: worker.take_draft_token_ids,
-        WorkerMethod.PROFILE: worker.profile,
-        WorkerMethod.ADD_LORA: worker.add_lora,
-        WorkerMethod.CHECK_LORA: worker.check_lora,
-        WorkerMethod.REMOVE_LORA: worker.remove_lora,
-        WorkerMethod.PIN_LORA: worker.pin_lora,
-        WorkerMethod.LIST_LORAS: worker.list_loras,
-    }
+def _function_name(function: Callable[..., Any]) -> str:
+    """A function's name for messages (a ``functools.partial``: its function's)."""
+    function = getattr(function, "func", function)
+    return getattr(function, "__qualname__", repr(function))
 
 
 class ResponseStatus(enum.Enum):
@@ -120,10 +107,10 @@ class WorkerRequest:
             payload = pickle.dumps((method, args), protocol=5)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(
-                f"collective_rpc cannot send {method.__qualname__} to the workers ({e}); "
+                f"collective_rpc cannot send {_function_name(method)} to the workers ({e}); "
                 "pass a top-level function of an importable module"
             ) from e
-        return cls(method.__qualname__, (), reply, payload)
+        return cls(_function_name(method), (), reply, payload)
 
     @classmethod
     def last(cls) -> WorkerRequest:
@@ -320,12 +307,20 @@ class MultiprocExecutor(Executor):
         result, or only ``unique_reply_rank``'s."""
         if self.is_failed or self.shutdown_event.is_set():
             raise RuntimeError("the executor is failed or shut down; no call can run")
-        self.rpc_broadcast_mq.enqueue(WorkerRequest.make(method, args, unique_reply_rank))
+        request = WorkerRequest.make(method, args, unique_reply_rank)
+        try:
+            self.rpc_broadcast_mq.enqueue(request)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            name = getattr(request.method, "value", request.method)
+            raise ValueError(
+                f"collective_rpc cannot send the arguments of {name} to the workers ({e}); "
+                "pass top-level functions of an importable module"
+            ) from e
         if unique_reply_rank is not None:
             response_mqs = [self.workers[unique_reply_rank].worker_response_mq]
         else:
             response_mqs = [w.worker_response_mq for w in self.workers]
-        name = getattr(method, "value", getattr(method, "__name__", repr(method)))
+        name = method.value if isinstance(method, WorkerMethod) else _function_name(method)
 
         def get_response() -> Any:
             answers = []

@@ -121,6 +121,7 @@ class RayDistributedExecutor(Executor):
         args: tuple[Any, ...] = (),
         non_block: bool = False,
         unique_reply_rank: int | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """Every actor runs ``method``; the answers of all, or of one rank."""
         refs = [w.execute_method.remote(method, *args) for w in self.workers]
@@ -129,7 +130,7 @@ class RayDistributedExecutor(Executor):
             refs = refs[unique_reply_rank]
         if non_block:
             return RayFuture(refs, name)
-        return wait_for(refs, name)
+        return wait_for(refs, name, timeout)
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -162,7 +162,7 @@ class RayWorkerWrapper:
 
         from engine.tracing import Tracer, part_path
         from engine.tracing.worker_trace import WorkerProcTrace
-        from engine.v1.executor.multiproc_executor import worker_handlers
+        from engine.v1.executor.abstract import worker_handlers
         from engine.v1.worker.gpu_worker import Worker
 
         _logging.basicConfig(
@@ -217,12 +217,15 @@ class RayWorkerWrapper:
             tracer.close()
 
 
-def wait_for(refs: Any, what: str) -> Any:
-    """``ray.get`` with a clear error when an actor (a rank's process) died."""
+def wait_for(refs: Any, what: str, timeout: float | None = None) -> Any:
+    """``ray.get`` with a clear error when an actor (a rank's process) died;
+    ``TimeoutError`` after ``timeout`` seconds."""
     import ray
 
     try:
-        return ray.get(refs)
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(f"{what}: no answer from the workers in {timeout} s") from e
     except ray.exceptions.RayActorError as e:
         raise RuntimeError(f"{what}: a Ray worker process died ({e.__class__.__name__})") from e
     except ray.exceptions.RayTaskError as e:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from functools import cached_property
 
-from engine.v1.executor.abstract import Executor, done_future
+from engine.v1.executor.abstract import Executor, WorkerMethod, done_future, worker_handlers
 from engine.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from engine.v1.worker.gpu_worker import Worker
 
@@ -51,6 +51,18 @@ class UniProcExecutor(Executor):
         if self.driver_worker is None:
             raise RuntimeError("the executor has been shut down")
         return self.driver_worker
+
+    def collective_rpc(
+        self, method, args=(), non_block=False, unique_reply_rank=None, timeout=None
+    ):
+        """The one worker runs ``method`` here, in this thread (so ``timeout``
+        cannot interrupt it); its answer as a list of one, as for many ranks."""
+        worker = self._worker()
+        if isinstance(method, WorkerMethod):
+            result = worker_handlers(worker)[method](*args)
+        else:
+            result = method(worker, *args)
+        return result if unique_reply_rank is not None else [result]
 
     def get_kv_cache_specs(self):
         return self._worker().get_kv_cache_spec()

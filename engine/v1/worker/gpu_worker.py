@@ -202,6 +202,11 @@ class Worker(WorkerBase):
             f"_generation_{d.num_generation_requests}({d.num_generation_tokens})"
         )
 
+    def apply_model(self, fn):
+        """``fn(model)`` on this rank's model (``LLM.apply_model``)."""
+        assert self.model_runner is not None and self.model_runner.model is not None
+        return fn(self.model_runner.model)
+
     def add_lora(self, lora_request) -> bool:
         assert self.model_runner is not None
         return self.model_runner.add_lora(lora_request)
