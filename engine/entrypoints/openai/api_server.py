@@ -88,6 +88,7 @@ from engine.entrypoints.openai.server_utils import (
     validation_exception_handler,
     with_cancellation,
 )
+from engine.entrypoints.serve.cache.api_router import attach_router as attach_cache_router
 from engine.entrypoints.serve.lora.api_router import attach_router as attach_lora_router
 from engine.entrypoints.serve.profile.api_router import attach_router as attach_profile_router
 from engine.entrypoints.serve.tokenize.protocol import (
@@ -337,6 +338,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app.include_router(router)
     attach_lora_router(app)
     attach_profile_router(app, args)
+    attach_cache_router(app)
     app.state.args = args
     app.add_exception_handler(RequestValidationError, validation_exception_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from engine.entrypoints.llm import LLM
+from engine.entrypoints.serve.cache.api_router import SERVER_DEV_MODE_ENV
 from engine.sampling_params import SamplingParams
 from tests.entrypoints.openai.utils import COUNTING_EXECUTOR, RemoteOpenAIServer
 from tests.helpers.counting_executor import CountingExecutor
@@ -412,3 +413,24 @@ def test_profile_endpoints_write_the_worker_and_front_end_traces(model_dir, tmp_
     (front_end,) = out.glob(f"*_{os.getpid()}.async_llm.*.pt.trace.json.gz")
     assert json.load(gzip.open(front_end))["traceEvents"]
     assert (out / "profiler_out_0.txt").exists()
+
+
+def test_reset_prefix_cache_exists_only_in_dev_mode(server, model_dir, monkeypatch):
+    assert httpx.post(server.url_for("reset_prefix_cache")).status_code == 404
+    monkeypatch.setenv(SERVER_DEV_MODE_ENV, "1")
+    flags = ["--distributed-executor-backend", COUNTING_EXECUTOR, *ENGINE_FLAGS]
+    with RemoteOpenAIServer(model_dir, flags) as dev:
+        prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9"  # two full 4-token blocks to cache
+
+        def hits_after_one_request() -> float:
+            before = dev.metrics()["glassbox:prefix_cache_hits_total"]
+            dev.get_client().completions.create(
+                model=str(model_dir), prompt=prompt, max_tokens=1, temperature=0
+            )
+            return dev.metrics()["glassbox:prefix_cache_hits_total"] - before
+
+        assert hits_after_one_request() == 0  # cold
+        assert hits_after_one_request() == 8  # the two blocks, cached
+        answer = httpx.post(dev.url_for("reset_prefix_cache"))
+        assert answer.status_code == 200 and answer.json() == {"reset": True}
+        assert hits_after_one_request() == 0  # cold again

@@ -1,0 +1,1 @@
+"""``POST /reset_prefix_cache`` (vLLM twin: ``vllm/entrypoints/serve/cache/``)."""
