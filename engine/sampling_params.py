@@ -302,6 +302,47 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
         )
 
 
+class RepetitionDetectionParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Stop a request whose output ends in a pattern of ``min_pattern_size``..
+    ``max_pattern_size`` tokens repeated ``min_count`` times in a row (e.g.
+    ``abcabcabc``: size 3, count 3). ``max_pattern_size=0`` turns it off."""
+
+    max_pattern_size: int = 0
+    """Longest pattern looked for, in tokens (0: detection off)."""
+    min_pattern_size: int = 0
+    """Shortest pattern looked for (0: 1)."""
+    min_count: int = 0
+    """Back-to-back repeats that end the request (>= 2 when detection is on)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"repetition_detection.{name} must be an int >= 0, got {value!r}")
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(
+                f"repetition_detection.min_pattern_size ({self.min_pattern_size}) must be <= "
+                f"max_pattern_size ({self.max_pattern_size}); set both to 0 to turn it off"
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(
+                f"repetition_detection.min_count must be >= 2 to detect a repeat, got "
+                f"{self.min_count}; set max_pattern_size to 0 to turn detection off"
+            )
+
+
+def _as_repetition_detection(value: Any) -> RepetitionDetectionParams | None:
+    """The OpenAI body's object (a dict) as ``RepetitionDetectionParams``."""
+    if value is None or isinstance(value, RepetitionDetectionParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"repetition_detection must be an object, got {type(value).__name__}")
+    fields = set(RepetitionDetectionParams.__struct_fields__)
+    if unknown := sorted(set(value) - fields):
+        raise ValueError(f"repetition_detection: unknown field(s) {unknown}")
+    return RepetitionDetectionParams(**value)
+
+
 class SamplingParams(
     msgspec.Struct,
     omit_defaults=True,  # only non-default fields go over the wire
@@ -400,6 +441,9 @@ class SamplingParams(
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar
     (session 06): disallowed tokens are masked out before sampling."""
+    repetition_detection: RepetitionDetectionParams | None = None
+    """End the request (finish_reason "repetition") when its output ends in a
+    repeated token pattern (``RepetitionDetectionParams``)."""
 
     skip_reading_prefix_cache: bool | None = None
     """Don't take prompt tokens from the prefix cache. Defaults to True when
@@ -435,6 +479,7 @@ class SamplingParams(
         extra_args: dict[str, Any] | None = None,
         skip_clone: bool = False,
         structured_outputs: StructuredOutputsParams | None = None,
+        repetition_detection: RepetitionDetectionParams | dict | None = None,
     ) -> SamplingParams:
         """Build from API-style arguments where None means "use the default".
 
@@ -475,6 +520,7 @@ class SamplingParams(
             extra_args=extra_args,
             skip_clone=skip_clone,
             structured_outputs=structured_outputs,
+            repetition_detection=_as_repetition_detection(repetition_detection),
         )
 
     def __post_init__(self) -> None:
@@ -557,6 +603,7 @@ class SamplingParams(
         ):
             _as_bool(name, getattr(self, name))
         _as_bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache, allow_none=True)
+        self.repetition_detection = _as_repetition_detection(self.repetition_detection)
 
         try:
             self.output_kind = RequestOutputKind(self.output_kind)

@@ -224,6 +224,8 @@ def _finish_text(status: str, reason: str | None) -> str:
         return "length (max_tokens or max_model_len reached)"
     if reason == "stop":
         return "stop (EOS, stop token or stop string)"
+    if reason == "repetition":
+        return "repetition (the output ended in a repeated pattern)"
     return f"{status.lower()} ({reason})"
 
 

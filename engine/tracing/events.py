@@ -552,16 +552,19 @@ class SchedUpdate(TraceEvent, kw_only=True, tag="sched.update"):
 
 
 class SchedFinished(TraceEvent, kw_only=True, tag="sched.finished"):
-    """``Scheduler._free_request``: stop, length or abort (including the aborts
-    the front end sends after a stop string). Replay: removes it from its
-    queue and marks it finished; its ``kv.freed`` follows."""
+    """``Scheduler._free_request``: stop, length, repetition or abort (including
+    the aborts the front end sends after a stop string). Replay: removes it
+    from its queue and marks it finished; its ``kv.freed`` follows."""
 
     request_id: str
     status: Annotated[
         str,
-        doc("`FINISHED_STOPPED`, `FINISHED_LENGTH_CAPPED`, `FINISHED_ABORTED`, `FINISHED_IGNORED`"),
+        doc(
+            "`FINISHED_STOPPED`, `FINISHED_LENGTH_CAPPED`, `FINISHED_ABORTED`, "
+            "`FINISHED_IGNORED`, `FINISHED_REPETITION` (1.13)"
+        ),
     ]
-    finish_reason: Annotated[str, doc("`stop`, `length`, `abort`")]
+    finish_reason: Annotated[str, doc("`stop`, `length`, `abort`, `repetition`")]
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

@@ -21,10 +21,9 @@ whose sampling parameters carry
 with a ``structured_output_request`` (session 06).
 
 Simpler than vLLM: no streaming-input sessions (``resumable``), reasoning
-parser state, NaN counting, or ``FINISHED_ERROR`` / ``FINISHED_REPETITION``
-statuses (a grammar that fails to compile ends the request as
-``FINISHED_ABORTED``). ``prefill_stats`` never counts external (KV
-connector) tokens.
+parser state, NaN counting, or a ``FINISHED_ERROR`` status (a grammar that
+fails to compile ends the request as ``FINISHED_ABORTED``). ``prefill_stats``
+never counts external (KV connector) tokens.
 
 Differs from vLLM on purpose: ``pooling_params`` defaults to None (vLLM
 requires it).
@@ -63,6 +62,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_REPETITION = enum.auto()
 
     def __str__(self) -> str:
         return self.name
@@ -82,6 +82,7 @@ _FINISHED_REASON_MAP = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     # A prompt longer than the model allows is "ignored" and reported as length.
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
 }
 
 

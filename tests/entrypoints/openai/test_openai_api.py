@@ -380,6 +380,26 @@ def test_server_trace_links_the_http_request_to_both_processes(model_dir, tmp_pa
     assert api_request.ts <= received.ts <= api_chunks[-1].ts
 
 
+def test_repetition_detection_ends_a_repeating_completion(client, model, server):
+    # CountingExecutor's output cycles through the 67-token vocabulary.
+    detect = {"max_pattern_size": 67, "min_count": 2}
+    answer = client.completions.create(
+        model=model,
+        prompt="w1",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"ignore_eos": True, "repetition_detection": detect},
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "repetition" and answer.usage.completion_tokens == 134
+    assert choice.stop_reason == "repetition_detected"
+    bad = httpx.post(
+        server.url_for("v1", "completions"),
+        json={"model": model, "prompt": "w1", "repetition_detection": {"max_pattern_size": 4}},
+    )
+    assert bad.status_code == 400 and "min_count must be >= 2" in bad.text
+
+
 def test_profile_endpoints_exist_only_with_a_profiler(server):
     # As vLLM: without --profiler-config a client cannot make the server profile.
     assert httpx.post(server.url_for("start_profile")).status_code == 404

@@ -159,6 +159,8 @@ def test_request_status_order_and_finished_states():
         finished = status.name.startswith("FINISHED_")
         assert RequestStatus.is_finished(status) is finished, status
     assert RequestStatus.get_finished_reason(RequestStatus.FINISHED_IGNORED) == FinishReason.LENGTH
+    repetition = RequestStatus.get_finished_reason(RequestStatus.FINISHED_REPETITION)
+    assert repetition == FinishReason.REPETITION and str(repetition) == "repetition"
     assert RequestStatus.get_finished_reason(RequestStatus.WAITING_FOR_REMOTE_KVS) is None
 
 

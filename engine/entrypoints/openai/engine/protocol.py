@@ -117,6 +117,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class RepetitionDetection(OpenAIBaseModel):
+    """vLLM's ``repetition_detection`` object: end the output when it ends in
+    a pattern of min..max_pattern_size tokens repeated min_count times."""
+
+    max_pattern_size: int = Field(0, ge=0)
+    min_pattern_size: int = Field(0, ge=0)
+    min_count: int = Field(0, ge=0)
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
@@ -314,6 +323,8 @@ class SamplingFields(OpenAIBaseModel):
     # Structured outputs (session 06): OpenAI's field, then vLLM's extension.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM extension: stop on a repeated token pattern (finish_reason "repetition").
+    repetition_detection: RepetitionDetection | None = None
 
     @field_validator("structured_outputs")
     @classmethod
@@ -378,4 +389,7 @@ class SamplingFields(OpenAIBaseModel):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self.structured_outputs_params(),
+            repetition_detection=(
+                self.repetition_detection.model_dump() if self.repetition_detection else None
+            ),
         )
