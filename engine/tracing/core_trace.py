@@ -38,6 +38,7 @@ from engine.tracing.events import (
     KVTouched,
     SchedAdmitted,
     SchedFinished,
+    SchedPause,
     SchedPreempted,
     SchedQueued,
     SchedStep,
@@ -264,6 +265,10 @@ class SchedulerTrace(SubsystemTrace):
                 async_scheduling=bool(sc.async_scheduling),
             )
         )
+
+    def pause_state_set(self, state: str) -> None:
+        """``sched.pause``: ``pause_generation`` / ``resume_generation`` reached the scheduler."""
+        self.tracer.record(SchedPause(state=state))
 
     def step_started(self, step: int) -> None:
         """Events from here until the next ``schedule()`` belong to ``step``."""

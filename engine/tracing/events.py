@@ -551,6 +551,14 @@ class SchedUpdate(TraceEvent, kw_only=True, tag="sched.update"):
     duration_ns: Annotated[int, doc("time spent in `update_from_output()`, ns")] = 0
 
 
+class SchedPause(TraceEvent, kw_only=True, tag="sched.pause"):
+    """Written by ``Scheduler.set_pause_state`` when ``pause_generation`` or
+    ``resume_generation`` reached it (1.13): until the next one, PAUSED_NEW
+    steps admit no waiting request and PAUSED_ALL steps schedule nothing."""
+
+    state: Annotated[str, doc("`UNPAUSED`, `PAUSED_NEW` or `PAUSED_ALL`")]
+
+
 class SchedFinished(TraceEvent, kw_only=True, tag="sched.finished"):
     """``Scheduler._free_request``: stop, length, repetition or abort (including
     the aborts the front end sends after a stop string). Replay: removes it
@@ -1016,6 +1024,7 @@ EVENT_SECTIONS: dict[str, tuple[type[TraceEvent], ...]] = {
         SchedUpdate,
         SpecVerified,
         SchedFinished,
+        SchedPause,
     ),
     "KV cache (engine core)": (
         KVCacheHit,

@@ -91,6 +91,7 @@ from engine.entrypoints.openai.server_utils import (
 from engine.entrypoints.serve.cache.api_router import attach_router as attach_cache_router
 from engine.entrypoints.serve.lora.api_router import attach_router as attach_lora_router
 from engine.entrypoints.serve.profile.api_router import attach_router as attach_profile_router
+from engine.entrypoints.serve.rlhf.api_router import attach_router as attach_rlhf_router
 from engine.entrypoints.serve.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -339,6 +340,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     attach_lora_router(app)
     attach_profile_router(app, args)
     attach_cache_router(app)
+    attach_rlhf_router(app)
     app.state.args = args
     app.add_exception_handler(RequestValidationError, validation_exception_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)

@@ -25,8 +25,11 @@ steps in another:
 and, with the torch profiler, one in this process too (``FrontendProfiler``).
 Sessions: 01 (engine loop across two processes).
 
-Simpler than vLLM: no pooling, streaming-input generators, pause/resume,
-sleep mode or data parallelism.
+``pause_generation`` / ``resume_generation`` hold the scheduler back (a
+``PauseState``) while, say, a trainer swaps the weights.
+
+Simpler than vLLM: no pooling, streaming-input generators, sleep mode,
+weight-transfer calls or data parallelism.
 
 Differs from vLLM on purpose: ``add_request`` is all-or-nothing -- if
 anything fails before every part of the request reached the core, what was
@@ -476,6 +479,22 @@ class AsyncLLM:
         """Every worker's answer to ``method(worker, *args, **kwargs)`` (needs
         ``GLASSBOX_ALLOW_INSECURE_SERIALIZATION=1``: EngineCore is another process)."""
         return await self.engine_core.collective_rpc_async(method, timeout, args, kwargs)
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating until ``resume_generation`` (e.g. to swap weights).
+        ``abort``: requests in flight end now (finish_reason "abort"); ``wait``:
+        they finish first; ``keep``: they freeze and go on after the resume.
+        New requests are accepted and queued. ``clear_cache``: empty the prefix
+        cache once nothing runs. Returns when the pause is complete."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        await self.engine_core.pause_scheduler_async(mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.engine_core.resume_scheduler_async()
+
+    async def is_paused(self) -> bool:
+        return await self.engine_core.is_scheduler_paused_async()
 
     async def start_profile(self, profile_prefix: str | None = None) -> None:
         calls = [self.engine_core.profile_async(True, profile_prefix)]

@@ -94,6 +94,7 @@ from engine.v1.core.kv_cache_utils import (
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
+from engine.v1.core.sched.interface import PauseState
 from engine.v1.core.sched.output import SchedulerOutput
 from engine.v1.core.sched.scheduler import Scheduler
 from engine.v1.engine import (
@@ -331,6 +332,36 @@ class EngineCore:
     ) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    # -- pausing (pause_generation / resume_generation) ------------------------------
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Future | None:
+        """Stop taking on work until ``resume_scheduler``. ``abort``: end every
+        request now; ``keep``: freeze them where they are; ``wait`` (another
+        process only): let the running ones finish, queue new ones. With
+        ``clear_cache`` the prefix cache is emptied once nothing runs. Returns
+        None when done, or a Future the busy loop completes once idle."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "wait":
+            raise ValueError("pause mode 'wait' needs EngineCore in its own process")
+        if mode == "abort":
+            self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        self.scheduler.set_pause_state(state)
+        if clear_cache:
+            self._reset_caches()
+        return None
+
+    def resume_scheduler(self) -> None:
+        """Schedule again; requests queued while paused are admitted."""
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    def _reset_caches(self) -> None:
+        # Frozen requests (keep) give their blocks back: they recompute on resume.
+        self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
@@ -464,6 +495,8 @@ class EngineCoreProc(EngineCore):
         self._drain_deadline = 0.0
         self._skip_drain = False  # the front end is gone, or a second signal came
         self.output_thread: threading.Thread | None = None
+        # Run once the engine has no work (a pause in "wait" mode completes there).
+        self._idle_state_callbacks: list[Callable[[], None]] = []
 
         # This process's own trace part; the front end merges the parts.
         obs = glassbox_config.observability_config
@@ -628,6 +661,35 @@ class EngineCoreProc(EngineCore):
             target=wait_for_parent_death, daemon=True, name="ParentDeathWatcher"
         ).start()
 
+    # -- pausing -----------------------------------------------------------------------
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Future | None:
+        """As ``EngineCore.pause_scheduler``; the aborts are reported to the
+        clients, and the pause completes (the Future) only once nothing runs."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "abort":
+            aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+            self._send_abort_outputs(aborted)
+        state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        self.scheduler.set_pause_state(state)
+        if not self.has_work():
+            if clear_cache:
+                self._reset_caches()
+            return None
+        future: Future[None] = Future()
+
+        def when_idle() -> None:
+            if clear_cache:
+                self._reset_caches()
+            future.set_result(None)
+
+        self._idle_state_callbacks.append(when_idle)
+        return future
+
+    def _notify_idle_state_callbacks(self) -> None:
+        while self._idle_state_callbacks:
+            self._idle_state_callbacks.pop(0)()
+
     # -- the busy loop ---------------------------------------------------------------
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
@@ -644,6 +706,8 @@ class EngineCoreProc(EngineCore):
         raise SystemExit
 
     def _process_input_queue(self) -> None:
+        if not self.has_work():
+            self._notify_idle_state_callbacks()
         while not self.has_work() and self.is_running():
             try:
                 # Wake now and then: a SIGTERM the kernel delivered to another
@@ -684,6 +748,9 @@ class EngineCoreProc(EngineCore):
                 )
             self.shutdown_state = EngineShutdownState.SHUTTING_DOWN
         drain_over = self._skip_drain or time.monotonic() >= self._drain_deadline
+        if drain_over and self.scheduler.pause_state != PauseState.UNPAUSED:
+            # A paused scheduler hides what it holds: unpause, so all of it is aborted.
+            self.scheduler.set_pause_state(PauseState.UNPAUSED)
         if drain_over and self.scheduler.has_unfinished_requests():
             aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
             logger.info("Shutdown: aborting %d unfinished request(s).", len(aborted))
@@ -723,7 +790,13 @@ class EngineCoreProc(EngineCore):
                 if method_name.startswith("_") or not callable(getattr(self, method_name, None)):
                     raise AttributeError(f"EngineCore has no utility method {method_name!r}")
                 method = getattr(self, method_name)
-                output.result = method(*_convert_msgspec_args(method, args))
+                result = method(*_convert_msgspec_args(method, args))
+                if isinstance(result, Future):  # answered when it completes (a pause)
+                    result.add_done_callback(
+                        functools.partial(self._send_utility_result, client_index, output)
+                    )
+                    return
+                output.result = result
             except Exception as e:
                 logger.exception("Utility call %s failed", method_name)
                 output.failure_message = f"call to {method_name} failed: {e}"
@@ -749,6 +822,15 @@ class EngineCoreProc(EngineCore):
         self._put_output(
             client_index, EngineCoreOutputs(outputs=outputs, finished_requests=set(request_ids))
         )
+
+    def _send_utility_result(
+        self, client_index: int, output: UtilityOutput, future: Future
+    ) -> None:
+        try:
+            output.result = future.result()
+        except Exception as e:
+            output.failure_message = f"call failed: {e}"
+        self._put_output(client_index, EngineCoreOutputs(utility_output=output))
 
     def _send_abort_outputs(self, aborted: list[tuple[str, int]]) -> None:
         by_client: dict[int, list[str]] = defaultdict(list)

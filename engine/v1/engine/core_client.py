@@ -183,6 +183,15 @@ class EngineCoreClient(ABC):
     async def check_lora_async(self, lora_request: LoRARequest) -> None:
         raise NotImplementedError
 
+    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        raise NotImplementedError
+
+    async def resume_scheduler_async(self) -> None:
+        raise NotImplementedError
+
+    async def is_scheduler_paused_async(self) -> bool:
+        raise NotImplementedError
+
     async def remove_lora_async(self, lora_id: int) -> bool:
         raise NotImplementedError
 
@@ -670,6 +679,15 @@ class AsyncMPClient(MPClient):
 
     async def add_lora_async(self, lora_request: LoRARequest) -> bool:
         return await self.call_utility_async("add_lora", lora_request)
+
+    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self.call_utility_async("pause_scheduler", mode, clear_cache)
+
+    async def resume_scheduler_async(self) -> None:
+        await self.call_utility_async("resume_scheduler")
+
+    async def is_scheduler_paused_async(self) -> bool:
+        return await self.call_utility_async("is_scheduler_paused")
 
     async def check_lora_async(self, lora_request: LoRARequest) -> None:
         try:

@@ -435,8 +435,10 @@ def test_profile_endpoints_write_the_worker_and_front_end_traces(model_dir, tmp_
     assert (out / "profiler_out_0.txt").exists()
 
 
-def test_reset_prefix_cache_exists_only_in_dev_mode(server, model_dir, monkeypatch):
-    assert httpx.post(server.url_for("reset_prefix_cache")).status_code == 404
+def test_dev_mode_routes_reset_the_cache_and_pause(server, model_dir, monkeypatch):
+    for route in ("reset_prefix_cache", "pause", "resume"):
+        assert httpx.post(server.url_for(route)).status_code == 404
+    assert httpx.get(server.url_for("is_paused")).status_code == 404
     monkeypatch.setenv(SERVER_DEV_MODE_ENV, "1")
     flags = ["--distributed-executor-backend", COUNTING_EXECUTOR, *ENGINE_FLAGS]
     with RemoteOpenAIServer(model_dir, flags) as dev:
@@ -454,3 +456,14 @@ def test_reset_prefix_cache_exists_only_in_dev_mode(server, model_dir, monkeypat
         answer = httpx.post(dev.url_for("reset_prefix_cache"))
         assert answer.status_code == 200 and answer.json() == {"reset": True}
         assert hits_after_one_request() == 0  # cold again
+        # Pausing (vLLM's rlhf routes): the state is visible, a bad mode is a 400.
+        assert httpx.get(dev.url_for("is_paused")).json() == {"is_paused": False}
+        bad = httpx.post(dev.url_for("pause"), params={"mode": "later"})
+        assert bad.status_code == 400 and "'abort', 'wait' or 'keep'" in bad.text
+        paused = httpx.post(dev.url_for("pause"), params={"mode": "keep"})
+        assert paused.json() == {"status": "paused"}
+        assert httpx.get(dev.url_for("is_paused")).json() == {"is_paused": True}
+        assert httpx.post(dev.url_for("resume")).json() == {"status": "resumed"}
+        # Serving again, from a cold cache: the pause cleared it (clear_cache=true).
+        assert hits_after_one_request() == 0
+        assert hits_after_one_request() == 8

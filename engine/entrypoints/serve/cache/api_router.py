@@ -40,8 +40,13 @@ async def reset_prefix_cache(
     return JSONResponse({"reset": reset})
 
 
+def server_dev_mode() -> bool:
+    """Whether the development routes are on (this one, /pause and /resume)."""
+    return os.environ.get(SERVER_DEV_MODE_ENV, "").lower() in ("1", "true")
+
+
 def attach_router(app: FastAPI) -> None:
-    if os.environ.get(SERVER_DEV_MODE_ENV, "").lower() not in ("1", "true"):
+    if not server_dev_mode():
         return
     logger.warning("Development endpoints are on (%s): not for production", SERVER_DEV_MODE_ENV)
     app.include_router(router)

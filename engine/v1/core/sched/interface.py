@@ -8,6 +8,7 @@ a few counters. Sessions: 01, 02.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -19,6 +20,16 @@ if TYPE_CHECKING:
     from engine.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from engine.v1.request import Request, RequestStatus
     from engine.v1.spec_decode.metrics import SpecDecodingStats
+
+
+class PauseState(enum.IntEnum):
+    """What a paused scheduler still schedules (``EngineCore.pause_scheduler``):
+    everything (UNPAUSED), only the running requests (PAUSED_NEW: the waiting
+    ones stay queued), or nothing (PAUSED_ALL: every request is frozen)."""
+
+    UNPAUSED = 0
+    PAUSED_NEW = 1
+    PAUSED_ALL = 2
 
 
 class SchedulerInterface(ABC):

@@ -70,8 +70,13 @@ until one finishes. vLLM counts the adapters of the requests scheduled in the
 step; Glassbox counts every running request's, so the next step can never
 need more slots than exist.
 
-Simpler than vLLM: no encoder inputs, KV connectors, streaming
-input or pause states. Requests waiting for remote KV or streamed input are
+Pausing (``set_pause_state``, for ``pause_generation``): PAUSED_NEW admits
+no waiting request, PAUSED_ALL schedules nothing; either way
+``get_num_unfinished_requests`` counts only what may still run, so a paused
+engine idles instead of spinning on empty steps.
+
+Simpler than vLLM: no encoder inputs, KV connectors or streaming
+input. Requests waiting for remote KV or streamed input are
 never promoted, as no KV connector or streaming session exists to release
 them.
 
@@ -90,7 +95,7 @@ from collections.abc import Iterable
 from engine.config import GlassboxConfig
 from engine.tracing.core_trace import SchedulerTrace
 from engine.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from engine.v1.core.sched.interface import SchedulerInterface
+from engine.v1.core.sched.interface import PauseState, SchedulerInterface
 from engine.v1.core.sched.output import (
     CachedRequestData,
     GrammarOutput,
@@ -136,6 +141,8 @@ class Scheduler(SchedulerInterface):
         self.structured_output_manager = structured_output_manager
         # vLLM's KV connector (disaggregated prefill, KV offloading): none here.
         self.connector = None
+        # pause_generation / resume_generation (PauseState): what schedule() may pick.
+        self._pause_state = PauseState.UNPAUSED
 
         # With include_finished_set, each client's EngineCoreOutputs also lists
         # the ids that finished since its last batch (vLLM uses it when one
@@ -212,6 +219,8 @@ class Scheduler(SchedulerInterface):
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         token_budget = self.max_num_scheduled_tokens
+        if self._pause_state == PauseState.PAUSED_ALL:
+            token_budget = 0  # frozen: a step only reports finished ids
         threshold = self.scheduler_config.long_prefill_token_threshold
         scheduled_timestamp = time.monotonic()
         self.step_counter += 1
@@ -305,8 +314,8 @@ class Scheduler(SchedulerInterface):
                 # The proposer sets fresh drafts after this step.
                 request.spec_token_ids = []
 
-        # -- 2. WAITING requests (only if nobody was preempted) -------------
-        if not preempted_reqs:
+        # -- 2. WAITING requests (only if nobody was preempted, and not paused)
+        if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
             # Requests set aside in this step; they go back in front of
             # skipped_waiting once admission stops.
             step_skipped_waiting = create_request_queue(self.policy)
@@ -792,7 +801,21 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------
     # Counters
     # ------------------------------------------------------------------
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        self._pause_state = pause_state
+        self.trace.pause_state_set(pause_state.name)
+
     def get_num_unfinished_requests(self) -> int:
+        """The requests there is work for: a paused scheduler counts only
+        those it may still schedule, so a paused engine idles."""
+        if self._pause_state == PauseState.PAUSED_ALL:
+            return 0
+        if self._pause_state == PauseState.PAUSED_NEW:
+            return len(self.running)
         return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
 
     def has_finished_requests(self) -> bool:

@@ -1,0 +1,2 @@
+"""``POST /pause``, ``POST /resume``, ``GET /is_paused``
+(vLLM twin: ``vllm/entrypoints/serve/rlhf/``)."""
