@@ -314,8 +314,8 @@ class Scheduler(SchedulerInterface):
                 # The proposer sets fresh drafts after this step.
                 request.spec_token_ids = []
 
-        # -- 2. WAITING requests (only if nobody was preempted, and not paused)
-        if not preempted_reqs and self._pause_state == PauseState.UNPAUSED:
+        # -- 2. WAITING requests (only if nobody was preempted) -------------
+        if not preempted_reqs:
             # Requests set aside in this step; they go back in front of
             # skipped_waiting once admission stops.
             step_skipped_waiting = create_request_queue(self.policy)
@@ -323,7 +323,9 @@ class Scheduler(SchedulerInterface):
             running_loras: set[int] = set()
             if self.lora_config is not None:
                 running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-            while (self.waiting or self.skipped_waiting) and token_budget > 0:
+            # A paused scheduler (PauseState) admits nobody.
+            admitting = self._pause_state == PauseState.UNPAUSED
+            while admitting and (self.waiting or self.skipped_waiting) and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break
                 request_queue = self._select_waiting_queue_for_scheduling()
