@@ -122,6 +122,9 @@ class LoRAModelManager:
     def list_adapters(self) -> dict[int, LoRAModel]:
         return dict(self._registered_adapters)
 
+    def get_adapter(self, adapter_id: int) -> LoRAModel | None:
+        return self._registered_adapters.get(adapter_id)
+
     def activate_adapter(self, lora_id: int) -> bool:
         """Copy a registered adapter into a free slot (False: already active)."""
         if lora_id in self._active_adapters:

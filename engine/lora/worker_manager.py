@@ -105,8 +105,8 @@ class LRUCacheWorkerLoRAManager:
         manager = self.adapter_manager
         self.loaded = []
         manager.evicted_from_slots, manager.evicted_from_cpu = [], []
-        if manager.has_adapter(lora_request.lora_int_id):
-            return manager.add_adapter(manager.list_adapters()[lora_request.lora_int_id])
+        if (known := manager.get_adapter(lora_request.lora_int_id)) is not None:
+            return manager.add_adapter(known)  # False; now the most recently used
         # Read (and check) it before anything is evicted for it.
         added = manager.add_adapter(self._load_adapter(lora_request))
         self.loaded.append(lora_request.lora_int_id)

@@ -59,6 +59,7 @@ from engine.tracing.engine_trace import OutputProcessorTrace
 from engine.transformers_utils.tokenizer import get_tokenizer
 from engine.usage.usage_lib import UsageContext
 from engine.v1.engine import EngineCoreRequest
+from engine.v1.engine.core import pause_state_for
 from engine.v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from engine.v1.engine.exceptions import (
     EngineDeadError,
@@ -486,8 +487,7 @@ class AsyncLLM:
         they finish first; ``keep``: they freeze and go on after the resume.
         New requests are accepted and queued. ``clear_cache``: empty the prefix
         cache once nothing runs. Returns when the pause is complete."""
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        pause_state_for(mode)  # a bad mode is the caller's error, before any call
         await self.engine_core.pause_scheduler_async(mode, clear_cache)
 
     async def resume_generation(self) -> None:

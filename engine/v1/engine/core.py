@@ -339,13 +339,11 @@ class EngineCore:
         process only): let the running ones finish, queue new ones. With
         ``clear_cache`` the prefix cache is emptied once nothing runs. Returns
         None when done, or a Future the busy loop completes once idle."""
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        state = pause_state_for(mode)
         if mode == "wait":
             raise ValueError("pause mode 'wait' needs EngineCore in its own process")
         if mode == "abort":
             self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-        state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
         self.scheduler.set_pause_state(state)
         if clear_cache:
             self._reset_caches()
@@ -420,6 +418,20 @@ IDLE_WAKE_S = 0.1
 HANDSHAKE_TIMEOUT_MINS = 5
 # After the parent dies, how long a clean exit may take before a hard one.
 PARENT_DEATH_EXIT_GRACE_S = 10.0
+
+
+def pause_state_for(mode: str) -> PauseState:
+    """The scheduler's state for a pause mode: ``keep`` freezes everything;
+    ``abort`` and ``wait`` still let the running requests step (none are
+    left after an abort)."""
+    if mode not in ("abort", "wait", "keep"):
+        raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+    return PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+
+
+def _utility_failure(method_name: str, error: Exception) -> str:
+    """What the client raises (``EngineCoreUtilityError``) for a failed utility call."""
+    return f"call to {method_name} failed: {error}"
 
 
 def worker_call(
@@ -665,12 +677,10 @@ class EngineCoreProc(EngineCore):
     def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Future | None:
         """As ``EngineCore.pause_scheduler``; the aborts are reported to the
         clients, and the pause completes (the Future) only once nothing runs."""
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        state = pause_state_for(mode)
         if mode == "abort":
             aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
             self._send_abort_outputs(aborted)
-        state = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
         self.scheduler.set_pause_state(state)
         if not self.has_work():
             if clear_cache:
@@ -793,13 +803,15 @@ class EngineCoreProc(EngineCore):
                 result = method(*_convert_msgspec_args(method, args))
                 if isinstance(result, Future):  # answered when it completes (a pause)
                     result.add_done_callback(
-                        functools.partial(self._send_utility_result, client_index, output)
+                        functools.partial(
+                            self._send_utility_result, client_index, method_name, output
+                        )
                     )
                     return
                 output.result = result
             except Exception as e:
                 logger.exception("Utility call %s failed", method_name)
-                output.failure_message = f"call to {method_name} failed: {e}"
+                output.failure_message = _utility_failure(method_name, e)
             self._put_output(client_index, EngineCoreOutputs(utility_output=output))
         else:
             logger.error("Unknown request type %r from the front end", request_type)
@@ -824,12 +836,12 @@ class EngineCoreProc(EngineCore):
         )
 
     def _send_utility_result(
-        self, client_index: int, output: UtilityOutput, future: Future
+        self, client_index: int, method_name: str, output: UtilityOutput, future: Future
     ) -> None:
         try:
             output.result = future.result()
         except Exception as e:
-            output.failure_message = f"call failed: {e}"
+            output.failure_message = _utility_failure(method_name, e)
         self._put_output(client_index, EngineCoreOutputs(utility_output=output))
 
     def _send_abort_outputs(self, aborted: list[tuple[str, int]]) -> None:

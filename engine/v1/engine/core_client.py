@@ -58,7 +58,7 @@ from engine.v1.engine import (
     UtilityOutput,
 )
 from engine.v1.engine.core import EngineCore, EngineCoreProc, worker_call
-from engine.v1.engine.exceptions import EngineDeadError
+from engine.v1.engine.exceptions import EngineCoreUtilityError, EngineDeadError
 from engine.v1.engine.utils import (
     CoreEngineProcManager,
     close_sockets,
@@ -437,7 +437,7 @@ def _process_utility_output(output: UtilityOutput, utility_results: dict[int, An
     if future is None or future.done():
         return
     if output.failure_message is not None:
-        future.set_exception(RuntimeError(output.failure_message))
+        future.set_exception(EngineCoreUtilityError(output.failure_message))
     else:
         future.set_result(output.result)
 
@@ -557,8 +557,8 @@ class SyncMPClient(MPClient):
     def check_lora(self, lora_request: LoRARequest) -> None:
         try:
             self.call_utility("check_lora", lora_request)
-        except RuntimeError as e:  # the adapter's fault: bad input, as in-process
-            raise ValueError(str(e).removeprefix("call to check_lora failed: ")) from None
+        except EngineCoreUtilityError as e:  # the adapter's fault: bad input, as in-process
+            raise ValueError(e.reason) from None
 
     def remove_lora(self, lora_id: int) -> bool:
         return self.call_utility("remove_lora", lora_id)
@@ -692,8 +692,8 @@ class AsyncMPClient(MPClient):
     async def check_lora_async(self, lora_request: LoRARequest) -> None:
         try:
             await self.call_utility_async("check_lora", lora_request)
-        except RuntimeError as e:  # the adapter's fault: bad input, as in-process
-            raise ValueError(str(e).removeprefix("call to check_lora failed: ")) from None
+        except EngineCoreUtilityError as e:  # the adapter's fault: bad input, as in-process
+            raise ValueError(e.reason) from None
 
     async def remove_lora_async(self, lora_id: int) -> bool:
         return await self.call_utility_async("remove_lora", lora_id)

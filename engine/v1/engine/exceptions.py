@@ -6,7 +6,9 @@ request going wrong (the engine keeps serving others); ``EngineDeadError``
 means the EngineCore process is gone, every pending and future request fails
 with it, and ``/health`` turns unhealthy. ``EngineOverloadedError`` and
 ``EngineShuttingDownError`` are Glassbox's own: the waiting-queue limit, or a
-shutdown in progress, refused a request before it was sent.
+shutdown in progress, refused a request before it was sent. So is
+``EngineCoreUtilityError``: a utility call (``add_lora``, ``profile``, ...)
+raised inside EngineCore, which keeps serving.
 Sessions: 01 (engine loop across two processes).
 """
 
@@ -28,6 +30,17 @@ class EngineDeadError(Exception):
         super().__init__(message, *args)
         # Hide the low-level socket error the death was detected through.
         self.__suppress_context__ = suppress_context
+
+
+class EngineCoreUtilityError(RuntimeError):
+    """A utility call raised inside EngineCore: ``"call to <method> failed:
+    <reason>"``, with ``reason`` (what it raised with) kept apart for callers
+    that report it as the user's error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        _, found, reason = message.partition(" failed: ")
+        self.reason = reason if found else message
 
 
 class EngineOverloadedError(Exception):

@@ -12,6 +12,7 @@ Sessions: 07 (executor).
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future
 from functools import cached_property
 
@@ -56,13 +57,19 @@ class UniProcExecutor(Executor):
         self, method, args=(), non_block=False, unique_reply_rank=None, timeout=None
     ):
         """The one worker runs ``method`` here, in this thread (so ``timeout``
-        cannot interrupt it); its answer as a list of one, as for many ranks."""
+        cannot interrupt it); its answer as a list of one, as for many ranks.
+        The executor's profile and adapter calls come through here."""
         worker = self._worker()
         if isinstance(method, WorkerMethod):
-            result = worker_handlers(worker)[method](*args)
+            call = functools.partial(worker_handlers(worker)[method], *args)
         else:
-            result = method(worker, *args)
-        return result if unique_reply_rank is not None else [result]
+            call = functools.partial(method, worker, *args)
+
+        def answer():
+            result = call()
+            return result if unique_reply_rank is not None else [result]
+
+        return done_future(answer) if non_block else answer()
 
     def get_kv_cache_specs(self):
         return self._worker().get_kv_cache_spec()
@@ -92,24 +99,6 @@ class UniProcExecutor(Executor):
 
     def take_draft_token_ids(self):
         return self._worker().take_draft_token_ids()
-
-    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
-        self._worker().profile(is_start, profile_prefix)
-
-    def add_lora(self, lora_request) -> bool:
-        return self._worker().add_lora(lora_request)
-
-    def check_lora(self, lora_request) -> None:
-        self._worker().check_lora(lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self._worker().remove_lora(lora_id)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        return self._worker().pin_lora(lora_id)
-
-    def list_loras(self) -> set[int]:
-        return self._worker().list_loras()
 
     @cached_property
     def max_concurrent_batches(self) -> int:

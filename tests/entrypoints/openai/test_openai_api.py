@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from engine.entrypoints.llm import LLM
-from engine.entrypoints.serve.cache.api_router import SERVER_DEV_MODE_ENV
+from engine.entrypoints.serve import SERVER_DEV_MODE_ENV
 from engine.sampling_params import SamplingParams
 from tests.entrypoints.openai.utils import COUNTING_EXECUTOR, RemoteOpenAIServer
 from tests.helpers.counting_executor import CountingExecutor

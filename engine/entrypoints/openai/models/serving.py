@@ -32,6 +32,7 @@ from engine.config.lora import LoRAConfig
 from engine.entrypoints.openai.engine.protocol import ModelCard, ModelList, ModelPermission
 from engine.lora.peft_helper import check_lora_adapter
 from engine.lora.request import LoRARequest
+from engine.v1.engine.exceptions import EngineCoreUtilityError
 
 MAX_ECHOED_MODEL_NAME_CHARS = 100
 
@@ -68,11 +69,6 @@ class LoRAModulePath:
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules entries are name=path, got {text!r}")
         return cls(name, path)
-
-
-def _reason(error: Exception) -> str:
-    """An engine utility call's failure without the "call to add_lora failed: " prefix."""
-    return str(error).removeprefix("call to add_lora failed: ")
 
 
 class LoRAAdapterError(ValueError):
@@ -132,7 +128,8 @@ class OpenAIServingModels:
         try:
             await self.engine_client.add_lora(request)
         except Exception as e:
-            raise LoRAAdapterError(_reason(e)) from None  # it names the adapter
+            reason = e.reason if isinstance(e, EngineCoreUtilityError) else str(e)
+            raise LoRAAdapterError(reason) from None  # it names the adapter
         self.lora_requests[lora_name] = request
         self._lora_parents[lora_name] = base_model_name or self.base_model_paths[0].name
         return request

@@ -17,13 +17,13 @@ connector, so it changes nothing.
 from __future__ import annotations
 
 import logging
-import os
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
+from engine.entrypoints.serve import SERVER_DEV_MODE_ENV, server_dev_mode
+
 logger = logging.getLogger(__name__)
-SERVER_DEV_MODE_ENV = "GLASSBOX_SERVER_DEV_MODE"
 router = APIRouter()
 
 
@@ -38,11 +38,6 @@ async def reset_prefix_cache(
         reset_running_requests, reset_external
     )
     return JSONResponse({"reset": reset})
-
-
-def server_dev_mode() -> bool:
-    """Whether the development routes are on (this one, /pause and /resume)."""
-    return os.environ.get(SERVER_DEV_MODE_ENV, "").lower() in ("1", "true")
 
 
 def attach_router(app: FastAPI) -> None:

@@ -20,7 +20,7 @@ from http import HTTPStatus
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
-from engine.entrypoints.serve.cache.api_router import server_dev_mode
+from engine.entrypoints.serve import server_dev_mode
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
